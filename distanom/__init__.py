@@ -1,0 +1,48 @@
+"""distanom: catch the rare slow step of a torchrun job on every rank and say why.
+
+Public API for training scripts (all optional: under `python -m distanom.launch` the
+optimizer's step ends each step with no change to the script):
+
+- `distanom.step()`: end a step by hand (loops without an optimizer, or
+  `step.source: manual`).
+- `distanom.use_optimizer(opt)`: this optimizer's `step()` ends a step, when there are
+  several.
+- `distanom.current_step()`: the index of the step in progress (None without an agent).
+
+Every call is a no-op when no agent is installed, so a script keeps running unchanged
+without distanom.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "current_step", "step", "use_optimizer"]
+
+
+def step() -> None:
+    """Mark the end of a training step (no-op without an agent)."""
+    from distanom import agent
+
+    active = agent.active_agent()
+    if active is not None:
+        active.manual_step()
+
+
+def use_optimizer(optimizer: Any) -> None:
+    """Count only `optimizer.step()` as the end of a step (no-op without an agent)."""
+    from distanom import agent
+
+    active = agent.active_agent()
+    if active is not None:
+        active.use_optimizer(optimizer)
+
+
+def current_step() -> int | None:
+    """The index of the step in progress, counted from 0; None without an agent."""
+    from distanom import agent
+
+    active = agent.active_agent()
+    return None if active is None else active.current_step

@@ -1,0 +1,342 @@
+"""The configuration of a distanom run: pydantic models, YAML loading, `--set` overrides.
+
+This is the only place defaults live. Every model is frozen and rejects unknown keys, so a
+typo in a YAML file is an error, not a silently ignored setting. `load_config` turns any
+problem into a one-line `ConfigError` naming the file and the key; `render_defaults_yaml`
+writes the commented reference file `configs/default.yaml`. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from distanom.errors import ConfigError
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; refuse anything absurd
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class RunConfig(_Section):
+    name: str | None = Field(
+        None,
+        description="prefix of the run id (letters, digits, '.', '_', '-'); "
+        "null: a timestamp alone",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str | None) -> str | None:
+        if value is not None and (not _RUN_NAME.match(value) or ".." in value):
+            raise ValueError(
+                "must be 1-64 letters, digits, '.', '_' or '-', start with a letter or "
+                "digit, and contain no '..'"
+            )
+        return value
+
+
+class StepConfig(_Section):
+    source: Literal["optimizer", "manual"] = Field(
+        "optimizer",
+        description="what ends a step: 'optimizer' (every optimizer.step(), no change to "
+        "the script) or 'manual' (only calls to distanom.step())",
+    )
+    optimizer: str | None = Field(
+        None,
+        description="class name of the optimizer whose step() ends a training step, when "
+        "there are several (e.g. AdamW); null: the first optimizer that steps",
+    )
+
+
+class ClockConfig(_Section):
+    mode: Literal["auto", "cuda_event", "host_sync", "host"] = Field(
+        "auto",
+        description="how a step is timed: 'cuda_event' (GPU events, read without a "
+        "synchronize, decisions lag a step or two), 'host_sync' (the seed recipe: host "
+        "clock after torch.cuda.synchronize()), 'host' (host clock only); 'auto': "
+        "cuda_event when the job uses CUDA, host otherwise",
+    )
+
+
+class DetectConfig(_Section):
+    multiplier: float = Field(
+        1.5, gt=1.0, le=1000.0, description="a step is anomalous above multiplier x median"
+    )
+    window_steps: int = Field(
+        200, ge=5, le=100_000, description="rolling window of past steps the median is taken over"
+    )
+    warmup_steps: int = Field(
+        10, ge=0, le=1_000_000, description="first steps never judged nor used for the median"
+    )
+    min_steps: int = Field(
+        20, ge=3, le=100_000, description="steps the window must hold before any step is judged"
+    )
+    merge_gap_steps: int = Field(
+        5,
+        ge=0,
+        le=100_000,
+        description="anomalous steps at most this many steps apart are one episode: its most "
+        "severe step is captured (within tracer.history_steps), the rest counted",
+    )
+
+
+class ConsensusConfig(_Section):
+    batch_steps: int = Field(
+        1, ge=1, le=1000, description="steps per all-gather round of step times across ranks"
+    )
+    timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=86_400,
+        description="a round not complete after this long means a rank is gone: capture "
+        "steps aside, training goes on",
+    )
+    setup_timeout_s: float = Field(
+        600.0, gt=0, le=86_400, description="how long to wait for every rank to join distanom's group"
+    )
+
+
+class TracerConfig(_Section):
+    backend: Literal["auto", "kineto", "cupti", "none"] = Field(
+        "auto",
+        description="'cupti' (NVIDIA, raw CUPTI records, lowest overhead), 'kineto' "
+        "(torch.profiler, any device, CPU too), 'none' (detect only); 'auto': cupti where "
+        "it works, else kineto",
+    )
+    history_steps: int = Field(
+        16,
+        ge=2,
+        le=10_000,
+        description="past steps whose events are kept in memory, so a step can still be "
+        "captured after the (lagging) decision about it arrives",
+    )
+    kineto_window_steps: int = Field(
+        4, ge=1, le=1000, description="kineto: steps per profiler cycle (each cycle ends with a flush)"
+    )
+    ring_mb: int = Field(
+        256, ge=8, le=65_536, description="cupti: memory for raw activity buffers, oldest dropped first"
+    )
+    overhead_budget_pct: float | None = Field(
+        None,
+        gt=0,
+        le=100,
+        description="duty-cycle tracing so its measured overhead stays under this percent "
+        "of step time; detection stays on for every step; null: trace every step",
+    )
+
+
+class CaptureConfig(_Section):
+    max_captures: int = Field(
+        50,
+        ge=0,
+        le=1_000_000,
+        description="anomaly captures kept; when full, a more severe one replaces the least severe",
+    )
+    max_disk_mb: float = Field(
+        2048.0, gt=0, le=10_000_000, description="trace bytes one rank may write in this run"
+    )
+    min_gap_steps: int = Field(
+        0, ge=0, le=1_000_000, description="fewest steps between two anomaly captures"
+    )
+    reference_every_steps: int = Field(
+        500,
+        ge=0,
+        le=10_000_000,
+        description="keep a healthy reference step this often (the latest replaces the "
+        "previous); 0: never",
+    )
+    gzip_level: int = Field(5, ge=1, le=9, description="gzip level of trace files")
+
+
+class AnalysisConfig(_Section):
+    engine: Literal["auto", "builtin", "tracelens"] = Field(
+        "auto",
+        description="who computes gpu_timeline and kernel_summary: 'tracelens' if importable "
+        "under 'auto', else the built-in identical implementation",
+    )
+    on_capture: bool = Field(
+        True,
+        description="compute each capture's tables in the background right after it is "
+        "written (else at report time)",
+    )
+    exit_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="at the end of training, how long to wait for pending trace writes and analysis",
+    )
+
+
+class ControlConfig(_Section):
+    poll_interval_s: float = Field(
+        1.0, gt=0, le=3600, description="how often rank 0 looks for on-demand capture requests"
+    )
+    status_interval_s: float = Field(
+        2.0, gt=0, le=3600, description="how often the live status file is rewritten"
+    )
+
+
+class LogConfig(_Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="distanom's own log level (stderr, prefixed [distanom rR/W])"
+    )
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig, description="run naming")
+    step: StepConfig = Field(default_factory=StepConfig, description="what counts as a step")
+    clock: ClockConfig = Field(default_factory=ClockConfig, description="step timing")
+    detect: DetectConfig = Field(default_factory=DetectConfig, description="anomaly detection")
+    consensus: ConsensusConfig = Field(
+        default_factory=ConsensusConfig, description="cross-rank agreement"
+    )
+    tracer: TracerConfig = Field(default_factory=TracerConfig, description="event collection")
+    capture: CaptureConfig = Field(default_factory=CaptureConfig, description="what is written")
+    analysis: AnalysisConfig = Field(default_factory=AnalysisConfig, description="tables")
+    control: ControlConfig = Field(
+        default_factory=ControlConfig, description="on-demand capture and live status"
+    )
+    log: LogConfig = Field(default_factory=LogConfig, description="logging")
+
+
+def _format_validation_error(source: str, err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(first["loc"][:-1])
+        return f"{source}: unknown key '{key}' (allowed here: {', '.join(allowed)})"
+    got = first.get("input")
+    shown = "" if isinstance(got, dict) else f" (got {got!r})"
+    more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{source}: {key}: {first['msg']}{shown}{more}"
+
+
+def _allowed_keys(loc: Sequence[Any]) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type):
+            return []
+        if not issubclass(field.annotation, BaseModel):
+            return []
+        model = field.annotation
+    return sorted(model.model_fields)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: config file is larger than {MAX_CONFIG_BYTES} bytes")
+        text = path.read_text(encoding="utf-8")
+    except ConfigError:
+        raise
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (expected YAML)") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read config file: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or "syntax error"
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: expected a mapping of sections (run:, detect:, ...), got {type(data).__name__}"
+        )
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split `section.key=value` into its key path and YAML-typed value."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: expected key=value, e.g. detect.multiplier=2.0")
+    parts = key.strip().split(".")
+    if any(not part for part in parts):
+        raise ConfigError(f"--set {text!r}: malformed key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw  # not YAML: take the text as a string, validation decides
+    return parts, value
+
+
+def _apply_override(data: dict[str, Any], parts: list[str], value: Any, text: str) -> None:
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {text!r}: '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Build the validated config from an optional YAML file and `key=value` overrides."""
+    source = str(path) if path is not None else "config"
+    data: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
+    for text in overrides:
+        parts, value = parse_override(text)
+        _apply_override(data, parts, value, text)
+        if path is None:
+            source = "--set"
+    return config_from_mapping(data, source)
+
+
+def config_from_mapping(data: Mapping[str, Any], source: str = "config") -> Config:
+    """Validate an already-parsed mapping (e.g. run.json's snapshot)."""
+    try:
+        config = Config.model_validate(dict(data))
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(source, err)) from None
+    budget = config.tracer.overhead_budget_pct
+    if budget is not None and not math.isfinite(budget):
+        raise ConfigError(f"{source}: tracer.overhead_budget_pct: must be a finite number")
+    if config.detect.min_steps > config.detect.window_steps:
+        raise ConfigError(
+            f"{source}: detect.min_steps ({config.detect.min_steps}) must not exceed "
+            f"detect.window_steps ({config.detect.window_steps})"
+        )
+    return config
+
+
+def _yaml_scalar(value: Any) -> str:
+    dumped = yaml.safe_dump(value, default_flow_style=True).strip()
+    return dumped.removesuffix("...").strip()
+
+
+def render_defaults_yaml() -> str:
+    """The commented YAML of every key at its default (the content of configs/default.yaml)."""
+    lines = [
+        "# distanom configuration: every key, at its default.",
+        "# Generated by `distanom config --defaults`; pass your own file with --config and",
+        "# change single keys with --set section.key=value.",
+    ]
+    defaults = Config()
+    for section_name, section_field in Config.model_fields.items():
+        section = getattr(defaults, section_name)
+        lines.append("")
+        lines.append(f"{section_name}:  # {section_field.description}")
+        for key, field in type(section).model_fields.items():
+            value = _yaml_scalar(getattr(section, key))
+            lines.append(f"  {key}: {value}  # {field.description}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,1 @@
+"""Tracer backends behind one protocol (see `base`); `select` picks one for this process."""
