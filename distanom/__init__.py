@@ -24,25 +24,25 @@ __all__ = ["__version__", "current_step", "step", "use_optimizer"]
 
 def step() -> None:
     """Mark the end of a training step (no-op without an agent)."""
-    from distanom import agent
+    from distanom.agent import active_agent
 
-    active = agent.active_agent()
+    active = active_agent()
     if active is not None:
         active.manual_step()
 
 
 def use_optimizer(optimizer: Any) -> None:
     """Count only `optimizer.step()` as the end of a step (no-op without an agent)."""
-    from distanom import agent
+    from distanom.agent import active_agent
 
-    active = agent.active_agent()
+    active = active_agent()
     if active is not None:
         active.use_optimizer(optimizer)
 
 
 def current_step() -> int | None:
     """The index of the step in progress, counted from 0; None without an agent."""
-    from distanom import agent
+    from distanom.agent import active_agent
 
-    active = agent.active_agent()
+    active = active_agent()
     return None if active is None else active.current_step

@@ -85,8 +85,8 @@ class DetectConfig(_Section):
         5,
         ge=0,
         le=100_000,
-        description="anomalous steps at most this many steps apart are one episode: its most "
-        "severe step is captured (within tracer.history_steps), the rest counted",
+        description="anomalous steps at most this many steps apart are one episode (a lasting "
+        "slowdown is one event with a count): its first traced step is captured",
     )
 
 
@@ -102,7 +102,10 @@ class ConsensusConfig(_Section):
         "steps aside, training goes on",
     )
     setup_timeout_s: float = Field(
-        600.0, gt=0, le=86_400, description="how long to wait for every rank to join distanom's group"
+        600.0,
+        gt=0,
+        le=86_400,
+        description="how long to wait for every rank to join distanom's group",
     )
 
 
@@ -121,10 +124,16 @@ class TracerConfig(_Section):
         "captured after the (lagging) decision about it arrives",
     )
     kineto_window_steps: int = Field(
-        4, ge=1, le=1000, description="kineto: steps per profiler cycle (each cycle ends with a flush)"
+        4,
+        ge=1,
+        le=1000,
+        description="kineto: steps per profiler cycle (each cycle ends with a flush)",
     )
     ring_mb: int = Field(
-        256, ge=8, le=65_536, description="cupti: memory for raw activity buffers, oldest dropped first"
+        256,
+        ge=8,
+        le=65_536,
+        description="cupti: memory for raw activity buffers, oldest dropped first",
     )
     overhead_budget_pct: float | None = Field(
         None,
@@ -173,7 +182,8 @@ class AnalysisConfig(_Section):
         30.0,
         ge=0,
         le=3600,
-        description="at the end of training, how long to wait for pending trace writes and analysis",
+        description="at the end of training, how long to wait for pending trace writes "
+        "and analysis",
     )
 
 
@@ -260,7 +270,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(
-            f"{path}: expected a mapping of sections (run:, detect:, ...), got {type(data).__name__}"
+            f"{path}: expected a mapping of sections (run:, detect:, ...), "
+            f"got {type(data).__name__}"
         )
     return data
 

@@ -1,0 +1,592 @@
+"""The per-rank agent: ties step clock, tracer, consensus and capture together.
+
+On the training thread it does the least possible at each step end (one timestamp, one
+CUDA event or host clock read, the tracer's step mark, a queue put). Everything that can
+block (forming distanom's group, creating the run directory, the all-gather of step
+times, the capture decisions, writing status) runs on the `distanom-control` thread;
+trace files are written by the capture worker's thread. Any failure in distanom is
+logged once and switches the failing part off: training keeps running and keeps its
+own exit code.
+
+Step boundaries: step N is the N-th `optimizer.step()` of the counted optimizer, from 0,
+or `distanom.step()` for loops without one. With several optimizers, the first one that
+steps is counted unless `step.optimizer` names a class or the script calls
+`distanom.use_optimizer(opt)`. A global optimizer post-hook finds the counted optimizer
+at its first step; from then on a thin wrapper on that instance's `step` marks the
+boundary *after* `step()` returns. The post-hook itself runs inside the optimizer's
+`record_function` scope, where starting or stepping torch.profiler corrupts memory
+(seen as a crash on torch 2.13), so no tracer work ever happens there.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import logging
+import platform
+import queue
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import distanom
+from distanom.capture import CaptureWorker
+from distanom.clock import StepClock, resolve_mode
+from distanom.config import Config
+from distanom.consensus import (
+    FLAG_CAPTURE_OFF,
+    FLAG_FINAL,
+    CaptureRequest,
+    LocalRound,
+    RoundBuilder,
+    RoundResult,
+    decide,
+    decode_round,
+    encode_round,
+    recent_times,
+)
+from distanom.control import answer, pending_requests, validate_request, write_status
+from distanom.detect import Detector, StepSample
+from distanom.errors import CaptureRequestError, RunDirError
+from distanom.rundir import RunDir, create_run, update_latest, write_json_atomic
+from distanom.tracers import Tracer, create_tracer
+from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
+
+log = logging.getLogger(__name__)
+
+_ACTIVE: Agent | None = None
+_FINAL = object()  # inbox sentinel: training is over
+RECENT_STEPS = 64
+FINAL_ROUND_TIMEOUT_S = 10.0
+
+
+def active_agent() -> Agent | None:
+    return _ACTIVE
+
+
+class Agent:
+    """One per rank; see the module docstring."""
+
+    def __init__(
+        self, config: Config, world: WorldInfo, run_base: Path, argv: list[str] | None = None
+    ) -> None:
+        self.config = config
+        self.world = world
+        self.run_base = run_base
+        self.argv = list(argv or [])
+        self.current_step = 0
+        self.run: RunDir | None = None
+        self.tracer: Tracer | None = None
+        self.tracer_note = "tracer: not started"
+        self.capture: CaptureWorker | None = None
+        self.detector = Detector(config.detect, config.capture)
+        self.clock: StepClock | None = None
+        self._optimizer_ref: weakref.ref[Any] | None = None
+        self._manual = config.step.source == "manual"
+        self._hook_handle: Any = None
+        self._inside_counted_step = False
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._traced: dict[int, bool] = {}
+        self._tracing_during = False  # whether the tracer records the step in progress
+        self._tracer_started = False
+        self._closed = False
+        self._warned: set[str] = set()
+        self._capture_off_reason: str | None = None
+        self._consensus_error: str | None = None
+        self._group: AgentGroup | None = None
+        self._recent: collections.deque[StepSample] = collections.deque(maxlen=RECENT_STEPS)
+        self._gathered_step = -1
+        self._request_numbers: dict[int, str] = {}
+        self._next_request_number = 1
+        self._offered_request: tuple[CaptureRequest, str] | None = None
+        self._steps_file: Any = None
+        self._started_at = time.time()
+        self._control = threading.Thread(
+            target=self._control_main, name="distanom-control", daemon=True
+        )
+
+    # -- installation ------------------------------------------------------------------
+
+    def install(self) -> None:
+        global _ACTIVE
+        _ACTIVE = self
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._hook_handle = register_optimizer_step_post_hook(self._on_optimizer_step)
+        self._control.start()
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    # -- training thread ---------------------------------------------------------------
+
+    def use_optimizer(self, optimizer: Any) -> None:
+        if self._optimizer_ref is not None and self._optimizer_ref() is optimizer:
+            return
+        self._optimizer_ref = weakref.ref(optimizer)
+        self._wrap_step(optimizer)
+
+    def _wrap_step(self, optimizer: Any) -> None:
+        """Mark boundaries after this optimizer's step() returns (outside its profiler scope)."""
+        original = optimizer.step  # bound method, or an LR scheduler's instance wrapper
+        agent = self
+
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            agent._inside_counted_step = True
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                agent._inside_counted_step = False
+            if (
+                not agent._manual
+                and agent._optimizer_ref is not None
+                and agent._optimizer_ref() is optimizer
+            ):
+                agent._boundary()
+            return result
+
+        optimizer.step = step
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._manual or self._inside_counted_step or self._optimizer_ref is not None:
+            return
+        wanted = self.config.step.optimizer
+        if wanted is not None and type(optimizer).__name__ != wanted:
+            return
+        # First step of the counted optimizer: from now on its wrapper marks boundaries.
+        self._optimizer_ref = weakref.ref(optimizer)
+        self._wrap_step(optimizer)
+        self._boundary(inside_optimizer=True)
+
+    def manual_step(self) -> None:
+        if not self._manual:
+            self._manual = True  # the script marks steps itself: optimizer hooks would double count
+            log.info("distanom.step() called: steps are counted by it, not by optimizer.step()")
+        self._boundary()
+
+    def _boundary(self, *, inside_optimizer: bool = False) -> None:
+        if self._closed:
+            return
+        try:
+            self._boundary_unguarded(inside_optimizer)
+        except Exception as err:  # the last line of defence: never raise into training
+            self._warn_once("boundary", "distanom: step bookkeeping failed (%s); disabled", err)
+            self._closed = True
+
+    def _boundary_unguarded(self, inside_optimizer: bool) -> None:
+        step = self.current_step
+        self.current_step = step + 1
+        host_ns = time.time_ns()
+        if self.clock is None:
+            self._first_boundary()
+        resolved: list[tuple[int, float]] = []
+        if self.clock is not None:
+            try:
+                resolved = self.clock.mark(step)
+            except Exception as err:
+                self._warn_once("clock", "clock: step timing failed (%s); detection stops", err)
+                self.clock = None
+        self._traced[step] = self._tracing_during
+        tracer = self.tracer
+        if tracer is not None and not inside_optimizer:
+            try:
+                tracer.mark_step(step, host_ns)
+                if not self._tracer_started:
+                    self._tracer_started = True
+                    tracer.start()
+                    log.info(self.tracer_note)
+                self._tracing_during = True
+            except Exception as err:
+                self._tracer_failed(err)
+        for resolved_step, duration in resolved:
+            self._inbox.put((resolved_step, duration, self._traced.pop(resolved_step, False)))
+        if len(self._traced) > 4096:  # boundaries the clock gave up on
+            for old in [s for s in self._traced if s < step - 2048]:
+                del self._traced[old]
+
+    def _first_boundary(self) -> None:
+        try:
+            mode = resolve_mode(self.config.clock.mode)
+            self.clock = StepClock(mode)
+        except Exception as err:
+            self._warn_once("clock", "clock: cannot time steps (%s); detection stops", err)
+            return
+        use_cuda = mode in ("cuda_event", "host_sync") or (
+            torch.cuda.is_available() and torch.cuda.is_initialized()
+        )
+        try:
+            self.tracer, self.tracer_note = create_tracer(
+                self.config.tracer, rank=self.world.rank, use_cuda=use_cuda
+            )
+        except Exception as err:
+            self._warn_once("tracer", "tracer: cannot be created (%s); detection only", err)
+            self.tracer, self.tracer_note = None, f"tracer: none ({err})"
+        if self.tracer is None:
+            log.info(self.tracer_note)
+
+    def _tracer_failed(self, err: BaseException) -> None:
+        self._warn_once("tracer", "tracer: failed (%s); capture steps aside", err)
+        tracer, self.tracer = self.tracer, None
+        self._tracing_during = False
+        if tracer is not None:
+            with contextlib.suppress(Exception):
+                tracer.close()
+
+    # -- control thread ----------------------------------------------------------------
+
+    def _control_main(self) -> None:
+        try:
+            self._setup()
+        except (GroupUnavailableError, RunDirError, OSError, RuntimeError) as err:
+            self._consensus_error = f"setup failed: {err}"
+            self._warn_once("setup", "distanom: %s; capture steps aside", self._consensus_error)
+            self._drain_until_final()
+            return
+        finished = False
+        try:
+            self._round_loop()
+            finished = True
+        except GroupUnavailableError as err:
+            self._consensus_error = str(err)
+            self._warn_once(
+                "consensus",
+                "consensus: %s (a rank gone or too slow); capture steps aside",
+                err,
+            )
+        except Exception as err:
+            self._consensus_error = f"internal error: {err}"
+            log.exception("consensus: internal error; capture steps aside")
+        if not finished:
+            self._drain_until_final()
+        self._finish_capture()
+        if self.world.rank == 0:
+            self._write_status("finished")
+
+    def _drain_until_final(self) -> None:
+        """Without consensus: keep consuming the inbox (the training thread must never fill
+        memory) and keep the status fresh until training ends."""
+        next_status = 0.0
+        while True:
+            try:
+                item = self._inbox.get(timeout=1.0)
+            except queue.Empty:
+                item = None
+            if item is _FINAL:
+                return
+            if item is not None:
+                self._log_step(*item)
+            now = time.monotonic()
+            if self.world.rank == 0 and now >= next_status:
+                next_status = now + self.config.control.status_interval_s
+                self._flush_steps()
+                self._write_status("running")
+
+    def _setup(self) -> None:
+        config, world = self.config, self.world
+        self._group = AgentGroup(
+            world,
+            setup_timeout_s=config.consensus.setup_timeout_s,
+            op_timeout_s=config.consensus.timeout_s,
+        )
+        run_id = ""
+        if world.rank == 0:
+            try:
+                path = create_run(self.run_base, config.run.name)
+                run_id = path.name
+                with contextlib.suppress(OSError):
+                    update_latest(self.run_base, path)
+            except RunDirError as err:
+                self._capture_off(str(err))
+            self._group.publish("run_id", run_id)
+        else:
+            run_id = self._group.lookup("run_id")
+            if not run_id:
+                self._capture_off("rank 0 could not create the run directory")
+        self._group.publish(f"host/{world.rank}", world.host)
+        if not run_id:
+            return
+        run = RunDir(self.run_base / run_id)
+        try:
+            run.path.mkdir(parents=True, exist_ok=True)  # other nodes without a shared filesystem
+            run.steps_csv(world.rank).parent.mkdir(exist_ok=True)
+            self._steps_file = open(run.steps_csv(world.rank), "a", encoding="ascii")  # noqa: SIM115
+            if self._steps_file.tell() == 0:
+                self._steps_file.write("step,duration_ms,traced\n")
+        except OSError as err:
+            self._capture_off(f"{run.path}: not writable ({err.strerror})")
+            return
+        self.run = run
+        if world.rank == 0:
+            hosts = [self._group.lookup(f"host/{r}") for r in range(world.world_size)]
+            self._write_run_json(hosts)
+
+    def _capture_off(self, reason: str) -> None:
+        if self._capture_off_reason is None:
+            self._capture_off_reason = reason
+            self._warn_once("capture-off", "capture: %s; capture steps aside", reason)
+
+    def _run_json(self, hosts: list[str] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "run_id": self.run.run_id if self.run else None,
+            "distanom": distanom.__version__,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "python": platform.python_version(),
+            "world_size": self.world.world_size,
+            "started_at": self._started_at,
+            "argv": self.argv,
+            "config": self.config.model_dump(mode="json"),
+        }
+        if hosts is not None:
+            body["hosts"] = hosts
+            nodes: dict[str, list[int]] = {}
+            for rank, host in enumerate(hosts):
+                nodes.setdefault(host, []).append(rank)
+            body["nodes"] = nodes
+        return body
+
+    def _write_run_json(self, hosts: list[str]) -> None:
+        if self.run is None:
+            return
+        try:
+            write_json_atomic(self.run.run_json, self._run_json(hosts))
+        except OSError as err:
+            self._capture_off(f"{self.run.run_json}: cannot write ({err.strerror})")
+
+    def _round_loop(self) -> None:
+        builder = RoundBuilder(self.config.consensus.batch_steps)
+        control = self.config.control
+        next_poll = next_status = 0.0
+        final = False
+        while not final:
+            try:
+                item = self._inbox.get(timeout=0.2)
+                items = [item]
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                items = []
+            for item in items:
+                if item is _FINAL:
+                    final = True
+                    continue
+                step, duration, traced = item
+                builder.add(step, duration, traced)
+                self._log_step(step, duration, traced)
+            self._flush_steps()
+            now = time.monotonic()
+            if self.world.rank == 0 and now >= next_poll:
+                next_poll = now + control.poll_interval_s
+                self._poll_requests()
+            while builder.ready():
+                self._run_round(builder.take(), final=False)
+            if final and builder.pending_steps():
+                self._run_round(builder.take(final=True), final=True)
+            if self.world.rank == 0 and (now >= next_status or final):
+                next_status = now + control.status_interval_s
+                self._write_status("running")
+
+    def _run_round(self, local: LocalRound, *, final: bool) -> None:
+        assert self._group is not None
+        flags = FLAG_FINAL if final else 0
+        if self._capture_off_reason is not None or (self.capture and not self.capture.active):
+            flags |= FLAG_CAPTURE_OFF
+        offered = self._offered_request if self.world.rank == 0 else None
+        local = LocalRound(
+            local.first_step,
+            local.durations_ms,
+            local.traced,
+            flags,
+            offered[0] if offered else None,
+        )
+        batch = self.config.consensus.batch_steps
+        timeout = None
+        if final:
+            timeout = min(self.config.consensus.timeout_s, FINAL_ROUND_TIMEOUT_S)
+        matrix = self._group.all_gather(encode_round(local, batch), timeout_s=timeout)
+        result = decode_round(matrix, batch)
+        if offered is not None:
+            self._offered_request = None
+        self._after_round(result)
+
+    def _after_round(self, result: RoundResult) -> None:
+        self._recent.extend(result.samples)
+        self._gathered_step = max(self._gathered_step, result.last_step)
+        decisions = decide(result, self.detector, self.world.world_size)
+        if result.request is not None and self.world.rank == 0:
+            self._answer_request(result)
+        if not decisions or self.run is None or self._capture_off_reason is not None:
+            return
+        if self.capture is None:
+            if self.tracer is None:
+                self._capture_off("no tracer is running")
+                return
+            self.capture = CaptureWorker(
+                self.run,
+                self.world,
+                self.tracer,
+                self.config,
+                tracer_name=self.tracer.name,
+            )
+        self.capture.submit(decisions)
+
+    def _log_step(self, step: int, duration: float, traced: bool) -> None:
+        if self._steps_file is None:
+            return
+        try:
+            self._steps_file.write(f"{step},{duration:.4f},{int(traced)}\n")
+        except (OSError, ValueError):
+            self._steps_file = None
+
+    def _flush_steps(self) -> None:
+        if self._steps_file is not None:
+            try:
+                self._steps_file.flush()
+            except OSError as err:
+                self._warn_once("steps", "steps file: %s; step times not recorded", err.strerror)
+                self._steps_file = None
+
+    # -- on-demand requests (rank 0) ----------------------------------------------------
+
+    def _poll_requests(self) -> None:
+        if self.run is None or self._offered_request is not None:
+            return
+        try:
+            requests = pending_requests(self.run)
+        except OSError:
+            return
+        for request in requests:
+            if request.request_id in self._request_numbers.values():
+                continue
+            try:
+                validate_request(request.n_steps, request.ranges, self.world.world_size)
+            except CaptureRequestError as err:
+                answer(self.run, request.request_id, {"status": "refused", "reason": str(err)})
+                continue
+            number = self._next_request_number
+            self._next_request_number += 1
+            self._request_numbers[number] = request.request_id
+            carried = CaptureRequest(number, request.n_steps, request.ranges)
+            self._offered_request = (carried, request.request_id)
+            return
+
+    def _answer_request(self, result: RoundResult) -> None:
+        request = result.request
+        if request is None or self.run is None:
+            return
+        request_id = self._request_numbers.get(request.number)
+        if request_id is None:
+            return
+        first = result.last_step + 1
+        ranks = request.ranks(self.world.world_size)
+        with contextlib.suppress(OSError):
+            answer(
+                self.run,
+                request_id,
+                {
+                    "status": "accepted",
+                    "request": str(request.number),
+                    "steps": list(range(first, first + request.n_steps)),
+                    "ranks": list(ranks) if ranks is not None else "all",
+                    "world_size": self.world.world_size,
+                },
+            )
+
+    # -- status ------------------------------------------------------------------------
+
+    def _status(self, state: str) -> dict[str, Any]:
+        counts = self.detector.counts
+        capture = self.capture.stats if self.capture else None
+        recent = recent_times(list(self._recent), 16)
+        slowest = sorted(
+            recent,
+            key=lambda r: -max((t for t in recent[r] if t is not None), default=0.0),
+        )
+        return {
+            "state": state,
+            "run_id": self.run.run_id if self.run else None,
+            "world_size": self.world.world_size,
+            "step": self.current_step,
+            "gathered_step": self._gathered_step,
+            "median_ms": _rounded(self.detector.median_ms),
+            "threshold_ms": _rounded(self.detector.threshold_ms),
+            "recent_ms": {str(rank): times for rank, times in recent.items()},
+            "slowest_ranks": slowest[:8],
+            "detector": vars(counts).copy(),
+            "episodes": self.detector.episode_summaries()[-20:],
+            "captures": {
+                "written": capture.written if capture else 0,
+                "bytes": capture.bytes_written if capture else 0,
+                "missed": capture.missed if capture else 0,
+                "skipped_disk": capture.skipped_disk if capture else 0,
+                "failed": capture.failed if capture else None,
+            },
+            "tracer": {
+                "backend": self.tracer.name if self.tracer else None,
+                "note": self.tracer_note,
+            },
+            "capture_off": self._capture_off_reason,
+            "consensus_error": self._consensus_error,
+            "status_interval_s": self.config.control.status_interval_s,
+        }
+
+    def _write_status(self, state: str) -> None:
+        if self.run is None:
+            return
+        try:
+            write_status(self.run, self._status(state))
+        except (OSError, ValueError) as err:
+            self._warn_once("status", "status file not written (%s)", err)
+
+    def _finish_capture(self) -> None:
+        if self.capture is not None:
+            self.capture.close(self.config.analysis.exit_timeout_s)
+
+    # -- shutdown ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End of training: flush what is pending, within `analysis.exit_timeout_s`."""
+        global _ACTIVE
+        if self._closed:
+            return
+        self._closed = True
+        if self._hook_handle is not None:
+            self._hook_handle.remove()
+        tracer = self.tracer
+        if tracer is not None:
+            with contextlib.suppress(Exception):
+                tracer.set_tracing(False)  # kineto hands over its last partial window
+        if self.clock is not None:
+            try:
+                for step, duration in self.clock.drain():
+                    self._inbox.put((step, duration, self._traced.pop(step, False)))
+            except Exception as err:
+                self._warn_once("clock", "clock: final read failed (%s)", err)
+        self._inbox.put(_FINAL)
+        if self._control.is_alive():
+            self._control.join(self.config.analysis.exit_timeout_s + FINAL_ROUND_TIMEOUT_S)
+            if self._control.is_alive():
+                log.warning("distanom: background work still running at exit; abandoned")
+        if tracer is not None:
+            with contextlib.suppress(Exception):
+                tracer.close()
+        if _ACTIVE is self:
+            _ACTIVE = None
+        with contextlib.suppress(Exception):
+            if self._steps_file is not None:
+                self._steps_file.close()
+        sys.stderr.flush()
+
+
+def _rounded(value: float) -> float | None:
+    return round(value, 4) if value == value and abs(value) != float("inf") else None

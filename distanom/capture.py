@@ -1,0 +1,283 @@
+"""Turns capture decisions into trace files, on a background thread that never blocks training.
+
+The consensus thread hands over `CaptureDecision`s; this worker waits until the tracer
+holds the step's events (decisions can arrive before a step's window closes, or for
+requested steps still in the future), writes this rank's Kineto chrome trace of the step
+atomically into the run directory, records it in the index, and, if configured, computes
+the trace's TraceLens-compatible tables beside it. A decision that replaces an older
+capture (budget, newer reference) deletes this rank's files of the old one.
+
+Budgets enforced here are per rank: bytes written (`capture.max_disk_mb`). Any failure
+(full disk, vanished directory, broken export) is logged once and capture steps aside
+for the rest of the run; training never sees an exception from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from distanom.config import Config
+from distanom.detect import CaptureDecision
+from distanom.rundir import RunDir, write_bytes_atomic
+from distanom.tracers.base import Availability, StepTrace, Tracer
+from distanom.world import WorldInfo
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+
+
+@dataclass
+class CaptureStats:
+    written: int = 0
+    bytes_written: int = 0
+    dropped: int = 0
+    missed: int = 0  # decided, but the tracer no longer (or never) held the step
+    skipped_disk: int = 0
+    skipped_other_ranks: int = 0
+    failed: str | None = None
+    missed_steps: list[int] = field(default_factory=list)
+
+
+class CaptureWorker:
+    """One per rank; see the module docstring."""
+
+    def __init__(
+        self, run: RunDir, world: WorldInfo, tracer: Tracer, config: Config, *, tracer_name: str
+    ) -> None:
+        self._run = run
+        self._world = world
+        self._tracer = tracer
+        self._config = config
+        self._tracer_name = tracer_name
+        self._queue: queue.SimpleQueue[CaptureDecision | None] = queue.SimpleQueue()
+        self._pending: list[CaptureDecision] = []
+        self._kinds: dict[int, set[str]] = {}  # step -> kinds this rank holds a trace for
+        self._max_bytes = int(config.capture.max_disk_mb * 1024 * 1024)
+        self._closing = False
+        self._close_deadline = math.inf
+        self.stats = CaptureStats()
+        self._thread = threading.Thread(target=self._loop, name="distanom-capture", daemon=True)
+        self._thread.start()
+
+    @property
+    def active(self) -> bool:
+        return self.stats.failed is None
+
+    def submit(self, decisions: list[CaptureDecision]) -> None:
+        for decision in decisions:
+            self._queue.put(decision)
+
+    def close(self, timeout_s: float) -> None:
+        """Finish what the tracer can still answer, within `timeout_s`, then stop."""
+        self._close_deadline = time.monotonic() + timeout_s
+        self._closing = True
+        self._queue.put(None)
+        self._thread.join(timeout_s + 1.0)
+        if self._thread.is_alive():
+            log.warning(
+                "capture: %d capture(s) still pending at exit, abandoned", len(self._pending)
+            )
+
+    # -- worker thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        stop = False
+        while True:
+            try:
+                item = self._queue.get(timeout=POLL_S if self._pending else 0.5)
+                if item is None:
+                    stop = True
+                else:
+                    self._pending.append(item)
+                while True:  # take everything queued, in order
+                    more = self._queue.get_nowait()
+                    if more is None:
+                        stop = True
+                    else:
+                        self._pending.append(more)
+            except queue.Empty:
+                pass
+            self._advance()
+            if stop and (not self._pending or time.monotonic() > self._close_deadline):
+                return
+
+    def _advance(self) -> None:
+        still: list[CaptureDecision] = []
+        for decision in self._pending:
+            if not self.active:
+                continue
+            try:
+                if not self._handle(decision):
+                    still.append(decision)
+            except Exception as err:  # never let one capture take the worker down silently
+                self._fail(f"writing capture of step {decision.step} failed: {err}")
+        self._pending = still
+
+    def _handle(self, decision: CaptureDecision) -> bool:
+        """Process one decision; False while the tracer does not hold the step yet."""
+        rank = self._world.rank
+        if decision.ranks is not None and rank not in decision.ranks:
+            self.stats.skipped_other_ranks += 1
+            return True
+        if decision.replaces is not None and decision.replaces != decision.step:
+            self._drop(decision.replaces, decision.kind, decision.step)
+        held = self._kinds.get(decision.step)
+        if held is not None:  # already written for another reason: one file, one more label
+            held.add(decision.kind)
+            self._index("written", decision, self._run.trace_path(decision.step, rank), 0, {})
+            return True
+        availability = self._tracer.availability(decision.step)
+        if availability is Availability.PENDING and not (
+            self._closing and time.monotonic() > self._close_deadline
+        ):
+            return False
+        if availability is not Availability.READY:
+            self.stats.missed += 1
+            self.stats.missed_steps = [*self.stats.missed_steps, decision.step][-100:]
+            log.debug("capture: step %d no longer held by the tracer", decision.step)
+            return True
+        trace = self._tracer.step_trace(decision.step)
+        self._write(decision, trace)
+        return True
+
+    def _document(self, decision: CaptureDecision, trace: StepTrace) -> dict[str, Any]:
+        world = self._world
+        distributed = dict(trace.metadata.get("distributedInfo") or {})
+        distributed.update(rank=world.rank, world_size=world.world_size)
+        distributed.setdefault("backend", "unknown")
+        document: dict[str, Any] = {
+            key: value for key, value in trace.metadata.items() if key != "distributedInfo"
+        }
+        document.setdefault("schemaVersion", 1)
+        document["distributedInfo"] = distributed
+        document["baseTimeNanoseconds"] = trace.base_time_ns
+        document["distanom"] = {
+            "step": decision.step,
+            "rank": world.rank,
+            "host": world.host,
+            "kind": decision.kind,
+            "step_ms": _finite(decision.step_ms),
+            "median_ms": _finite(decision.median_ms),
+            "threshold_ms": _finite(decision.threshold_ms),
+            "tracer": self._tracer_name,
+            "tracer_stats": trace.stats,
+        }
+        document["traceEvents"] = trace.events
+        return document
+
+    def _write(self, decision: CaptureDecision, trace: StepTrace) -> None:
+        rank = self._world.rank
+        payload = json.dumps(self._document(decision, trace), allow_nan=False).encode()
+        data = gzip.compress(payload, compresslevel=self._config.capture.gzip_level, mtime=0)
+        if self.stats.bytes_written + len(data) > self._max_bytes:
+            self.stats.skipped_disk += 1
+            if self.stats.skipped_disk == 1:
+                log.warning(
+                    "capture: capture.max_disk_mb (%.0f MB) reached on this rank; "
+                    "further captures are counted, not written",
+                    self._config.capture.max_disk_mb,
+                )
+            return
+        path = self._run.trace_path(decision.step, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(path, data)
+        self.stats.written += 1
+        self.stats.bytes_written += len(data)
+        self._kinds[decision.step] = {decision.kind}
+        self._index("written", decision, path, len(data), trace.stats)
+        log.info(
+            "captured step %d (%s, %.1f ms, %.2fx median) -> %s",
+            decision.step,
+            decision.kind,
+            decision.step_ms,
+            decision.ratio,
+            self._run.relative(path),
+        )
+        if self._config.analysis.on_capture:
+            self._analyze(decision.step, path)
+
+    def _analyze(self, step: int, path: Any) -> None:
+        try:
+            from distanom.analysis.tables_io import write_rank_tables
+
+            write_rank_tables(self._run, step, self._world.rank, path, self._config.analysis.engine)
+        except Exception as err:  # tables can be computed again at report time
+            log.warning("capture: tables for step %d not computed now (%s)", step, err)
+
+    def _drop(self, step: int, kind: str, replaced_by: int) -> None:
+        held = self._kinds.get(step)
+        if held is None:
+            return
+        held.discard(kind)
+        if held:
+            return  # still kept for another reason (e.g. also requested)
+        del self._kinds[step]
+        rank = self._world.rank
+        for path in (
+            self._run.trace_path(step, rank),
+            self._run.timeline_csv(step, rank),
+            self._run.kernel_csv(step, rank),
+        ):
+            with contextlib.suppress(FileNotFoundError):
+                size = path.stat().st_size
+                path.unlink()
+                if path.name.endswith(".trace.json.gz"):
+                    self.stats.bytes_written -= size
+        self.stats.dropped += 1
+        self._run.append_index(
+            {
+                "event": "dropped",
+                "step": step,
+                "rank": rank,
+                "kind": kind,
+                "replaced_by": replaced_by,
+            }
+        )
+
+    def _index(
+        self,
+        event: str,
+        decision: CaptureDecision,
+        path: Any,
+        size: int,
+        stats: dict[str, int],
+    ) -> None:
+        self._run.append_index(
+            {
+                "event": event,
+                "step": decision.step,
+                "rank": self._world.rank,
+                "host": self._world.host,
+                "kind": decision.kind,
+                "trace": self._run.relative(path),
+                "bytes": size,
+                "step_ms": _finite(decision.step_ms),
+                "median_ms": _finite(decision.median_ms),
+                "threshold_ms": _finite(decision.threshold_ms),
+                "slowest_rank": decision.slowest_rank,
+                "episode": decision.episode,
+                "request": decision.request_id,
+                "tracer": self._tracer_name,
+                "tracer_stats": stats,
+                "time": time.time(),
+            }
+        )
+
+    def _fail(self, reason: str) -> None:
+        if self.stats.failed is None:
+            self.stats.failed = reason
+            log.warning("capture: %s; capture steps aside for the rest of the run", reason)
+
+
+def _finite(value: float) -> float | None:
+    return round(value, 4) if math.isfinite(value) else None

@@ -1,0 +1,219 @@
+"""Cross-rank agreement: gather every rank's step times in rounds, decide the same on all.
+
+Runs on distanom's background thread, never on the training thread. Round r covers the
+`batch_steps` steps starting at `1 + r * batch_steps` (step 0 has no duration). Each
+rank submits a round once its clock has resolved the round's last step, as one
+fixed-shape float64 row:
+
+    [magic, first_step, n_steps, flags, req_id, req_first_step, req_n_steps, req_n_ranges,
+     ranges (16: start,end pairs), durations (B), traced (B)]
+
+The all-gather over `AgentGroup` returns the same (world_size x row) matrix on every
+rank; decoding it and feeding the `Detector` is deterministic, so every rank takes the
+same capture decisions with no broadcast. Rank 0 also carries on-demand capture
+requests in its row: every rank reads them from rank 0's row and schedules the same
+steps. A failed or timed-out round raises `GroupUnavailableError` to the caller (the
+agent), which logs once and steps capture aside.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from distanom.detect import CaptureDecision, Detector, StepSample
+
+MAGIC = 7011.0  # a wrong-shaped or foreign row is refused, not misread
+HEADER = 8
+MAX_RANGES = 8
+RANGE_SLOTS = 2 * MAX_RANGES
+FLAG_CAPTURE_OFF = 1
+FLAG_FINAL = 2
+
+
+@dataclass(frozen=True)
+class CaptureRequest:
+    """An on-demand request as carried in rank 0's row."""
+
+    number: int  # > 0; rank 0 maps it back to the request file's id
+    n_steps: int
+    ranges: tuple[tuple[int, int], ...] = ()  # inclusive rank ranges; () = every rank
+
+    def ranks(self, world_size: int) -> tuple[int, ...] | None:
+        if not self.ranges:
+            return None
+        chosen = {r for lo, hi in self.ranges for r in range(lo, hi + 1) if 0 <= r < world_size}
+        return tuple(sorted(chosen))
+
+
+@dataclass(frozen=True)
+class LocalRound:
+    """What this rank submits for one round."""
+
+    first_step: int
+    durations_ms: tuple[float, ...]
+    traced: tuple[bool, ...]
+    flags: int = 0
+    request: CaptureRequest | None = None
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One gathered round, identical on every rank."""
+
+    samples: tuple[StepSample, ...]
+    rank_flags: tuple[int, ...]
+    request: CaptureRequest | None
+
+    @property
+    def last_step(self) -> int:
+        return self.samples[-1].step if self.samples else -1
+
+    def ranks_with(self, flag: int) -> list[int]:
+        return [rank for rank, flags in enumerate(self.rank_flags) if flags & flag]
+
+
+def row_length(batch_steps: int) -> int:
+    return HEADER + RANGE_SLOTS + 2 * batch_steps
+
+
+def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
+    n = len(local.durations_ms)
+    if n > batch_steps or len(local.traced) != n:
+        raise ValueError("round larger than batch_steps or traced/durations mismatch")
+    row = torch.full((row_length(batch_steps),), math.nan, dtype=torch.float64)
+    request = local.request
+    ranges = request.ranges if request is not None else ()
+    if len(ranges) > MAX_RANGES:
+        raise ValueError(f"at most {MAX_RANGES} rank ranges per request")
+    header = [
+        MAGIC,
+        float(local.first_step),
+        float(n),
+        float(local.flags),
+        float(request.number) if request else 0.0,
+        0.0,
+        float(request.n_steps) if request else 0.0,
+        float(len(ranges)),
+    ]
+    row[:HEADER] = torch.tensor(header, dtype=torch.float64)
+    for slot, (lo, hi) in enumerate(ranges):
+        row[HEADER + 2 * slot] = float(lo)
+        row[HEADER + 2 * slot + 1] = float(hi)
+    start = HEADER + RANGE_SLOTS
+    if n:
+        row[start : start + n] = torch.tensor(local.durations_ms, dtype=torch.float64)
+        row[start + batch_steps : start + batch_steps + n] = torch.tensor(
+            [1.0 if t else 0.0 for t in local.traced], dtype=torch.float64
+        )
+    return row
+
+
+def decode_round(matrix: torch.Tensor, batch_steps: int) -> RoundResult:
+    """Turn the gathered (world_size x row) matrix into samples (same on every rank)."""
+    if matrix.dim() != 2 or matrix.shape[1] != row_length(batch_steps):
+        raise ValueError(f"gathered round has shape {tuple(matrix.shape)}")
+    rows = matrix.tolist()
+    for rank, row in enumerate(rows):
+        if row[0] != MAGIC:
+            raise ValueError(f"rank {rank} sent a malformed round")
+    first_step = int(rows[0][1])
+    n_steps = max(int(row[2]) for row in rows)
+    start = HEADER + RANGE_SLOTS
+    samples = []
+    for offset in range(n_steps):
+        times = tuple((row[start + offset] if offset < int(row[2]) else math.nan) for row in rows)
+        traced = all(
+            row[start + batch_steps + offset] == 1.0 for row in rows if offset < int(row[2])
+        )
+        samples.append(StepSample(first_step + offset, times, traced))
+    request = None
+    head = rows[0]
+    if head[4] > 0:
+        n_ranges = int(head[7])
+        ranges = tuple(
+            (int(head[HEADER + 2 * i]), int(head[HEADER + 2 * i + 1])) for i in range(n_ranges)
+        )
+        request = CaptureRequest(int(head[4]), int(head[6]), ranges)
+    flags = tuple(int(row[3]) for row in rows)
+    return RoundResult(tuple(samples), flags, request)
+
+
+def decide(result: RoundResult, detector: Detector, world_size: int) -> list[CaptureDecision]:
+    """Every capture decision of one round, in order: detector verdicts, then requests."""
+    decisions: list[CaptureDecision] = []
+    for sample in result.samples:
+        decisions.extend(detector.observe(sample))
+    request = result.request
+    if request is not None and request.n_steps > 0:
+        first = result.last_step + 1
+        ranks = request.ranks(world_size)
+        median = detector.median_ms
+        for offset in range(request.n_steps):
+            decisions.append(
+                CaptureDecision(
+                    step=first + offset,
+                    kind="requested",
+                    step_ms=math.nan,
+                    median_ms=median,
+                    threshold_ms=detector.threshold_ms,
+                    slowest_rank=-1,
+                    ranks=ranks,
+                    request_id=str(request.number),
+                )
+            )
+    return decisions
+
+
+@dataclass
+class RoundBuilder:
+    """Collects this rank's resolved step durations into rounds (consensus thread only)."""
+
+    batch_steps: int
+    next_first: int = 1
+    _durations: dict[int, tuple[float, bool]] = field(default_factory=dict)
+    _max_step: int = 0
+
+    def add(self, step: int, duration_ms: float, traced: bool) -> None:
+        if step >= self.next_first:
+            self._durations[step] = (duration_ms, traced)
+            self._max_step = max(self._max_step, step)
+
+    def ready(self) -> bool:
+        """A round is ready once a step at or past its end has resolved (gaps become NaN)."""
+        return self._max_step >= self.next_first + self.batch_steps - 1
+
+    def pending_steps(self) -> int:
+        return max(0, self._max_step - self.next_first + 1)
+
+    def take(self, *, final: bool = False) -> LocalRound:
+        """The next round; with `final`, a possibly partial one covering what is left."""
+        first = self.next_first
+        n = self.batch_steps
+        if final:
+            n = max(0, min(n, self._max_step - first + 1))
+        durations: list[float] = []
+        traced: list[bool] = []
+        for step in range(first, first + n):
+            duration, was_traced = self._durations.pop(step, (math.nan, False))
+            durations.append(duration)
+            traced.append(was_traced)
+        self.next_first = first + self.batch_steps
+        return LocalRound(first, tuple(durations), tuple(traced))
+
+
+def recent_times(history: Sequence[StepSample], limit: int) -> dict[int, list[float | None]]:
+    """Per rank, the last `limit` step times (None where unknown), for the live status."""
+    tail = list(history)[-limit:]
+    if not tail:
+        return {}
+    world = len(tail[0].times_ms)
+    return {
+        rank: [
+            round(s.times_ms[rank], 3) if math.isfinite(s.times_ms[rank]) else None for s in tail
+        ]
+        for rank in range(world)
+    }

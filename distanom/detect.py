@@ -1,0 +1,256 @@
+"""Anomaly detection over the gathered step times: which steps to capture, deterministically.
+
+Pure: no I/O, no torch, no clocks. Every rank feeds its `Detector` the same gathered
+samples (one per step: every rank's duration, and whether tracing was on), so every
+rank takes the same decisions in the same order without any further communication.
+
+Rules (all thresholds come from `DetectConfig` / `CaptureConfig`):
+- A step's time is the slowest rank's duration (in synchronous training every rank
+  waits for the slowest, in asynchronous work the slowest is the anomaly).
+- The baseline is the median of the last `window_steps` steps measured under the same
+  condition (traced or not), after `warmup_steps`; a step is judged once `min_steps` such
+  steps exist. It is anomalous above `multiplier` x that median.
+- Anomalous steps at most `merge_gap_steps` apart form one episode (a slowdown that
+  persists is one event with a count, not a capture per step). An episode's first
+  traced step is captured, and so is a later step at least `ESCALATION` times as
+  severe as the episode's last capture (jitter must not hide the real event that
+  follows it), subject to `min_gap_steps` and `max_captures`; when the budget is
+  full, a more severe capture replaces the least severe one kept.
+- Every `reference_every_steps` a typical healthy traced step is captured as the
+  reference the kernel diff compares against; the newest replaces the previous one.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Literal
+
+from distanom.config import CaptureConfig, DetectConfig
+
+CaptureKind = Literal["anomaly", "reference", "requested"]
+
+# A reference step must be no slower than this multiple of the median: a typical step.
+REFERENCE_MAX_RATIO = 1.1
+# Within an episode, a step this many times as severe as its last capture is captured too.
+ESCALATION = 2.0
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One step as gathered from every rank."""
+
+    step: int
+    times_ms: tuple[float, ...]  # index = rank; NaN where a rank has no duration
+    traced: bool
+
+    @property
+    def step_ms(self) -> float:
+        finite = [t for t in self.times_ms if math.isfinite(t)]
+        return max(finite) if finite else math.nan
+
+    @property
+    def slowest_rank(self) -> int:
+        best, best_rank = -math.inf, -1
+        for rank, t in enumerate(self.times_ms):
+            if math.isfinite(t) and t > best:
+                best, best_rank = t, rank
+        return best_rank
+
+
+@dataclass(frozen=True)
+class CaptureDecision:
+    """Capture `step` on `ranks` (None: every rank); drop `replaces` if set."""
+
+    step: int
+    kind: CaptureKind
+    step_ms: float
+    median_ms: float
+    threshold_ms: float
+    slowest_rank: int
+    ranks: tuple[int, ...] | None = None
+    replaces: int | None = None
+    episode: int | None = None
+    request_id: str | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.step_ms / self.median_ms if self.median_ms > 0 else math.nan
+
+
+@dataclass
+class Episode:
+    """A run of anomalous steps (gaps up to merge_gap_steps)."""
+
+    index: int
+    first_step: int
+    last_step: int
+    steps: int = 1
+    max_ratio: float = 0.0
+    worst_step: int = -1
+    captured_step: int | None = None
+    captured_ratio: float = 0.0
+
+
+@dataclass
+class DetectorCounts:
+    judged: int = 0
+    anomalous: int = 0
+    anomalous_untraced: int = 0
+    captured: int = 0
+    replaced: int = 0
+    skipped_budget: int = 0
+    skipped_min_gap: int = 0
+    references: int = 0
+
+
+@dataclass
+class Detector:
+    """The deterministic detection state machine fed by the consensus thread."""
+
+    detect: DetectConfig
+    capture: CaptureConfig
+    counts: DetectorCounts = field(default_factory=DetectorCounts)
+    episodes: list[Episode] = field(default_factory=list)
+    median_ms: float = math.nan
+    threshold_ms: float = math.nan
+    _window: collections.deque[tuple[float, bool]] = field(init=False)
+    _kept: dict[int, float] = field(default_factory=dict)  # anomaly step -> ratio
+    _last_capture_step: int | None = None
+    _reference_step: int | None = None
+    _last_reference_at: int | None = None
+    _max_episodes_kept: int = 1000
+
+    def __post_init__(self) -> None:
+        self._window = collections.deque(maxlen=self.detect.window_steps)
+
+    @property
+    def kept_anomalies(self) -> dict[int, float]:
+        return dict(self._kept)
+
+    def _baseline(self, traced: bool) -> float | None:
+        same = [t for t, cond in self._window if cond == traced]
+        if len(same) < self.detect.min_steps:
+            return None
+        return statistics.median(same)
+
+    def observe(self, sample: StepSample) -> list[CaptureDecision]:
+        """Judge one step (steps must arrive in order) and return what to capture."""
+        step_ms = sample.step_ms
+        if sample.step < self.detect.warmup_steps or not math.isfinite(step_ms):
+            return []
+        decisions: list[CaptureDecision] = []
+        median = self._baseline(sample.traced)
+        if median is not None and median > 0:
+            self.counts.judged += 1
+            threshold = self.detect.multiplier * median
+            if sample.traced:
+                self.median_ms, self.threshold_ms = median, threshold
+            if step_ms > threshold:
+                decisions.extend(self._on_anomaly(sample, median, threshold))
+            else:
+                decisions.extend(self._maybe_reference(sample, median, threshold))
+        self._window.append((step_ms, sample.traced))
+        return decisions
+
+    def _on_anomaly(
+        self, sample: StepSample, median: float, threshold: float
+    ) -> list[CaptureDecision]:
+        self.counts.anomalous += 1
+        ratio = sample.step_ms / median
+        episode = self.episodes[-1] if self.episodes else None
+        gap_ok = episode is not None and (
+            sample.step - episode.last_step - 1 <= self.detect.merge_gap_steps
+        )
+        if episode is None or not gap_ok:
+            episode = Episode(len(self.episodes), sample.step, sample.step)
+            self.episodes.append(episode)
+            if len(self.episodes) > self._max_episodes_kept:
+                del self.episodes[0]  # the counts stay; only the oldest details go
+        else:
+            episode.steps += 1
+            episode.last_step = sample.step
+        if ratio > episode.max_ratio:
+            episode.max_ratio, episode.worst_step = ratio, sample.step
+        if not sample.traced:
+            self.counts.anomalous_untraced += 1
+            return []
+        if episode.captured_step is not None and ratio < ESCALATION * episode.captured_ratio:
+            return []
+        return self._admit(sample, median, threshold, ratio, episode)
+
+    def _admit(
+        self, sample: StepSample, median: float, threshold: float, ratio: float, episode: Episode
+    ) -> list[CaptureDecision]:
+        last = self._last_capture_step
+        if last is not None and sample.step - last < self.capture.min_gap_steps:
+            self.counts.skipped_min_gap += 1
+            return []
+        replaces: int | None = None
+        if len(self._kept) >= self.capture.max_captures:
+            if not self._kept:
+                self.counts.skipped_budget += 1
+                return []
+            weakest = min(self._kept, key=lambda s: (self._kept[s], s))
+            if self._kept[weakest] >= ratio:
+                self.counts.skipped_budget += 1
+                return []
+            del self._kept[weakest]
+            replaces = weakest
+            self.counts.replaced += 1
+        self._kept[sample.step] = ratio
+        self._last_capture_step = sample.step
+        episode.captured_step, episode.captured_ratio = sample.step, ratio
+        self.counts.captured += 1
+        return [
+            CaptureDecision(
+                step=sample.step,
+                kind="anomaly",
+                step_ms=sample.step_ms,
+                median_ms=median,
+                threshold_ms=threshold,
+                slowest_rank=sample.slowest_rank,
+                replaces=replaces,
+                episode=episode.index,
+            )
+        ]
+
+    def _maybe_reference(
+        self, sample: StepSample, median: float, threshold: float
+    ) -> list[CaptureDecision]:
+        every = self.capture.reference_every_steps
+        if every <= 0 or not sample.traced:
+            return []
+        due = self._last_reference_at is None or sample.step - self._last_reference_at >= every
+        if not due or sample.step_ms > REFERENCE_MAX_RATIO * median:
+            return []
+        previous = self._reference_step
+        self._reference_step = self._last_reference_at = sample.step
+        self.counts.references += 1
+        return [
+            CaptureDecision(
+                step=sample.step,
+                kind="reference",
+                step_ms=sample.step_ms,
+                median_ms=median,
+                threshold_ms=threshold,
+                slowest_rank=sample.slowest_rank,
+                replaces=previous,
+            )
+        ]
+
+    def episode_summaries(self) -> list[dict[str, float | int | None]]:
+        return [
+            {
+                "episode": e.index,
+                "first_step": e.first_step,
+                "last_step": e.last_step,
+                "anomalous_steps": e.steps,
+                "max_ratio": round(e.max_ratio, 4),
+                "worst_step": e.worst_step,
+                "captured_step": e.captured_step,
+            }
+            for e in self.episodes
+        ]

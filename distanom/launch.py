@@ -1,0 +1,194 @@
+"""Run a training script under distanom, one process per rank (started by torchrun).
+
+Usage::
+
+    torchrun --nproc-per-node 8 -m distanom.launch [--config my.yaml] [--run-dir runs]
+             [--set section.key=value ...] train.py [script args ...]
+    torchrun ... -m distanom.launch [distanom flags] -m my_package.train [script args ...]
+
+distanom's own flags come first and end at the script (or `-m module`); everything after
+belongs to the script, which runs as `__main__` with `sys.argv` set as if it had been
+started directly. Before the script starts, the configuration is validated: any mistake
+prints one line naming the file and key and exits with status 2, so no training time is
+lost. Then the per-rank agent is installed: each `optimizer.step()` ends a step (see
+`distanom.agent`). The script's own exit status is preserved.
+
+Each rank logs to stderr with a `[distanom rR/W]` prefix; flags:
+
+  --config FILE      YAML configuration (every key: configs/default.yaml)
+  --run-dir DIR      where run directories are created (default: runs)
+  --set KEY=VALUE    override one key, e.g. --set detect.multiplier=2 (repeatable)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from distanom.config import Config, load_config
+from distanom.errors import DistanomError
+from distanom.world import WorldInfo
+
+log = logging.getLogger("distanom")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise DistanomError(f"distanom.launch: {message} (see --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m distanom.launch",
+        description="Run a training script with distanom's per-rank agent installed.",
+        epilog="Everything after the script (or -m module) is passed to the script.",
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML configuration file")
+    parser.add_argument(
+        "--run-dir", metavar="DIR", default="runs", help="base directory of runs (default: runs)"
+    )
+    parser.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        dest="overrides",
+        help="override one config key (repeatable)",
+    )
+    parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module as the script")
+    parser.add_argument("script", nargs="?", help="the training script, then its arguments")
+    return parser
+
+
+_VALUE_FLAGS = ("--config", "--run-dir", "--set")
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split at the script: distanom's flags before it, the script's arguments after it.
+
+    argparse alone cannot do this: it would take a script option that happens to share a
+    name with ours (`train.py --config x`) or refuse one it does not know after `-m mod`.
+    """
+    ours: list[str] = []
+    position = 0
+    while position < len(argv):
+        token = argv[position]
+        if token == "--":
+            position += 1
+            break
+        if token in _VALUE_FLAGS or token == "-m":
+            ours.extend(argv[position : position + 2])
+            position += 2
+            if token == "-m":
+                return ours, list(argv[position:])
+            continue
+        if token.startswith(tuple(f"{flag}=" for flag in _VALUE_FLAGS)) or token in (
+            "-h",
+            "--help",
+        ):
+            ours.append(token)
+            position += 1
+            continue
+        if token.startswith("-"):
+            ours.append(token)  # unknown flag: argparse names it in its error
+            position += 1
+            continue
+        break
+    rest = list(argv[position:])
+    if rest:
+        ours.extend(["--", rest[0]])  # a script name is never an option, even "-odd.py"
+    return ours, rest[1:]
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    ours, script_args = split_argv(argv)
+    args = _parser().parse_args(ours)
+    args.script_args = script_args
+    if args.module is None and args.script is None:
+        raise DistanomError("distanom.launch: no training script given (see --help)")
+    return args
+
+
+def configure_logging(config: Config, world: WorldInfo) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[distanom {world.label}] %(levelname)s %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(config.log.level)
+    log.propagate = False  # the script's own logging setup must not duplicate or swallow ours
+
+
+def _check_script(args: argparse.Namespace) -> None:
+    if args.script is not None:
+        path = Path(args.script)
+        if not path.is_file():
+            raise DistanomError(f"distanom.launch: training script {args.script}: no such file")
+        return
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(args.module)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise DistanomError(f"distanom.launch: module {args.module}: not found")
+
+
+def _run_script(args: argparse.Namespace) -> None:
+    if args.script is not None:
+        sys.argv = [args.script, *args.script_args]
+        sys.path.insert(0, str(Path(args.script).resolve().parent))
+        runpy.run_path(args.script, run_name="__main__")
+    else:
+        sys.argv = [args.module, *args.script_args]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    world = WorldInfo.from_env()
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        config = load_config(args.config, args.overrides)
+        _check_script(args)
+    except DistanomError as err:
+        if world.local_rank == 0:  # one line per node, not one per rank
+            print(f"distanom: {err}", file=sys.stderr)
+        return err.exit_code
+    configure_logging(config, world)
+    from distanom.agent import Agent  # torch is imported only once the input is valid
+
+    argv_for_run = [args.script or f"-m {args.module}", *args.script_args]
+    agent: Agent | None = Agent(config, world, Path(args.run_dir), argv=argv_for_run)
+    try:
+        agent.install()
+    except Exception as err:  # distanom must never keep the script from running
+        log.warning("cannot install the agent (%s); running the script without distanom", err)
+        agent = None
+    code = 0
+    try:
+        _run_script(args)
+    except SystemExit as exit_request:
+        code = _exit_code(exit_request.code)
+    finally:
+        if agent is not None:
+            agent.close()
+    return code
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

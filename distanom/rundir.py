@@ -1,0 +1,281 @@
+"""The run directory contract: where every file of a run lives, and how it is written.
+
+```
+<base>/<run-id>/
+  run.json                         config snapshot, world, hosts, versions (rank 0)
+  status.json                      live state of the job, rewritten by rank 0
+  steps/rank<R>.csv                every step's duration on rank R (append-only)
+  captures/step_<N>/
+      rank<R>.trace.json.gz        rank R's Kineto chrome trace of step N
+      rank<R>.gpu_timeline.csv     TraceLens-compatible tables of that trace
+      rank<R>.kernel_summary.csv
+      summary.json                 all ranks side by side, verdict (written by report/analysis)
+  index.jsonl                      one line per written or dropped capture file, any rank
+  requests/<id>.json               on-demand capture requests (distanom capture)
+  requests/<id>.response.json      the job's answer
+<base>/latest -> <run-id>
+```
+
+Each rank writes only its own files; shared files (index.jsonl) are appended under a
+`filelock`. Every other write goes to a temporary file in the same directory and is
+renamed into place, so a reader never trusts a half-written file. Paths read back from
+files are resolved inside the run directory or refused. Files honour the umask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import filelock
+
+from distanom.errors import RunDirError
+
+INDEX_NAME = "index.jsonl"
+RUN_JSON = "run.json"
+STATUS_JSON = "status.json"
+LATEST = "latest"
+LOCK_TIMEOUT_S = 30.0
+MAX_INDEX_LINE = 64 * 1024  # a longer line is damage, not data
+MAX_JSON_BYTES = 64 * 1024 * 1024
+
+
+def _current_umask() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # fallback: read and restore (import time, main thread)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_current_umask()
+
+
+def run_id_for(name: str | None, now: datetime.datetime | None = None) -> str:
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return f"{name}-{stamp}" if name else stamp
+
+
+def create_run(base: Path, name: str | None) -> Path:
+    """Make a new, uniquely named run directory under `base` (two jobs never share one)."""
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunDirError(f"{base}: cannot create run directory: {err.strerror}") from None
+    stem = run_id_for(name)
+    for attempt in range(1000):
+        candidate = base / (stem if attempt == 0 else f"{stem}-{attempt}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as err:
+            raise RunDirError(f"{candidate}: cannot create run directory: {err.strerror}") from None
+        return candidate
+    raise RunDirError(f"{base}: no free run id for {stem!r}")
+
+
+def update_latest(base: Path, run_dir: Path) -> None:
+    """Point `<base>/latest` at `run_dir`, atomically (a symlink renamed over the old one)."""
+    link = base / LATEST
+    temp = base / f".{LATEST}.{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        temp.unlink()
+    os.symlink(run_dir.name, temp)
+    os.replace(temp, link)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp, FILE_MODE)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode())
+
+
+def read_json(path: Path) -> Any:
+    """Read a small JSON file written by distanom; RunDirError on damage."""
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise RunDirError(f"{path}: larger than {MAX_JSON_BYTES} bytes")
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RunDirError(f"{path}: missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RunDirError(f"{path}: damaged JSON ({err})") from None
+    except OSError as err:
+        raise RunDirError(f"{path}: cannot read: {err.strerror}") from None
+
+
+@dataclass(frozen=True)
+class IndexProblem:
+    line: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of one run directory (all ranks share one; see the module docstring)."""
+
+    path: Path
+
+    @classmethod
+    def open(cls, path: str | Path) -> RunDir:
+        """Open an existing run directory for reading (`runs/latest` or `runs` resolve)."""
+        candidate = Path(path)
+        if candidate.is_dir() and not (candidate / RUN_JSON).exists():
+            latest = candidate / LATEST
+            if latest.exists():
+                candidate = latest
+        if not candidate.exists():
+            raise RunDirError(f"{path}: no such run directory")
+        if not candidate.is_dir():
+            raise RunDirError(f"{path}: not a directory")
+        resolved = candidate.resolve()
+        if not (resolved / RUN_JSON).exists() and not (resolved / INDEX_NAME).exists():
+            raise RunDirError(f"{path}: not a distanom run directory (no {RUN_JSON})")
+        return cls(resolved)
+
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    @property
+    def run_json(self) -> Path:
+        return self.path / RUN_JSON
+
+    @property
+    def status_json(self) -> Path:
+        return self.path / STATUS_JSON
+
+    @property
+    def index_path(self) -> Path:
+        return self.path / INDEX_NAME
+
+    @property
+    def requests_dir(self) -> Path:
+        return self.path / "requests"
+
+    def steps_csv(self, rank: int) -> Path:
+        return self.path / "steps" / f"rank{rank}.csv"
+
+    def capture_dir(self, step: int) -> Path:
+        return self.path / "captures" / f"step_{step}"
+
+    def trace_path(self, step: int, rank: int) -> Path:
+        return self.capture_dir(step) / f"rank{rank}.trace.json.gz"
+
+    def timeline_csv(self, step: int, rank: int) -> Path:
+        return self.capture_dir(step) / f"rank{rank}.gpu_timeline.csv"
+
+    def kernel_csv(self, step: int, rank: int) -> Path:
+        return self.capture_dir(step) / f"rank{rank}.kernel_summary.csv"
+
+    def summary_json(self, step: int) -> Path:
+        return self.capture_dir(step) / "summary.json"
+
+    def relative(self, path: Path) -> str:
+        return str(path.relative_to(self.path))
+
+    def inside(self, relative: str) -> Path:
+        """Resolve a path read from a run file; refuse anything outside the run directory."""
+        if not isinstance(relative, str) or not relative or "\x00" in relative:
+            raise RunDirError(f"{self.index_path}: invalid path {relative!r}")
+        candidate = (self.path / relative).resolve()
+        if candidate != self.path and self.path not in candidate.parents:
+            raise RunDirError(f"{self.index_path}: path {relative!r} escapes the run directory")
+        return candidate
+
+    def append_index(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, sort_keys=True, allow_nan=False)
+        lock = filelock.FileLock(str(self.index_path) + ".lock", timeout=LOCK_TIMEOUT_S)
+        with lock:
+            fd = os.open(self.index_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+            try:
+                os.write(fd, (line + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def read_index(self) -> tuple[list[dict[str, Any]], list[IndexProblem]]:
+        """Every readable index record, and a note for each damaged line."""
+        records: list[dict[str, Any]] = []
+        problems: list[IndexProblem] = []
+        if not self.index_path.exists():
+            return records, problems
+        for number, raw in enumerate(self._index_lines(), start=1):
+            if not raw.strip():
+                continue
+            if len(raw) > MAX_INDEX_LINE:
+                problems.append(IndexProblem(number, "line too long"))
+                continue
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError:
+                problems.append(IndexProblem(number, "not JSON (truncated or corrupt)"))
+                continue
+            if not _valid_index_record(record):
+                problems.append(IndexProblem(number, "missing or invalid step/rank/event"))
+                continue
+            records.append(record)
+        return records, problems
+
+    def _index_lines(self) -> Iterator[str]:
+        with open(self.index_path, "rb") as handle:
+            for raw in handle:
+                yield raw.decode("utf-8", errors="replace")
+
+
+def _valid_index_record(record: Any) -> bool:
+    if not isinstance(record, dict):
+        return False
+    step, rank, event = record.get("step"), record.get("rank"), record.get("event")
+    return (
+        isinstance(step, int)
+        and not isinstance(step, bool)
+        and step >= 0
+        and isinstance(rank, int)
+        and not isinstance(rank, bool)
+        and rank >= 0
+        and event in ("written", "dropped")
+    )
+
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def capture_steps_on_disk(run: RunDir) -> list[int]:
+    """Steps that have a capture directory (a fallback when the index is damaged)."""
+    root = run.path / "captures"
+    if not root.is_dir():
+        return []
+    steps = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            steps.append(int(match.group(1)))
+    return sorted(steps)

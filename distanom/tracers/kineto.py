@@ -1,0 +1,305 @@
+"""The portable tracer: torch.profiler (Kineto), CUDA activities on GPU, CPU ops without one.
+
+The profiler runs in cycles of `kineto_window_steps` steps. At the end of each cycle
+torch hands over the cycle's results; they are kept, unexported, for the last
+`history_steps` steps. When a step is to be captured, its window is exported once on
+the capture thread and the step is cut out of it:
+
+- GPU events belong to the step whose host interval contains their launch call
+  (`cuda_runtime`/`cuda_driver` event with the same correlation id), so a kernel that
+  runs late is still counted in the step that launched it; GPU events without a launch
+  record fall back to their own timestamp.
+- Host events (CPU ops, runtime calls, annotations) belong to the step whose host
+  interval contains their start.
+
+Step intervals come from `mark_step`'s host timestamps (`time.time_ns()`, the clock
+Kineto's `baseTimeNanoseconds` + `ts` uses). Costs: Kineto records every runtime call,
+so on kernel-dense GPU steps it is the expensive backend (see reference measurements);
+exporting a window holds the GIL for its duration, once per capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distanom.config import TracerConfig
+from distanom.tracers.base import Availability, StepTrace
+
+log = logging.getLogger(__name__)
+
+GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
+FLOW_CATEGORY = "ac2g"
+# Kineto's own top-level keys that a step trace keeps unchanged.
+KEPT_METADATA = (
+    "schemaVersion",
+    "deviceProperties",
+    "cupti_version",
+    "cuda_runtime_version",
+    "cuda_driver_version",
+    "displayTimeUnit",
+    "trace_id",
+)
+
+
+@dataclass
+class _Window:
+    first_step: int
+    last_step: int
+    results: Any  # torch.autograd.profiler.profile, holding unexported kineto results
+    document: dict[str, Any] | None = None  # parsed export, kept after the first cut
+
+
+class KinetoTracer:
+    """torch.profiler backend; see the module docstring."""
+
+    name = "kineto"
+
+    def __init__(self, config: TracerConfig, *, use_cuda: bool) -> None:
+        self._config = config
+        self._use_cuda = use_cuda
+        self._window_steps = config.kineto_window_steps
+        self._lock = threading.Lock()
+        self._windows: list[_Window] = []
+        self._boundaries: dict[int, int] = {}  # step -> host end ns
+        self._profiler: Any = None
+        self._window_first: int | None = None
+        self._traced_steps: set[int] = set()
+        self._last_step: int | None = None
+        self._want_on = True
+        self._closed = False
+
+    # -- training thread -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Begin recording; called right after `mark_step` of the step before the first
+        traced one."""
+        self._start_profiler()
+
+    def _start_profiler(self) -> None:
+        activities = [
+            torch.profiler.ProfilerActivity.CUDA
+            if self._use_cuda
+            else torch.profiler.ProfilerActivity.CPU
+        ]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "won't be using warmup": intended, steps are cycles
+            schedule = torch.profiler.schedule(
+                wait=0, warmup=0, active=self._window_steps, repeat=0
+            )
+            self._profiler = torch.profiler.profile(
+                activities=activities,
+                schedule=schedule,
+                on_trace_ready=self._on_window,
+                record_shapes=False,
+                with_stack=False,
+                profile_memory=False,
+            )
+            self._profiler.start()
+        self._window_first = None if self._last_step is None else self._last_step + 1
+
+    def mark_step(self, step: int, host_end_ns: int) -> None:
+        with self._lock:
+            self._boundaries[step] = host_end_ns
+            self._last_step = step
+            self._trim()
+        if self._profiler is None:
+            return
+        if self._window_first is None:
+            self._window_first = step + 1  # started before any boundary: this step is partial
+        elif step >= self._window_first:
+            self._traced_steps.add(step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self._profiler.step()
+        if not self._want_on:
+            self._stop_profiler()
+
+    def _on_window(self, prof: Any) -> None:
+        if self._window_first is None or self._last_step is None:
+            return
+        window = _Window(self._window_first, self._last_step, prof.profiler)
+        self._window_first = self._last_step + 1
+        with self._lock:
+            if window.last_step >= window.first_step:
+                self._windows.append(window)
+            self._trim()
+
+    def _stop_profiler(self) -> None:
+        profiler, self._profiler = self._profiler, None
+        if profiler is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                profiler.stop()  # hands over the partial window through _on_window
+
+    def set_tracing(self, on: bool) -> None:
+        self._want_on = on
+        if on and self._profiler is None and not self._closed:
+            self._start_profiler()
+
+    def _trim(self) -> None:
+        """Forget windows and boundaries older than the history (lock held)."""
+        if self._last_step is None:
+            return
+        oldest = self._last_step - self._config.history_steps
+        while self._windows and self._windows[0].last_step < oldest:
+            self._windows.pop(0)
+        for step in [s for s in self._boundaries if s < oldest - 1]:
+            del self._boundaries[step]
+        self._traced_steps = {s for s in self._traced_steps if s >= oldest}
+
+    # -- capture thread --------------------------------------------------------------
+
+    def _windows_for(self, step: int) -> list[_Window] | None:
+        """The window holding `step` and, on GPU, the next one when `step` ends its window:
+        kernels still running when a cycle stops are delivered with the next cycle."""
+        for position, window in enumerate(self._windows):
+            if window.first_step <= step <= window.last_step:
+                if not self._use_cuda or step < window.last_step:
+                    return [window]
+                if position + 1 < len(self._windows):
+                    return [window, self._windows[position + 1]]
+                return [window] if self._profiler is None else None
+        return None
+
+    def availability(self, step: int) -> Availability:
+        with self._lock:
+            if self._windows_for(step) is not None and step - 1 in self._boundaries:
+                return Availability.READY
+            if self._closed or self._last_step is None:
+                return Availability.GONE
+            oldest = self._last_step - self._config.history_steps
+            if step < oldest or (step <= self._last_step and step not in self._traced_steps):
+                return Availability.GONE
+            return Availability.PENDING
+
+    def step_trace(self, step: int) -> StepTrace:
+        with self._lock:
+            windows = self._windows_for(step)
+            start_ns = self._boundaries.get(step - 1)
+            end_ns = self._boundaries.get(step)
+        if windows is None or start_ns is None or end_ns is None:
+            raise KeyError(step)
+        documents = []
+        for window in windows:
+            window.document = window.document or _export(window.results)
+            documents.append(window.document)  # kept: a second cut from it is cheap
+        return cut_step(documents, step, start_ns, end_ns)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._want_on = False
+        with contextlib.suppress(Exception):
+            self._stop_profiler()
+        with self._lock:
+            self._closed = True
+            self._windows.clear()
+
+
+def _export(results: Any) -> dict[str, Any]:
+    """Export one window's Kineto results through torch's own JSON writer."""
+    fd, path = tempfile.mkstemp(prefix="distanom-kineto-", suffix=".json")
+    os.close(fd)
+    try:
+        results.kineto_results.save(path)
+        with open(path, encoding="utf-8") as handle:
+            document: dict[str, Any] = json.load(handle)
+        return document
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def cut_step(documents: list[dict[str, Any]], step: int, start_ns: int, end_ns: int) -> StepTrace:
+    """Select the events of the step whose host interval is [start_ns, end_ns).
+
+    `documents[0]` is the export of the window holding the step; later documents (the
+    next window) only contribute GPU events launched inside the step.
+    """
+    main = documents[0]
+    base_ns = int(main.get("baseTimeNanoseconds", 0))
+    start_us = (start_ns - base_ns) / 1000.0
+    end_us = (end_ns - base_ns) / 1000.0
+
+    def inside(ts: Any) -> bool:
+        return isinstance(ts, (int, float)) and start_us <= ts < end_us
+
+    launched: set[Any] = set()
+    launch_ids: set[Any] = set()
+    for event in main.get("traceEvents", []):
+        if event.get("cat") in LAUNCH_CATEGORIES:
+            correlation = (event.get("args") or {}).get("correlation")
+            if correlation is None:
+                continue
+            launch_ids.add(correlation)
+            if inside(event.get("ts")):
+                launched.add(correlation)
+
+    kept: list[dict[str, Any]] = []
+    stats = {"gpu_events": 0, "gpu_by_launch": 0, "gpu_by_time": 0, "outside_bounds": 0}
+    for position, document in enumerate(documents):
+        shift_us = (int(document.get("baseTimeNanoseconds", base_ns)) - base_ns) / 1000.0
+        for event in document.get("traceEvents", []):
+            category = event.get("cat")
+            if category in GPU_CATEGORIES:
+                correlation = (event.get("args") or {}).get("correlation")
+                if correlation in launched:
+                    stats["gpu_by_launch"] += 1
+                elif position == 0 and correlation not in launch_ids and inside(event.get("ts")):
+                    stats["gpu_by_time"] += 1
+                else:
+                    continue
+                if shift_us:
+                    event = {**event, "ts": event["ts"] + shift_us}
+                stats["gpu_events"] += 1
+                if not start_us <= event.get("ts", start_us) <= end_us:
+                    stats["outside_bounds"] += 1  # launched in this step, ran after its host end
+                kept.append(event)
+            elif position > 0:
+                continue
+            elif event.get("ph") == "M":
+                kept.append(event)
+            elif category == FLOW_CATEGORY:
+                if event.get("id") in launched:
+                    kept.append(event)
+            elif str(event.get("name", "")).startswith("ProfilerStep#"):
+                continue  # the profiler's own cycle counter, not our step number: misleading
+            elif inside(event.get("ts")):
+                kept.append(event)
+    kept.append(_step_annotation(step, start_us, end_us, kept))
+    metadata = {key: main[key] for key in KEPT_METADATA if key in main}
+    if "distributedInfo" in main:
+        metadata["distributedInfo"] = main["distributedInfo"]
+    return StepTrace(step=step, events=kept, base_time_ns=base_ns, metadata=metadata, stats=stats)
+
+
+def _step_annotation(
+    step: int, start_us: float, end_us: float, events: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A span naming the step on the host timeline, so Perfetto shows where it starts and ends."""
+    host_pid: Any = os.getpid()
+    for event in events:
+        if event.get("cat") in LAUNCH_CATEGORIES or event.get("cat") == "cpu_op":
+            host_pid = event.get("pid", host_pid)
+            break
+    return {
+        "ph": "X",
+        "cat": "user_annotation",
+        "name": f"distanom step {step}",
+        "pid": host_pid,
+        "tid": 0,
+        "ts": start_us,
+        "dur": end_us - start_us,
+        "args": {"step": step},
+    }
