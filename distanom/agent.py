@@ -580,6 +580,8 @@ class Agent:
         if tracer is not None:
             with contextlib.suppress(Exception):
                 tracer.close()
+        if self._group is not None and not self._control.is_alive():
+            self._group.close()
         if _ACTIVE is self:
             _ACTIVE = None
         with contextlib.suppress(Exception):

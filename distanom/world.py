@@ -133,6 +133,18 @@ class AgentGroup:
             raise GroupUnavailableError(f"all-gather failed: {err}".splitlines()[0]) from err
         return torch.stack(out)
 
+    def close(self) -> None:
+        """Release the group while Python is fully alive: left to interpreter shutdown,
+        gloo's threads can be torn down out of order and abort the process."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: S110 - best effort; the process is exiting anyway
+                pass
+            del pg
+        self._store = None
+
     def publish(self, key: str, value: str) -> None:
         if self._store is None:
             self._local[key] = value.encode()

@@ -1,0 +1,181 @@
+"""The run report: what `distanom report` prints (text) or emits (`--json`).
+
+Builds one JSON-ready dict from `RunData` (run facts, step statistics, detector counts,
+episodes, every capture with its ranks' traces and tables, problems found) and renders
+it as text tables. The dict is the contract for machines; the text is for people.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from distanom.analysis.run import CaptureInfo, RunData, load_steps
+
+
+def build_report(data: RunData) -> dict[str, Any]:
+    series = load_steps(data)
+    status = data.status or {}
+    median = series.median_ms()
+    config = data.info.get("config") if isinstance(data.info.get("config"), dict) else {}
+    multiplier = (config or {}).get("detect", {}).get("multiplier")
+    report: dict[str, Any] = {
+        "run_id": data.run.run_id,
+        "run_dir": str(data.run.path),
+        "world_size": data.world_size,
+        "hosts": data.hosts,
+        "state": _state(status),
+        "started_at": data.info.get("started_at"),
+        "torch": data.info.get("torch"),
+        "argv": data.info.get("argv"),
+        "steps": {
+            "count": len(series.steps),
+            "last": series.steps[-1] if series.steps else None,
+            "median_ms": _round(median),
+            "threshold_ms": status.get("threshold_ms"),
+            "multiplier": multiplier,
+        },
+        "tracer": (status.get("tracer") or {}),
+        "detector": status.get("detector") or {},
+        "episodes": status.get("episodes") or [],
+        "capture_state": {
+            "written": (status.get("captures") or {}).get("written"),
+            "capture_off": status.get("capture_off"),
+            "consensus_error": status.get("consensus_error"),
+        },
+        "captures": [_capture_json(data, info) for info in data.captures],
+        "problems": list(data.problems),
+    }
+    return report
+
+
+def _state(status: dict[str, Any]) -> str:
+    from distanom.control import job_alive
+
+    if not status:
+        return "unknown"
+    if status.get("state") == "running" and not job_alive(status):
+        return "stopped (no heartbeat)"
+    return str(status.get("state"))
+
+
+def _capture_json(data: RunData, info: CaptureInfo) -> dict[str, Any]:
+    return {
+        "step": info.step,
+        "kinds": sorted(info.kinds),
+        "step_ms": info.step_ms,
+        "median_ms": info.median_ms,
+        "threshold_ms": info.threshold_ms,
+        "ratio": _round(info.ratio),
+        "slowest_rank": info.slowest_rank,
+        "request": info.request,
+        "ranks": {
+            str(rank): {
+                "trace": held.trace,
+                "host": held.host,
+                "bytes": held.bytes,
+                "tracer": held.tracer,
+                "tracer_stats": held.tracer_stats,
+            }
+            for rank, held in sorted(info.ranks.items())
+        },
+        "missing_ranks": info.missing_ranks,
+    }
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return round(value, digits)
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=False)]
+    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(header, widths, strict=True))]
+    lines += [
+        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
+        for row in rows
+    ]
+    return [line.rstrip() for line in lines]
+
+
+def render_text(report: dict[str, Any]) -> str:
+    steps = report["steps"]
+    hosts = report["hosts"]
+    lines = [
+        f"run {report['run_id']}  ({report['run_dir']})",
+        f"  world size {report['world_size']}"
+        + (f" on {len(set(hosts))} host(s): {', '.join(sorted(set(hosts)))}" if hosts else "")
+        + f"   state: {report['state']}",
+        f"  steps: {steps['count']}   median {_fmt(steps['median_ms'])} ms"
+        f"   threshold {_fmt(steps['threshold_ms'])} ms"
+        + (f" ({steps['multiplier']} x median)" if steps.get("multiplier") else ""),
+    ]
+    tracer = report.get("tracer") or {}
+    if tracer.get("note"):
+        lines.append(f"  {tracer['note']}")
+    detector = report.get("detector") or {}
+    if detector:
+        lines.append(
+            f"  detector: {detector.get('judged', 0)} steps judged, "
+            f"{detector.get('anomalous', 0)} anomalous in {len(report.get('episodes') or [])} "
+            f"episode(s), {detector.get('captured', 0)} captured"
+            + (
+                f", {detector['skipped_budget']} over budget"
+                if detector.get("skipped_budget")
+                else ""
+            )
+            + (
+                f", {detector['anomalous_untraced']} while tracing was off"
+                if detector.get("anomalous_untraced")
+                else ""
+            )
+        )
+    state = report.get("capture_state") or {}
+    for key in ("capture_off", "consensus_error"):
+        if state.get(key):
+            lines.append(f"  capture stepped aside: {state[key]}")
+    lines.append("")
+    captures = report["captures"]
+    if not captures:
+        lines.append("no captures")
+    else:
+        rows = []
+        for capture in captures:
+            ranks = capture["ranks"]
+            first = next(iter(ranks.values()))["trace"] if ranks else "-"
+            expected = len(ranks) + len(capture["missing_ranks"])
+            rows.append(
+                [
+                    str(capture["step"]),
+                    ",".join(capture["kinds"]),
+                    _fmt(capture["step_ms"]),
+                    _fmt(capture["ratio"], 2),
+                    f"{len(ranks)}/{expected}",
+                    first,
+                ]
+            )
+        lines.append(f"captures ({len(captures)}):")
+        lines += [
+            "  " + line
+            for line in table(["step", "kind", "step ms", "x median", "ranks", "trace"], rows)
+        ]
+        for capture in captures:
+            if capture["missing_ranks"]:
+                missing = ",".join(str(r) for r in capture["missing_ranks"])
+                lines.append(f"  step {capture['step']}: no trace from rank(s) {missing}")
+    if report["problems"]:
+        lines.append("")
+        lines.append(f"problems ({len(report['problems'])}):")
+        lines += [f"  {problem}" for problem in report["problems"][:50]]
+        if len(report["problems"]) > 50:
+            lines.append(f"  ... {len(report['problems']) - 50} more")
+    return "\n".join(lines) + "\n"

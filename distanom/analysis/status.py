@@ -1,0 +1,149 @@
+"""`distanom status` and `distanom capture`: a view of a live job and requests to it.
+
+Reads the status file rank 0 of a job keeps fresh, and drives the request/response file
+protocol of `distanom.control` from the requesting side: submit, wait for the job's
+answer, then wait until every chosen rank has written its trace of the agreed steps.
+Never waits forever: a job that stops answering (stale heartbeat) or has finished is
+reported as such.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from distanom.analysis.report import table
+from distanom.control import (
+    job_alive,
+    parse_ranks,
+    read_response,
+    read_status,
+    submit_request,
+    validate_request,
+)
+from distanom.errors import CaptureRequestError
+from distanom.rundir import RunDir
+
+POLL_S = 0.2
+
+
+def render_status(run: RunDir, status: dict[str, Any]) -> str:
+    alive = job_alive(status)
+    state = status.get("state", "unknown")
+    if state == "running" and not alive:
+        age = time.time() - float(status.get("updated_at", 0))
+        state = f"not responding (last heartbeat {age:.0f} s ago)"
+    lines = [
+        f"run {run.run_id}: {state}",
+        f"  step {status.get('step')} (gathered up to {status.get('gathered_step')}),"
+        f" world size {status.get('world_size')}",
+        f"  step median {_ms(status.get('median_ms'))}, threshold {_ms(status.get('threshold_ms'))}",
+    ]
+    tracer = status.get("tracer") or {}
+    if tracer.get("note"):
+        lines.append(f"  {tracer['note']}")
+    overhead = tracer.get("overhead_pct")
+    if isinstance(overhead, (int, float)):
+        lines.append(f"  measured tracing overhead: {overhead:.2f}% of step time")
+    captures = status.get("captures") or {}
+    detector = status.get("detector") or {}
+    lines.append(
+        f"  anomalous steps {detector.get('anomalous', 0)}, captures written "
+        f"{captures.get('written', 0)} ({(captures.get('bytes') or 0) / 1e6:.1f} MB on rank 0)"
+    )
+    for key in ("capture_off", "consensus_error"):
+        if status.get(key):
+            lines.append(f"  capture stepped aside: {status[key]}")
+    recent = status.get("recent_ms") or {}
+    order = [str(r) for r in status.get("slowest_ranks") or []] + sorted(recent, key=int)
+    seen: list[str] = []
+    for rank in order:
+        if rank in recent and rank not in seen:
+            seen.append(rank)
+    if seen:
+        lines.append("  recent step times (ms), slowest ranks first:")
+        rows = [
+            [f"rank {rank}"] + [("-" if t is None else f"{t:.1f}") for t in recent[rank][-8:]]
+            for rank in seen[:16]
+        ]
+        lines += ["    " + line for line in table([""] * len(rows[0]), rows)[1:]]
+    return "\n".join(lines) + "\n"
+
+
+def _ms(value: Any) -> str:
+    return f"{value:.1f} ms" if isinstance(value, (int, float)) else "-"
+
+
+def request_capture(run_dir: str, n_steps: int, ranks_text: str | None, timeout_s: float) -> int:
+    run = RunDir.open(run_dir)
+    status = read_status(run)
+    if not job_alive(status):
+        state = (status or {}).get("state", "no status")
+        raise CaptureRequestError(f"{run.path}: the job is not running ({state}); nothing to ask")
+    assert status is not None
+    ranges = parse_ranks(ranks_text)
+    world_size = int(status.get("world_size") or 1)
+    validate_request(n_steps, ranges, world_size)
+    request_id = submit_request(run, n_steps, ranges)
+    deadline = time.monotonic() + timeout_s
+    response = _wait_response(run, request_id, deadline)
+    if response.get("status") != "accepted":
+        raise CaptureRequestError(f"request refused by the job: {response.get('reason')}")
+    steps = [int(s) for s in response.get("steps", [])]
+    ranks_field = response.get("ranks")
+    ranks = list(range(world_size)) if ranks_field == "all" else [int(r) for r in ranks_field]
+    print(
+        f"job accepted: capturing step(s) {steps[0]}-{steps[-1]} on rank(s) "
+        f"{'all' if ranks_field == 'all' else ','.join(map(str, ranks))}; waiting for the files",
+        flush=True,
+    )
+    written = _wait_files(run, str(response.get("request")), steps, ranks, deadline)
+    for step in steps:
+        for rank in ranks:
+            print(f"step {step} rank {rank}: {run.path / written[(step, rank)]}")
+    return 0
+
+
+def _wait_response(run: RunDir, request_id: str, deadline: float) -> dict[str, Any]:
+    while True:
+        response = read_response(run, request_id)
+        if response is not None:
+            return response
+        _check_alive(run, deadline, "before it answered the request")
+        time.sleep(POLL_S)
+
+
+def _wait_files(
+    run: RunDir, number: str, steps: list[int], ranks: list[int], deadline: float
+) -> dict[tuple[int, int], str]:
+    wanted = {(step, rank) for step in steps for rank in ranks}
+    found: dict[tuple[int, int], str] = {}
+    finished_seen_at: float | None = None
+    while True:
+        records, _ = run.read_index()
+        for record in records:
+            key = (record["step"], record["rank"])
+            if record.get("request") == number and record["event"] == "written" and key in wanted:
+                found[key] = str(record.get("trace"))
+        if wanted <= found.keys():
+            return found
+        status = read_status(run)
+        if not job_alive(status):
+            # the job may still be flushing its last captures for a moment after it ends
+            finished_seen_at = finished_seen_at or time.monotonic()
+            if time.monotonic() - finished_seen_at > 5.0:
+                missing = sorted(wanted - found.keys())
+                raise CaptureRequestError(
+                    f"the job ended before capturing everything; missing (step, rank): {missing}"
+                )
+        if time.monotonic() > deadline:
+            missing = sorted(wanted - found.keys())
+            raise CaptureRequestError(f"timed out; still missing (step, rank): {missing}")
+        time.sleep(POLL_S)
+
+
+def _check_alive(run: RunDir, deadline: float, when: str) -> None:
+    if not job_alive(read_status(run)):
+        raise CaptureRequestError(f"the job stopped {when}")
+    if time.monotonic() > deadline:
+        raise CaptureRequestError(f"timed out waiting for the job {when}")

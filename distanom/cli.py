@@ -1,0 +1,163 @@
+"""The `distanom` command: look at runs, traces and running jobs.
+
+    distanom report RUN_DIR [--json]          the run: steps, threshold, captures, per-rank tables
+    distanom analyze TRACE [--json]           gpu_timeline and kernel_summary of one trace
+    distanom status RUN_DIR [--json] [--watch] live state of a running job (or the final one)
+    distanom capture RUN_DIR [--steps N] [--ranks 0,3-5]
+                                              ask a running job to capture its next steps
+    distanom config [--defaults | --check FILE] [--set KEY=VALUE ...]
+
+RUN_DIR may be a run directory or the base directory (its `latest` run is used). Every
+user mistake (a missing file, a damaged trace, a bad flag) prints one line and exits
+with status 2; `main(argv)` returns the exit status, so tests call it in-process. This
+module never imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from distanom.errors import DistanomError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise DistanomError(f"{self.prog}: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="distanom", description="Inspect distanom runs, traces and live jobs.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    report = commands.add_parser("report", help="summarise a run directory")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("--json", action="store_true", help="machine-readable output")
+
+    analyze = commands.add_parser("analyze", help="tables of one trace file")
+    analyze.add_argument("trace", metavar="TRACE")
+    analyze.add_argument("--json", action="store_true", help="machine-readable output")
+    analyze.add_argument(
+        "--engine", choices=("auto", "builtin", "tracelens"), default="auto", help="table engine"
+    )
+
+    status = commands.add_parser("status", help="live state of a (running) job")
+    status.add_argument("run_dir", metavar="RUN_DIR")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--watch", nargs="?", type=float, const=2.0, metavar="SECONDS", help="refresh in place"
+    )
+
+    capture = commands.add_parser("capture", help="ask a running job to capture steps now")
+    capture.add_argument("run_dir", metavar="RUN_DIR")
+    capture.add_argument("--steps", type=int, default=1, help="how many steps (default 1)")
+    capture.add_argument("--ranks", default=None, help="e.g. 0,3-5 (default: every rank)")
+    capture.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for the files (default 120)"
+    )
+
+    config = commands.add_parser("config", help="print or check a configuration")
+    group = config.add_mutually_exclusive_group()
+    group.add_argument("--defaults", action="store_true", help="print every key at its default")
+    group.add_argument("--check", metavar="FILE", help="validate a YAML file")
+    config.add_argument(
+        "--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+        handler = _COMMANDS[args.command]
+        return handler(args)
+    except DistanomError as err:
+        print(f"distanom: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, allow_nan=False, default=str))
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from distanom.analysis.report import build_report, render_text
+    from distanom.analysis.run import load_run
+
+    report = build_report(load_run(args.run_dir))
+    if args.json:
+        _print_json(report)
+    else:
+        sys.stdout.write(render_text(report))
+    return 0
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from distanom.analysis.tables_io import analyze_for_cli
+
+    output = analyze_for_cli(args.trace, args.engine)
+    if args.json:
+        _print_json(output.as_json())
+    else:
+        sys.stdout.write(output.as_text())
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from distanom.analysis.status import render_status
+    from distanom.control import read_status
+    from distanom.rundir import RunDir
+
+    run = RunDir.open(args.run_dir)
+    while True:
+        status = read_status(run)
+        if status is None:
+            raise DistanomError(f"{run.path}: no status.json yet (has the job started?)")
+        if args.json:
+            _print_json(status)
+        else:
+            text = render_status(run, status)
+            if args.watch:
+                sys.stdout.write("\x1b[H\x1b[2J")  # clear and redraw in place
+            sys.stdout.write(text)
+        sys.stdout.flush()
+        if not args.watch or status.get("state") != "running":
+            return 0
+        time.sleep(max(0.2, args.watch))
+
+
+def _cmd_capture(args: argparse.Namespace) -> int:
+    from distanom.analysis.status import request_capture
+
+    return request_capture(args.run_dir, args.steps, args.ranks, args.timeout)
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from distanom.config import load_config, render_defaults_yaml
+
+    if args.check or args.overrides:
+        config = load_config(args.check, args.overrides)
+        if args.check:
+            print(f"{args.check}: valid")
+        else:
+            _print_json(config.model_dump(mode="json"))
+        return 0
+    sys.stdout.write(render_defaults_yaml())
+    return 0
+
+
+_COMMANDS = {
+    "report": _cmd_report,
+    "analyze": _cmd_analyze,
+    "status": _cmd_status,
+    "capture": _cmd_capture,
+    "config": _cmd_config,
+}

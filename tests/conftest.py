@@ -1,0 +1,69 @@
+"""Shared test helpers: repository paths and running real torchrun jobs on CPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TOY = REPO / "launch" / "toy_train.py"
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.update(extra)
+    return env
+
+
+def torchrun(
+    nproc: int,
+    launch_args: list[str],
+    script_args: list[str],
+    *,
+    cwd: Path,
+    timeout: float = 240,
+    extra_torchrun: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run `torchrun -m distanom.launch` with the toy script; returns the finished process."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *(extra_torchrun or ["--standalone"]),
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "distanom.launch",
+        *launch_args,
+        str(TOY),
+        *script_args,
+    ]
+    return subprocess.run(
+        command,
+        cwd=cwd,
+        env=env or job_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO

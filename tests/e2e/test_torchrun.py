@@ -1,0 +1,148 @@
+"""End to end: real torchrun jobs of the toy script on CPU (gloo), checked through the report."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distanom.cli import main as cli_main
+from tests.conftest import TOY, free_port, job_env, torchrun
+
+FAST = [
+    "--set", "detect.warmup_steps=5",
+    "--set", "detect.min_steps=15",
+    "--set", "detect.window_steps=60",
+]  # fmt: skip
+
+
+def report_json(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> dict:
+    capsys.readouterr()
+    assert cli_main(["report", str(run_dir), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_stalled_rank_steps_are_captured_on_every_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stalls = [40, 75]
+    done = torchrun(
+        4,
+        ["--run-dir", "runs", *FAST],
+        ["--steps", "100", "--stall-rank", "2", "--stall-steps", "40,75", "--stall-s", "0.6"],
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "toy_train: 100 steps done" in done.stdout
+    report = report_json(tmp_path / "runs", capsys)
+    assert report["world_size"] == 4 and report["state"] == "finished"
+    captures = {c["step"]: c for c in report["captures"]}
+    for step in stalls:
+        assert step in captures, sorted(captures)
+        capture = captures[step]
+        assert "anomaly" in capture["kinds"]
+        assert sorted(capture["ranks"]) == ["0", "1", "2", "3"]
+        assert capture["missing_ranks"] == []
+        assert capture["ratio"] > 5
+        for rank, entry in capture["ranks"].items():
+            path = Path(report["run_dir"]) / entry["trace"]
+            document = json.loads(gzip.decompress(path.read_bytes()))
+            assert document["distributedInfo"]["rank"] == int(rank)
+            assert document["distributedInfo"]["world_size"] == 4
+            assert document["distanom"]["step"] == step
+            names = {e.get("name") for e in document["traceEvents"]}
+            assert f"distanom step {step}" in names
+            assert any(e.get("cat") == "cpu_op" for e in document["traceEvents"])
+    steps_file = Path(report["run_dir"]) / "steps" / "rank2.csv"
+    rows = steps_file.read_text().splitlines()
+    assert rows[0] == "step,duration_ms,traced" and len(rows) >= 95
+    text = subprocess.run(
+        [sys.executable, "-m", "distanom", "report", str(tmp_path / "runs")],
+        capture_output=True, text=True, env=job_env(), check=True,
+    ).stdout  # fmt: skip
+    assert "captures (" in text and " 40 " in text
+
+
+def test_bad_config_stops_before_training_with_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("detect:\n  multiplier: -1\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "distanom.launch", "--config", str(bad), str(TOY), "--steps", "5"],
+        cwd=tmp_path, capture_output=True, text=True, env=job_env(), timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"distanom: {bad}: detect.multiplier: Input should be greater than 1 (got -1)"
+    ]
+    assert "toy_train" not in done.stdout and not (tmp_path / "runs").exists()
+    missing = subprocess.run(
+        [sys.executable, "-m", "distanom.launch", str(tmp_path / "nope.py")],
+        cwd=tmp_path, capture_output=True, text=True, env=job_env(), timeout=120, check=False,
+    )  # fmt: skip
+    assert missing.returncode == 2
+    assert "Traceback" not in missing.stderr
+    assert missing.stderr.strip().endswith("no such file")
+
+
+def test_bad_config_under_torchrun_prints_our_line_once_per_node(tmp_path: Path) -> None:
+    done = torchrun(2, ["--set", "tracer.backend=magic"], ["--steps", "5"], cwd=tmp_path)
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if line.startswith("distanom:")]
+    assert len(ours) == 1 and "tracer.backend" in ours[0]
+    assert "distanom/launch.py" not in done.stderr  # no traceback from our code
+
+
+def test_script_exit_code_and_argv_are_preserved(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "distanom.launch", "--run-dir", "r", str(TOY),
+         "--steps", "3", "--exit-code", "3"],
+        cwd=tmp_path, capture_output=True, text=True, env=job_env(), timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert "toy_train: 3 steps done" in done.stdout
+
+
+def test_unwritable_run_dir_warns_and_training_finishes(tmp_path: Path) -> None:
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the run directory should be")
+    done = torchrun(
+        2,
+        ["--run-dir", str(blocker / "runs"), *FAST],
+        ["--steps", "60", "--stall-rank", "1", "--stall-steps", "40", "--stall-s", "0.3"],
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "toy_train: 60 steps done" in done.stdout
+    warnings = [line for line in done.stderr.splitlines() if "capture steps aside" in line]
+    assert len(warnings) == 2  # once per rank
+    assert all("cannot create run directory" in w or "could not create" in w for w in warnings)
+
+
+def test_two_nodes_share_one_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()
+    common = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+              "--rdzv-id=twonode"]  # fmt: skip
+    launch = ["--run-dir", "runs", *FAST]
+    script = ["--steps", "70", "--stall-rank", "1", "--stall-steps", "45", "--stall-s", "0.5"]
+    nodes = []
+    for node in range(2):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", *common, f"--node-rank={node}",
+            "--nproc-per-node=1", "-m", "distanom.launch", *launch, str(TOY), *script,
+        ]  # fmt: skip
+        nodes.append(
+            subprocess.Popen(
+                command, cwd=tmp_path, env=job_env(), stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+        )
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:]
+    report = report_json(tmp_path / "runs", capsys)
+    assert report["world_size"] == 2
+    captures = {c["step"]: c for c in report["captures"]}
+    assert 45 in captures and sorted(captures[45]["ranks"]) == ["0", "1"]

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from distanom.config import CaptureConfig, DetectConfig
+from distanom.consensus import (
+    FLAG_CAPTURE_OFF,
+    CaptureRequest,
+    LocalRound,
+    RoundBuilder,
+    decide,
+    decode_round,
+    encode_round,
+    recent_times,
+)
+from distanom.detect import Detector
+
+
+def gathered(rows: list[LocalRound], batch: int) -> torch.Tensor:
+    return torch.stack([encode_round(row, batch) for row in rows])
+
+
+def test_round_trip_of_a_gathered_matrix() -> None:
+    request = CaptureRequest(3, 2, ((1, 1), (3, 4)))
+    rows = [
+        LocalRound(5, (10.0, 11.0, 12.0), (True, True, False), 0, request),
+        LocalRound(5, (10.5, math.nan, 30.0), (True, True, True), FLAG_CAPTURE_OFF),
+    ]
+    result = decode_round(gathered(rows, 4), 4)
+    assert [s.step for s in result.samples] == [5, 6, 7]
+    assert result.samples[0].times_ms == (10.0, 10.5)
+    assert math.isnan(result.samples[1].times_ms[1])
+    assert [s.traced for s in result.samples] == [True, True, False]  # AND across ranks
+    assert result.request == request
+    assert result.ranks_with(FLAG_CAPTURE_OFF) == [1]
+    assert request.ranks(4) == (1, 3)  # rank 4 does not exist in a 4-rank job
+
+
+def test_malformed_rows_are_refused() -> None:
+    matrix = gathered([LocalRound(1, (1.0,), (True,))], 2)
+    with pytest.raises(ValueError, match="shape"):
+        decode_round(matrix, 3)
+    matrix[0, 0] = 1.0
+    with pytest.raises(ValueError, match="malformed"):
+        decode_round(matrix, 2)
+    with pytest.raises(ValueError):
+        encode_round(LocalRound(1, (1.0, 2.0, 3.0), (True, True, True)), 2)
+
+
+def test_requests_schedule_the_steps_after_the_round() -> None:
+    detector = Detector(DetectConfig(min_steps=3, window_steps=10), CaptureConfig())
+    request = CaptureRequest(9, 2, ((0, 0),))
+    rows = [LocalRound(10, (5.0, 5.0), (True, True), 0, request), LocalRound(10, (5.0, 5.0), (True, True))]
+    decisions = decide(decode_round(gathered(rows, 2), 2), detector, world_size=2)
+    assert [(d.step, d.kind, d.ranks, d.request_id) for d in decisions] == [
+        (12, "requested", (0,), "9"),
+        (13, "requested", (0,), "9"),
+    ]
+
+
+def test_round_builder_fills_gaps_with_nan_and_keeps_order() -> None:
+    builder = RoundBuilder(batch_steps=3)
+    builder.add(1, 10.0, True)
+    builder.add(2, 11.0, True)
+    assert not builder.ready()
+    builder.add(4, 13.0, False)  # step 3's boundary was lost
+    assert builder.ready()
+    first = builder.take()
+    assert first.first_step == 1 and first.durations_ms[:2] == (10.0, 11.0)
+    assert math.isnan(first.durations_ms[2])
+    assert not builder.ready() and builder.pending_steps() == 1
+    last = builder.take(final=True)
+    assert last.first_step == 4 and last.durations_ms == (13.0,) and last.traced == (False,)
+
+
+def test_recent_times_per_rank() -> None:
+    rows = [LocalRound(1, (1.0, 2.0), (True, True)), LocalRound(1, (3.0, math.nan), (True, True))]
+    samples = decode_round(gathered(rows, 2), 2).samples
+    assert recent_times(samples, 1) == {0: [2.0], 1: [None]}

@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+import math
+import random
+
+from distanom.config import CaptureConfig, DetectConfig
+from distanom.detect import Detector, StepSample
+
+
+def make(
+    detect: dict | None = None, capture: dict | None = None
+) -> Detector:
+    base_detect = {"warmup_steps": 0, "min_steps": 10, "window_steps": 50, "merge_gap_steps": 2}
+    base_capture = {"reference_every_steps": 0}
+    return Detector(
+        DetectConfig(**{**base_detect, **(detect or {})}),
+        CaptureConfig(**{**base_capture, **(capture or {})}),
+    )
+
+
+def feed(detector: Detector, times: list[float], ranks: int = 2, traced: bool = True) -> list:
+    decisions = []
+    for step, t in enumerate(times):
+        decisions += detector.observe(StepSample(step, tuple([t] * ranks), traced))
+    return decisions
+
+
+def test_threshold_is_multiplier_times_median_of_same_condition() -> None:
+    detector = make()
+    decisions = feed(detector, [10.0] * 20 + [14.9, 15.1, 10.0])
+    assert [d.step for d in decisions] == [21]
+    assert detector.median_ms == 10.0
+    assert math.isclose(detector.threshold_ms, 15.0)
+    assert decisions[0].kind == "anomaly" and math.isclose(decisions[0].ratio, 1.51)
+
+
+def test_nothing_judged_during_warmup_or_before_min_steps() -> None:
+    detector = make({"warmup_steps": 5, "min_steps": 10})
+    times = [100.0] * 5 + [10.0] * 9 + [100.0]  # step 14: only 9 steps in the window
+    assert feed(detector, times) == []
+    assert detector.counts.judged == 0
+
+
+def test_slowest_rank_defines_the_step_and_is_reported() -> None:
+    detector = make()
+    for step in range(20):
+        detector.observe(StepSample(step, (10.0, 10.0, 10.0), True))
+    decisions = detector.observe(StepSample(20, (10.0, 10.0, 40.0), True))
+    assert decisions[0].slowest_rank == 2 and decisions[0].step_ms == 40.0
+
+
+def test_nan_ranks_are_ignored() -> None:
+    detector = make()
+    for step in range(20):
+        detector.observe(StepSample(step, (10.0, math.nan), True))
+    assert detector.observe(StepSample(20, (math.nan, 30.0), True))[0].slowest_rank == 1
+    assert detector.observe(StepSample(21, (math.nan, math.nan), True)) == []
+
+
+def test_persistent_slowdown_is_one_episode_with_a_count() -> None:
+    detector = make({"window_steps": 40})
+    decisions = feed(detector, [10.0] * 20 + [30.0] * 15)
+    assert len([d for d in decisions if d.kind == "anomaly"]) == 1
+    assert len(detector.episodes) == 1
+    assert detector.episodes[0].steps >= 10
+    # the window adapts: the new normal stops being anomalous
+    later = feed_from(detector, 35, [30.0] * 40)
+    assert later == [] and detector.median_ms == 30.0
+
+
+def feed_from(detector: Detector, start: int, times: list[float]) -> list:
+    out = []
+    for offset, t in enumerate(times):
+        out += detector.observe(StepSample(start + offset, (t, t), True))
+    return out
+
+
+def test_much_worse_step_inside_an_episode_is_still_captured() -> None:
+    detector = make({"merge_gap_steps": 5})
+    decisions = feed(detector, [10.0] * 20 + [16.0, 10.0, 16.0, 10.0, 200.0])
+    assert [d.step for d in decisions] == [20, 24]
+    assert detector.episodes[0].steps == 3
+
+
+def test_untraced_anomalies_are_counted_not_captured() -> None:
+    detector = make()
+    feed(detector, [10.0] * 20)
+    assert feed_from(detector, 20, []) == []
+    for step in range(20, 40):
+        detector.observe(StepSample(step, (12.0, 12.0), False))  # untraced baseline
+    assert detector.observe(StepSample(40, (40.0, 40.0), False)) == []
+    assert detector.counts.anomalous_untraced == 1
+    # an untraced slow step is judged against untraced steps only
+    assert detector.observe(StepSample(41, (16.0, 16.0), False)) == []
+
+
+def test_budget_keeps_the_most_severe_and_says_what_it_replaces() -> None:
+    detector = make({"merge_gap_steps": 0}, {"max_captures": 2})
+    times = [10.0] * 20
+    for ratio in (2.0, 3.0, 2.5, 6.0, 1.8):
+        times += [10.0 * ratio, 10.0, 10.0]
+    decisions = feed(detector, times)
+    captured = [(d.step, round(d.ratio, 1), d.replaces) for d in decisions]
+    # 2.0 and 3.0 fill the budget; 2.5 replaces 2.0; 6.0 replaces 2.5; 1.8 is refused
+    assert captured == [(20, 2.0, None), (23, 3.0, None), (26, 2.5, 20), (29, 6.0, 26)]
+    assert detector.kept_anomalies.keys() == {23, 29}
+    assert detector.counts.skipped_budget == 1
+
+
+def test_min_gap_between_captures() -> None:
+    detector = make({"merge_gap_steps": 0}, {"min_gap_steps": 10})
+    decisions = feed(detector, [10.0] * 20 + [30.0, 10.0, 10.0, 30.0] + [10.0] * 10 + [30.0])
+    assert [d.step for d in decisions] == [20, 34]
+    assert detector.counts.skipped_min_gap == 1
+
+
+def test_reference_steps_are_typical_and_replace_each_other() -> None:
+    detector = make(capture={"reference_every_steps": 10})
+    decisions = feed(detector, [10.0] * 45)
+    references = [d for d in decisions if d.kind == "reference"]
+    assert [d.step for d in references] == [10, 20, 30, 40]
+    assert [d.replaces for d in references] == [None, 10, 20, 30]
+
+
+def test_same_input_same_decisions_on_every_rank() -> None:
+    rng = random.Random(7)
+    times = [10.0 + rng.random() * 3 + (50.0 if rng.random() < 0.03 else 0.0) for _ in range(500)]
+    runs = [
+        [(d.step, d.kind, d.replaces) for d in feed(make(capture={"max_captures": 3}), times)]
+        for _ in range(3)
+    ]
+    assert runs[0] == runs[1] == runs[2]
+    assert any(kind == "anomaly" for _, kind, _ in runs[0])

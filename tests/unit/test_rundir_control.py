@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from distanom.control import (
+    answer,
+    job_alive,
+    parse_ranks,
+    pending_requests,
+    read_response,
+    submit_request,
+    validate_request,
+    write_status,
+)
+from distanom.errors import CaptureRequestError, RunDirError
+from distanom.rundir import RunDir, create_run, update_latest, write_json_atomic
+
+
+def new_run(tmp_path: Path) -> RunDir:
+    path = create_run(tmp_path / "runs", "demo")
+    write_json_atomic(path / "run.json", {"world_size": 4})
+    return RunDir(path)
+
+
+def test_run_ids_are_unique_and_latest_follows(tmp_path: Path) -> None:
+    base = tmp_path / "runs"
+    first = create_run(base, "job")
+    second = create_run(base, "job")
+    assert first != second and first.name.startswith("job-") and second.is_dir()
+    update_latest(base, first)
+    update_latest(base, second)
+    assert (base / "latest").resolve() == second.resolve()
+    write_json_atomic(second / "run.json", {})
+    assert RunDir.open(base).path == second.resolve()
+
+
+def test_open_refuses_non_run_directories(tmp_path: Path) -> None:
+    with pytest.raises(RunDirError, match="no such run directory"):
+        RunDir.open(tmp_path / "absent")
+    with pytest.raises(RunDirError, match="not a distanom run directory"):
+        RunDir.open(tmp_path)
+
+
+def test_files_honour_the_umask_and_nothing_is_world_writable(tmp_path: Path) -> None:
+    run = new_run(tmp_path)
+    write_json_atomic(run.path / "x.json", {"a": 1})
+    run.append_index({"event": "written", "step": 1, "rank": 0, "trace": "t"})
+    for path in (run.path / "x.json", run.index_path, run.path):
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        assert not mode & stat.S_IWOTH, path
+    assert stat.S_IMODE(os.stat(run.path / "x.json").st_mode) & stat.S_IRUSR
+
+
+def test_index_survives_damaged_lines(tmp_path: Path) -> None:
+    run = new_run(tmp_path)
+    run.append_index({"event": "written", "step": 3, "rank": 0, "trace": "a"})
+    with open(run.index_path, "a") as handle:
+        handle.write('{"event": "written", "step": 4, "ra\n')  # truncated by a crash
+        handle.write('{"event": "written", "step": -1, "rank": 0}\n')
+        handle.write("[1, 2]\n")
+    run.append_index({"event": "dropped", "step": 3, "rank": 0})
+    records, problems = run.read_index()
+    assert [r["event"] for r in records] == ["written", "dropped"]
+    assert [p.line for p in problems] == [2, 3, 4]
+
+
+def test_paths_from_files_cannot_escape(tmp_path: Path) -> None:
+    run = new_run(tmp_path)
+    assert run.inside("captures/step_1/rank0.trace.json.gz").is_relative_to(run.path)
+    for evil in ("../../etc/passwd", "/etc/passwd", "", "a\x00b"):
+        with pytest.raises(RunDirError):
+            run.inside(evil)
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path: Path) -> None:
+    run = new_run(tmp_path)
+    target = run.path / "big.json"
+
+    class Boom:
+        pass
+
+    with pytest.raises(TypeError):
+        write_json_atomic(target, {"x": Boom()})
+    assert not target.exists()
+    assert [p for p in run.path.iterdir() if p.name.startswith(".big")] == []
+
+
+def test_parse_ranks() -> None:
+    assert parse_ranks(None) == ()
+    assert parse_ranks("all") == ()
+    assert parse_ranks("3,0,4-5,1") == ((0, 1), (3, 5))
+    for bad, match in (("a", "not a rank"), ("5-3", "backwards"), ("-1", "not a rank")):
+        with pytest.raises(CaptureRequestError, match=match):
+            parse_ranks(bad)
+    with pytest.raises(CaptureRequestError, match="at most 8"):
+        parse_ranks(",".join(str(2 * i) for i in range(9)))
+
+
+def test_validate_request() -> None:
+    validate_request(2, ((0, 3),), 4)
+    with pytest.raises(CaptureRequestError, match="rank 7 does not exist"):
+        validate_request(1, ((7, 7),), 4)
+    with pytest.raises(CaptureRequestError, match="--steps"):
+        validate_request(0, (), 4)
+    with pytest.raises(CaptureRequestError, match="--steps"):
+        validate_request(10_000, (), 4)
+
+
+def test_request_response_protocol(tmp_path: Path) -> None:
+    run = new_run(tmp_path)
+    first = submit_request(run, 2, ((1, 1),))
+    time.sleep(1.1)  # ids sort by time: the second must come after the first
+    second = submit_request(run, 1, ())
+    (run.requests_dir / "junk.json").write_text("not a request")
+    pending = pending_requests(run)
+    assert [p.request_id for p in pending] == [first, second]
+    assert pending[0].n_steps == 2 and pending[0].ranges == ((1, 1),)
+    answer(run, first, {"status": "accepted", "steps": [5, 6]})
+    assert read_response(run, first) == {"status": "accepted", "steps": [5, 6]}
+    assert [p.request_id for p in pending_requests(run)] == [second]
+    # a malformed request file is answered, not retried forever
+    broken = second.replace(second[-8:], "deadbeef")
+    (run.requests_dir / f"{broken}.json").write_text("{")
+    pending_requests(run)
+    assert json.loads((run.requests_dir / f"{broken}.response.json").read_text())["status"] == "refused"
+
+
+def test_job_alive_needs_a_fresh_running_heartbeat(tmp_path: Path) -> None:
+    run = new_run(tmp_path)
+    write_status(run, {"state": "running", "status_interval_s": 1.0})
+    status = json.loads(run.status_json.read_text())
+    assert job_alive(status)
+    assert not job_alive(status, now=status["updated_at"] + 120)
+    assert not job_alive({**status, "state": "finished"})
+    assert not job_alive(None)
