@@ -253,11 +253,6 @@ def _place(value: Any) -> int | str:
     return "" if value is None else str(value)
 
 
-def _key(value: Any) -> Any:
-    """A link key or flow id usable in a dict: scalars as they are, anything else None."""
-    return value if isinstance(value, (int, float, str)) else None
-
-
 def _number(value: Any) -> bool:
     """A finite JSON number (bool excluded)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -295,8 +290,11 @@ def trace_from_document(doc: Mapping[str, Any], source: str) -> Trace:
         bad = next(i for i, e in enumerate(events) if not isinstance(e, dict))
         raise _fail(source, f"traceEvents[{bad}] is not an object") from None
 
-    links = _link_categories(runtime, flows, gpu)
-    gpu_events = tuple(_gpu_event(source, e, link) for e, link in zip(gpu, links, strict=True))
+    try:
+        links = _LinkTables.build(runtime, flows)
+        gpu_events = tuple([_gpu_event(source, e, links) for e in gpu])
+    except TypeError:  # an id, correlation or pid that is a list/object: unhashable
+        raise _fail(source, "an event id/correlation/pid is not a scalar") from None
     host_events = tuple(
         HostEvent(
             e["cat"],
@@ -328,30 +326,46 @@ def _args(event: Mapping[str, Any]) -> Mapping[str, Any]:
     return args if isinstance(args, dict) else {}
 
 
-def _gpu_event(source: str, e: Mapping[str, Any], link: str | None) -> GpuEvent:
+_NUMBER_TYPES = (int, float)
+
+
+def _gpu_event(source: str, e: Mapping[str, Any], links: _LinkTables) -> GpuEvent:
     ts: Any = e.get("ts")
     dur: Any = e.get("dur")
-    if not (_number(ts) and _number(dur)) or dur < 0:
+    if not (
+        type(ts) in _NUMBER_TYPES
+        and type(dur) in _NUMBER_TYPES
+        and dur >= 0
+        and math.isfinite(ts)
+        and math.isfinite(dur)
+    ):
         raise _fail(
             source,
             f"{e.get('cat')} event {str(e.get('name'))[:60]!r} has no valid ts/dur "
             f"(ts={ts!r}, dur={dur!r})",
         )
-    args = _args(e)
+    args = e.get("args")
+    if type(args) is not dict:
+        args = {}
     name = e.get("name")
-    device = _optional_int(args.get("device"))
-    if device is None:
-        device = _optional_int(e.get("pid"))
+    device = args.get("device")
+    if type(device) is not int:
+        device = _optional_int(device)
+        if device is None:
+            device = _optional_int(e.get("pid"))
+    stream = args.get("stream")
+    correlation = args.get("correlation")
+    external_id = args.get("External id")
     return GpuEvent(
         cat=e["cat"],
-        name=name if isinstance(name, str) else str(name),
+        name=name if type(name) is str else str(name),
         ts=ts,
         dur=dur,
-        stream=_optional_int(args.get("stream")),
+        stream=stream if type(stream) is int else _optional_int(stream),
         device=device,
-        correlation=_optional_int(args.get("correlation")),
-        external_id=_optional_int(args.get("External id")),
-        link=link,
+        correlation=correlation if type(correlation) is int else _optional_int(correlation),
+        external_id=external_id if type(external_id) is int else _optional_int(external_id),
+        link=links.category(e, correlation if links.key == "correlation" else external_id),
     )
 
 
@@ -364,53 +378,61 @@ def _link_key(runtime: Sequence[Mapping[str, Any]]) -> str:
     return "correlation"
 
 
-def _link_categories(
-    runtime: Sequence[Mapping[str, Any]],
-    flows: Sequence[Mapping[str, Any]],
-    gpu: Sequence[Mapping[str, Any]],
-) -> list[str | None]:
-    """For each GPU event, the category of the launch linked to it (None: unlinked).
+@dataclass(frozen=True)
+class _LinkTables:
+    """Which GPU events a runtime/driver call is linked to (reference §4).
 
-    A runtime/driver call with key value X is linked to the GPU events with the same X
-    at the pid/tid of the flow-end event (`ac2g`, `ph` f, `id` X), when both flow ends
-    exist; a call named exactly cudaGraphLaunch/hipGraphLaunch is linked to every GPU
-    event with key X. Launcher names containing "cudagraph"/"graphlaunch" give "graph",
-    any other "runtime".
+    A call with key value X is linked to the GPU events with the same X at the pid/tid
+    of a flow-end event (`ac2g`, `ph` f, `id` X), when the flow start (`ph` s, `id` X)
+    exists too; a call named exactly cudaGraphLaunch/hipGraphLaunch is linked to every
+    GPU event with key X. Launcher names containing "cudagraph"/"graphlaunch" give the
+    category "graph", any other "runtime". The key is `correlation` when the first
+    launch call carries it, else `External id`.
     """
-    if not runtime:
-        return [None] * len(gpu)
-    key = _link_key(runtime)
-    starts: set[Any] = set()
-    ends: dict[Any, list[tuple[Any, Any]]] = {}
-    for f in flows:
-        ph = f.get("ph")
-        if ph == "s":
-            starts.add(_key(f.get("id")))
-        elif ph == "f":
-            ends.setdefault(_key(f.get("id")), []).append((_key(f.get("pid")), _key(f.get("tid"))))
-    by_key: dict[Any, str] = {}
-    by_place: dict[tuple[Any, Any, Any], str] = {}
-    for r in runtime:
-        x = _key(_args(r).get(key))
+
+    key: str
+    by_flow: dict[Any, str]
+    """key value → category, for calls with a complete flow pair"""
+    by_key: dict[Any, str]
+    """key value → category, for graph launches (no flow needed)"""
+    flow_ends: set[tuple[Any, Any, Any]]
+    """(pid, tid, id) of every flow-end event"""
+
+    @classmethod
+    def build(
+        cls, runtime: Sequence[Mapping[str, Any]], flows: Sequence[Mapping[str, Any]]
+    ) -> _LinkTables:
+        key = _link_key(runtime)
+        by_flow: dict[Any, str] = {}
+        by_key: dict[Any, str] = {}
+        if not runtime:
+            return cls(key, by_flow, by_key, set())
+        starts = {f.get("id") for f in flows if f.get("ph") == "s"}
+        ends = {(f.get("pid"), f.get("tid"), f.get("id")) for f in flows if f.get("ph") == "f"}
+        end_ids = {x for _, _, x in ends}
+        for r in runtime:
+            x = _args(r).get(key)
+            if x is None:
+                continue
+            name = r.get("name")
+            name = name if isinstance(name, str) else ""
+            lowered = name.lower()
+            category = "graph" if "cudagraph" in lowered or "graphlaunch" in lowered else "runtime"
+            if name in _GRAPH_LAUNCHERS:
+                by_key[x] = category
+            elif x in starts and x in end_ids:
+                by_flow[x] = category
+        return cls(key, by_flow, by_key, ends)
+
+    def category(self, event: Mapping[str, Any], x: Any) -> str | None:
+        """Category of the call linked to GPU event `event` whose key value is `x`."""
         if x is None:
-            continue
-        name = r.get("name")
-        name = name if isinstance(name, str) else ""
-        lowered = name.lower()
-        category = "graph" if "cudagraph" in lowered or "graphlaunch" in lowered else "runtime"
-        if name in _GRAPH_LAUNCHERS:
-            by_key[x] = category
-        elif x in starts and x in ends:
-            for pid, tid in ends[x]:
-                by_place[(pid, tid, x)] = category
-    result: list[str | None] = []
-    for e in gpu:
-        x = _key(_args(e).get(key))
-        if x is None:
-            result.append(None)
-            continue
-        link = by_key.get(x)
-        if link is None:
-            link = by_place.get((_key(e.get("pid")), _key(e.get("tid")), x))
-        result.append(link)
-    return result
+            return None
+        category = self.by_key.get(x)
+        if (
+            category is None
+            and x in self.by_flow
+            and (event.get("pid"), event.get("tid"), x) in self.flow_ends
+        ):
+            category = self.by_flow[x]
+        return category
