@@ -27,6 +27,7 @@ import gzip
 import json
 import math
 import os
+import threading
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,9 @@ _RUNTIME_CATEGORIES = frozenset(("cuda_runtime", "cuda_driver"))
 _GRAPH_LAUNCHERS = frozenset(("cudaGraphLaunch", "hipGraphLaunch"))
 _GZIP_MAGIC = b"\x1f\x8b"
 _READ_CHUNK = 1 << 20
+_GC_LOCK = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = False
 
 
 class GpuEvent(NamedTuple):
@@ -118,15 +122,18 @@ def _fail(source: str | os.PathLike[str], problem: str) -> TraceFormatError:
     return TraceFormatError(f"{os.fspath(source)}: {problem}")
 
 
-def _read_capped(path: Path, max_bytes: int) -> bytes:
-    """The file's JSON text: gunzipped when it starts with the gzip magic, at most max_bytes."""
+def _read_capped(path: Path, max_bytes: int) -> tuple[bytes, bool]:
+    """The file's JSON text (gunzipped when it starts with the gzip magic, at most
+    max_bytes) and whether it was gzip."""
     try:
         with path.open("rb") as raw:
             magic = raw.read(2)
             raw.seek(0)
             if magic == _GZIP_MAGIC:
-                return _gunzip_capped(path, raw, max_bytes)
-            data = raw.read(max_bytes + 1)
+                return _gunzip_capped(path, raw, max_bytes), True
+            if os.fstat(raw.fileno()).st_size > max_bytes:
+                raise _fail(path, f"larger than the limit of {max_bytes} bytes")
+            data = raw.read(max_bytes + 1)  # bounded again: the file may be growing
     except FileNotFoundError:
         raise _fail(path, "no such file") from None
     except IsADirectoryError:
@@ -135,7 +142,7 @@ def _read_capped(path: Path, max_bytes: int) -> bytes:
         raise _fail(path, f"cannot be read ({err.strerror or err})") from None
     if len(data) > max_bytes:
         raise _fail(path, f"larger than the limit of {max_bytes} bytes")
-    return data
+    return data, False
 
 
 def _gunzip_capped(path: Path, raw: Any, max_bytes: int) -> bytes:
@@ -179,7 +186,7 @@ def read_trace_document(
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     p = Path(path)
-    text = _read_capped(p, max_bytes)
+    text, is_gzip = _read_capped(p, max_bytes)
     try:
         with _gc_paused():
             doc = json.loads(text, parse_constant=_reject_constant)
@@ -188,8 +195,9 @@ def read_trace_document(
     except (UnicodeDecodeError, ValueError) as err:
         problem = str(err).splitlines()[0] if str(err) else type(err).__name__
         if not text.strip():
-            problem = "file is empty"
-        raise _fail(p, f"not gzip and not valid JSON ({problem})") from None
+            problem = "no content"
+        what = "gzip content is not valid JSON" if is_gzip else "not gzip and not valid JSON"
+        raise _fail(p, f"{what} ({problem})") from None
     del text
     if not isinstance(doc, dict):
         raise _fail(p, f"top level is a JSON {_json_type(doc)}, not an object")
@@ -217,13 +225,19 @@ def _gc_paused() -> Iterator[None]:
     freed by reference counting once dropped. The switch is process-wide: other threads
     just see no cyclic collection for the fraction of a second a load takes.
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
+    global _gc_pauses, _gc_was_enabled
+    with _GC_LOCK:  # concurrent or nested loads: the last one out restores the GC
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _GC_LOCK:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 def _json_type(value: Any) -> str:

@@ -127,12 +127,12 @@ def test_golden_kernel_summary(golden: tuple[dict[str, Any], Timeline, list[Any]
             acc[5] += r[PCT_T]
         return out
 
-    got, exp = collapse(rows), collapse(want)
-    assert got.keys() == exp.keys()
-    assert sum(1 for linked, _, _ in got if not linked) > 0
-    for key, values in exp.items():
-        assert got[key][1] == values[1], key
-        assert all(close(a, b) for a, b in zip(got[key], values, strict=True)), key
+    mine, theirs = collapse(rows), collapse(want)
+    assert mine.keys() == theirs.keys()
+    assert sum(1 for linked, _, _ in mine if not linked) > 0
+    for key, values in theirs.items():
+        assert mine[key][1] == values[1], key
+        assert all(close(a, b) for a, b in zip(mine[key], values, strict=True)), key
     assert {r["Parent op category"] for r in rows} == {"runtime", None}
 
 

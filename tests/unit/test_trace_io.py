@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import time
@@ -155,11 +156,23 @@ def test_not_json(tmp_path: Path) -> None:
 
 def test_gzip_of_not_json(tmp_path: Path) -> None:
     path = _write(tmp_path / "t.json.gz", gzip.compress(b"\x00\x01 not json"))
-    assert "not valid JSON" in _error(path)
+    assert "gzip content is not valid JSON" in _error(path)
 
 
 def test_empty_file(tmp_path: Path) -> None:
-    assert "empty" in _error(_write(tmp_path / "t.json", b""))
+    assert "not valid JSON (no content)" in _error(_write(tmp_path / "t.json", b""))
+
+
+def test_gc_is_restored_after_loads() -> None:
+    assert gc.isenabled()
+    load_trace(H200)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        load_trace(H200)
+        assert not gc.isenabled()  # a caller's choice is kept
+    finally:
+        gc.enable()
 
 
 def test_nan_constant_rejected(tmp_path: Path) -> None:
