@@ -33,3 +33,7 @@ class CaptureRequestError(DistanomError):
 
 class TracerUnavailableError(DistanomError):
     """A tracer backend cannot run here (no GPU, no CUPTI, CUPTI already in use...)."""
+
+
+class AnalysisEngineError(DistanomError):
+    """The requested analysis engine cannot run (TraceLens not importable, or it failed)."""
