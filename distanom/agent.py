@@ -116,6 +116,9 @@ class Agent:
     def install(self) -> None:
         global _ACTIVE
         _ACTIVE = self
+        from distanom.analysis import trace_io
+
+        trace_io.PAUSE_GC_DURING_LOAD = False  # never touch the GC of the training process
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._hook_handle = register_optimizer_step_post_hook(self._on_optimizer_step)

@@ -64,9 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     group = config.add_mutually_exclusive_group()
     group.add_argument("--defaults", action="store_true", help="print every key at its default")
     group.add_argument("--check", metavar="FILE", help="validate a YAML file")
-    config.add_argument(
-        "--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE"
-    )
+    config.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
     return parser
 
 

@@ -164,19 +164,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     from distanom.agent import Agent  # torch is imported only once the input is valid
 
     argv_for_run = [args.script or f"-m {args.module}", *args.script_args]
-    agent: Agent | None = Agent(config, world, Path(args.run_dir), argv=argv_for_run)
+    agent = Agent(config, world, Path(args.run_dir), argv=argv_for_run)
+    installed = True
     try:
         agent.install()
     except Exception as err:  # distanom must never keep the script from running
         log.warning("cannot install the agent (%s); running the script without distanom", err)
-        agent = None
+        installed = False
     code = 0
     try:
         _run_script(args)
     except SystemExit as exit_request:
         code = _exit_code(exit_request.code)
     finally:
-        if agent is not None:
+        if installed:
             agent.close()
     return code
 

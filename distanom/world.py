@@ -12,6 +12,7 @@ This is the only module that imports torch.distributed.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -138,10 +139,8 @@ class AgentGroup:
         gloo's threads can be torn down out of order and abort the process."""
         pg, self._pg = self._pg, None
         if pg is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort: the process is exiting
                 pg.shutdown()
-            except Exception:  # noqa: S110 - best effort; the process is exiting anyway
-                pass
             del pg
         self._store = None
 

@@ -7,13 +7,17 @@ it as text tables. The dict is the contract for machines; the text is for people
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 from distanom.analysis.run import CaptureInfo, RunData, load_steps
+from distanom.analysis.tables_io import BREAKDOWN_ROWS, rank_tables, timeline_json
+from distanom.errors import DistanomError
+from distanom.rundir import write_json_atomic
 
 
-def build_report(data: RunData) -> dict[str, Any]:
+def build_report(data: RunData, *, engine: str = "auto") -> dict[str, Any]:
     series = load_steps(data)
     status = data.status or {}
     median = series.median_ms()
@@ -43,7 +47,7 @@ def build_report(data: RunData) -> dict[str, Any]:
             "capture_off": status.get("capture_off"),
             "consensus_error": status.get("consensus_error"),
         },
-        "captures": [_capture_json(data, info) for info in data.captures],
+        "captures": [_capture_json(data, info, engine) for info in data.captures],
         "problems": list(data.problems),
     }
     return report
@@ -59,8 +63,8 @@ def _state(status: dict[str, Any]) -> str:
     return str(status.get("state"))
 
 
-def _capture_json(data: RunData, info: CaptureInfo) -> dict[str, Any]:
-    return {
+def _capture_json(data: RunData, info: CaptureInfo, engine: str) -> dict[str, Any]:
+    capture = {
         "step": info.step,
         "kinds": sorted(info.kinds),
         "step_ms": info.step_ms,
@@ -81,6 +85,51 @@ def _capture_json(data: RunData, info: CaptureInfo) -> dict[str, Any]:
         },
         "missing_ranks": info.missing_ranks,
     }
+    _add_tables(data, info, capture, engine)
+    _write_summary(data, info, capture)
+    return capture
+
+
+def _add_tables(data: RunData, info: CaptureInfo, capture: dict[str, Any], engine: str) -> None:
+    """Each rank's gpu_timeline (or host breakdown on CPU-only runs) into the capture."""
+    for rank, held in sorted(info.ranks.items()):
+        entry = capture["ranks"][str(rank)]
+        trace = data.run.path / held.trace
+        if not trace.is_file():
+            continue
+        try:
+            tables = rank_tables(data.run, info.step, rank, trace, engine)
+        except DistanomError as err:
+            data.problems.append(f"step {info.step} rank {rank}: {err}")
+            continue
+        key = "gpu_timeline" if tables.kind == "gpu" else "host_timeline"
+        entry[key] = timeline_json(tables.timeline)
+        entry["timeline_kind"] = tables.kind
+
+
+def breakdown(entry: dict[str, Any]) -> dict[str, float] | None:
+    """A rank's computation / exposed comm / exposed memcpy / idle / total in ms."""
+    timeline = entry.get("gpu_timeline") or entry.get("host_timeline")
+    if not timeline:
+        return None
+    return {row: float(timeline[row]["time_ms"]) for row in BREAKDOWN_ROWS}
+
+
+def _write_summary(data: RunData, info: CaptureInfo, capture: dict[str, Any]) -> None:
+    """captures/step_<N>/summary.json: all ranks side by side (refreshed by each report)."""
+    summary = {
+        "step": info.step,
+        "kinds": capture["kinds"],
+        "step_ms": capture["step_ms"],
+        "ratio": capture["ratio"],
+        "missing_ranks": capture["missing_ranks"],
+        "ranks": {
+            rank: {"host": entry.get("host"), "breakdown_ms": breakdown(entry)}
+            for rank, entry in capture["ranks"].items()
+        },
+    }
+    with contextlib.suppress(OSError):  # a read-only run directory still gets its report
+        write_json_atomic(data.run.summary_json(info.step), summary)
 
 
 def _round(value: float | None, digits: int = 4) -> float | None:
@@ -105,6 +154,25 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
         for row in rows
     ]
     return [line.rstrip() for line in lines]
+
+
+def _breakdown_lines(capture: dict[str, Any]) -> list[str]:
+    rows = []
+    kinds = set()
+    for rank, entry in capture["ranks"].items():
+        values = breakdown(entry)
+        if values is None:
+            continue
+        kinds.add(entry.get("timeline_kind", "gpu"))
+        rows.append(
+            [rank, entry.get("host") or "-"] + [f"{values[row]:.2f}" for row in BREAKDOWN_ROWS]
+        )
+    if not rows:
+        return []
+    what = "GPU time" if kinds == {"gpu"} else "host time (CPU-only trace)"
+    header = ["rank", "host", "compute", "exp.comm", "exp.memcpy", "idle", "total"]
+    lines = ["", f"step {capture['step']} ({','.join(capture['kinds'])}): {what}, ms"]
+    return lines + ["  " + line for line in table(header, rows)]
 
 
 def render_text(report: dict[str, Any]) -> str:
@@ -168,6 +236,8 @@ def render_text(report: dict[str, Any]) -> str:
             "  " + line
             for line in table(["step", "kind", "step ms", "x median", "ranks", "trace"], rows)
         ]
+        for capture in captures:
+            lines += _breakdown_lines(capture)
         for capture in captures:
             if capture["missing_ranks"]:
                 missing = ",".join(str(r) for r in capture["missing_ranks"])

@@ -37,7 +37,8 @@ def render_status(run: RunDir, status: dict[str, Any]) -> str:
         f"run {run.run_id}: {state}",
         f"  step {status.get('step')} (gathered up to {status.get('gathered_step')}),"
         f" world size {status.get('world_size')}",
-        f"  step median {_ms(status.get('median_ms'))}, threshold {_ms(status.get('threshold_ms'))}",
+        f"  step median {_ms(status.get('median_ms'))},"
+        f" threshold {_ms(status.get('threshold_ms'))}",
     ]
     tracer = status.get("tracer") or {}
     if tracer.get("note"):
@@ -91,7 +92,10 @@ def request_capture(run_dir: str, n_steps: int, ranks_text: str | None, timeout_
         raise CaptureRequestError(f"request refused by the job: {response.get('reason')}")
     steps = [int(s) for s in response.get("steps", [])]
     ranks_field = response.get("ranks")
-    ranks = list(range(world_size)) if ranks_field == "all" else [int(r) for r in ranks_field]
+    if ranks_field == "all" or not isinstance(ranks_field, list):
+        ranks = list(range(world_size))
+    else:
+        ranks = [int(r) for r in ranks_field]
     print(
         f"job accepted: capturing step(s) {steps[0]}-{steps[-1]} on rank(s) "
         f"{'all' if ranks_field == 'all' else ','.join(map(str, ranks))}; waiting for the files",

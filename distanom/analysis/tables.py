@@ -19,13 +19,11 @@ and NaN are an empty cell (as pandas writes them); in JSON (`jsonable`) both are
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import math
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ from typing import Any
 
 from distanom.analysis.trace_io import Trace
 from distanom.errors import TraceFormatError
+from distanom.rundir import write_bytes_atomic
 
 __all__ = [
     "HOST_COMM_KEYWORDS",
@@ -402,19 +401,7 @@ def _cell(value: Any) -> str:
 
 
 def _atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    write_bytes_atomic(Path(path), text.encode("utf-8"))
 
 
 def _csv_text(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

@@ -215,6 +215,11 @@ def load_trace(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYT
     return trace
 
 
+# Whether loads may pause the cyclic GC. Inside a training process the agent turns it off:
+# the switch is process-wide and must not race with a script that manages the GC itself.
+PAUSE_GC_DURING_LOAD = True
+
+
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector (if it was on) for the duration.
@@ -226,6 +231,9 @@ def _gc_paused() -> Iterator[None]:
     just see no cyclic collection for the fraction of a second a load takes.
     """
     global _gc_pauses, _gc_was_enabled
+    if not PAUSE_GC_DURING_LOAD:
+        yield
+        return
     with _GC_LOCK:  # concurrent or nested loads: the last one out restores the GC
         if _gc_pauses == 0:
             _gc_was_enabled = gc.isenabled()

@@ -14,10 +14,13 @@ from distanom.cli import main as cli_main
 from tests.conftest import TOY, free_port, job_env, torchrun
 
 FAST = [
-    "--set", "detect.warmup_steps=5",
-    "--set", "detect.min_steps=15",
-    "--set", "detect.window_steps=60",
-]  # fmt: skip
+    "--set",
+    "detect.warmup_steps=5",
+    "--set",
+    "detect.min_steps=15",
+    "--set",
+    "detect.window_steps=60",
+]
 
 
 def report_json(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> dict:
@@ -62,8 +65,11 @@ def test_stalled_rank_steps_are_captured_on_every_rank(
     assert rows[0] == "step,duration_ms,traced" and len(rows) >= 95
     text = subprocess.run(
         [sys.executable, "-m", "distanom", "report", str(tmp_path / "runs")],
-        capture_output=True, text=True, env=job_env(), check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=job_env(),
+        check=True,
+    ).stdout
     assert "captures (" in text and " 40 " in text
 
 
@@ -72,8 +78,13 @@ def test_bad_config_stops_before_training_with_one_line(tmp_path: Path) -> None:
     bad.write_text("detect:\n  multiplier: -1\n")
     done = subprocess.run(
         [sys.executable, "-m", "distanom.launch", "--config", str(bad), str(TOY), "--steps", "5"],
-        cwd=tmp_path, capture_output=True, text=True, env=job_env(), timeout=120, check=False,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=job_env(),
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"distanom: {bad}: detect.multiplier: Input should be greater than 1 (got -1)"
@@ -81,8 +92,13 @@ def test_bad_config_stops_before_training_with_one_line(tmp_path: Path) -> None:
     assert "toy_train" not in done.stdout and not (tmp_path / "runs").exists()
     missing = subprocess.run(
         [sys.executable, "-m", "distanom.launch", str(tmp_path / "nope.py")],
-        cwd=tmp_path, capture_output=True, text=True, env=job_env(), timeout=120, check=False,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=job_env(),
+        timeout=120,
+        check=False,
+    )
     assert missing.returncode == 2
     assert "Traceback" not in missing.stderr
     assert missing.stderr.strip().endswith("no such file")
@@ -98,10 +114,25 @@ def test_bad_config_under_torchrun_prints_our_line_once_per_node(tmp_path: Path)
 
 def test_script_exit_code_and_argv_are_preserved(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "distanom.launch", "--run-dir", "r", str(TOY),
-         "--steps", "3", "--exit-code", "3"],
-        cwd=tmp_path, capture_output=True, text=True, env=job_env(), timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "distanom.launch",
+            "--run-dir",
+            "r",
+            str(TOY),
+            "--steps",
+            "3",
+            "--exit-code",
+            "3",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=job_env(),
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 3, done.stderr
     assert "toy_train: 3 steps done" in done.stdout
 
@@ -124,21 +155,38 @@ def test_unwritable_run_dir_warns_and_training_finishes(tmp_path: Path) -> None:
 
 def test_two_nodes_share_one_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     port = free_port()
-    common = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-              "--rdzv-id=twonode"]  # fmt: skip
+    common = [
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=twonode",
+    ]
     launch = ["--run-dir", "runs", *FAST]
     script = ["--steps", "70", "--stall-rank", "1", "--stall-steps", "45", "--stall-s", "0.5"]
     nodes = []
     for node in range(2):
         command = [
-            sys.executable, "-m", "torch.distributed.run", *common, f"--node-rank={node}",
-            "--nproc-per-node=1", "-m", "distanom.launch", *launch, str(TOY), *script,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *common,
+            f"--node-rank={node}",
+            "--nproc-per-node=1",
+            "-m",
+            "distanom.launch",
+            *launch,
+            str(TOY),
+            *script,
+        ]
         nodes.append(
             subprocess.Popen(
-                command, cwd=tmp_path, env=job_env(), stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True,
-            )  # fmt: skip
+                command,
+                cwd=tmp_path,
+                env=job_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
         )
     outputs = [node.communicate(timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:]

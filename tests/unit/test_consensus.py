@@ -53,7 +53,10 @@ def test_malformed_rows_are_refused() -> None:
 def test_requests_schedule_the_steps_after_the_round() -> None:
     detector = Detector(DetectConfig(min_steps=3, window_steps=10), CaptureConfig())
     request = CaptureRequest(9, 2, ((0, 0),))
-    rows = [LocalRound(10, (5.0, 5.0), (True, True), 0, request), LocalRound(10, (5.0, 5.0), (True, True))]
+    rows = [
+        LocalRound(10, (5.0, 5.0), (True, True), 0, request),
+        LocalRound(10, (5.0, 5.0), (True, True)),
+    ]
     decisions = decide(decode_round(gathered(rows, 2), 2), detector, world_size=2)
     assert [(d.step, d.kind, d.ranks, d.request_id) for d in decisions] == [
         (12, "requested", (0,), "9"),

@@ -7,9 +7,7 @@ from distanom.config import CaptureConfig, DetectConfig
 from distanom.detect import Detector, StepSample
 
 
-def make(
-    detect: dict | None = None, capture: dict | None = None
-) -> Detector:
+def make(detect: dict | None = None, capture: dict | None = None) -> Detector:
     base_detect = {"warmup_steps": 0, "min_steps": 10, "window_steps": 50, "merge_gap_steps": 2}
     base_capture = {"reference_every_steps": 0}
     return Detector(

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tracegen import gpu
 
 from distanom.analysis.engine import ENGINES, analyze_trace, tracelens_available
 from distanom.analysis.tables import TIMELINE_ROWS, gpu_timeline, kernel_summary
 from distanom.analysis.trace_io import load_trace
 from distanom.config import AnalysisConfig
 from distanom.errors import AnalysisEngineError, DistanomError, TraceFormatError
+from tests.unit.tracegen import gpu
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 H200 = DATA / "h200_resnet18_b5_anomalous_step.json.gz"

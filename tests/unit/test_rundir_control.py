@@ -128,7 +128,10 @@ def test_request_response_protocol(tmp_path: Path) -> None:
     broken = second.replace(second[-8:], "deadbeef")
     (run.requests_dir / f"{broken}.json").write_text("{")
     pending_requests(run)
-    assert json.loads((run.requests_dir / f"{broken}.response.json").read_text())["status"] == "refused"
+    assert (
+        json.loads((run.requests_dir / f"{broken}.response.json").read_text())["status"]
+        == "refused"
+    )
 
 
 def test_job_alive_needs_a_fresh_running_heartbeat(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tracegen import gpu, host, launch, make_trace
 
 from distanom.analysis.tables import (
     HOST_COMM_KEYWORDS,
@@ -32,6 +31,7 @@ from distanom.analysis.tables import (
 )
 from distanom.analysis.trace_io import Trace, load_trace
 from distanom.errors import TraceFormatError
+from tests.unit.tracegen import gpu, host, launch, make_trace
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 GOLDEN = sorted((DATA / "golden").glob("*.tracelens.json"))

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tracegen import gpu, host, launch, make_trace
 
 from distanom.analysis.trace_io import (
     DEFAULT_MAX_BYTES,
@@ -21,6 +20,7 @@ from distanom.analysis.trace_io import (
     trace_from_document,
 )
 from distanom.errors import TraceFormatError
+from tests.unit.tracegen import gpu, host, launch, make_trace
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 H200 = DATA / "h200_resnet18_b5_anomalous_step.json.gz"

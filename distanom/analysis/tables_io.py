@@ -1,0 +1,157 @@
+"""Per-rank tables of a capture on disk, and the `distanom analyze` output.
+
+The capture worker calls `write_rank_tables` right after a trace is written; the report
+calls `rank_tables` for every rank of every capture, which reads the CSVs when they are
+there and computes (and caches) them from the trace when they are not, e.g. after
+`analysis.on_capture: false` or when the job ended before its worker got to them.
+A CPU-only trace gets the host breakdown, written as `rank<R>.cpu_timeline.csv` so its
+name never claims GPU time it does not hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from distanom.analysis.engine import TraceTables, analyze_trace
+from distanom.analysis.tables import (
+    TIMELINE_ROWS,
+    Timeline,
+    jsonable,
+    read_gpu_timeline_csv,
+    write_gpu_timeline_csv,
+    write_kernel_summary_csv,
+)
+from distanom.errors import DistanomError
+from distanom.rundir import RunDir
+
+# The four parts of a step a user compares first, in report order.
+BREAKDOWN_ROWS = (
+    "computation_time",
+    "exposed_comm_time",
+    "exposed_memcpy_time",
+    "idle_time",
+    "total_time",
+)
+
+
+def cpu_timeline_csv(run: RunDir, step: int, rank: int) -> Path:
+    return run.capture_dir(step) / f"rank{rank}.cpu_timeline.csv"
+
+
+def write_rank_tables(run: RunDir, step: int, rank: int, trace: Path, engine: str) -> TraceTables:
+    """Analyse one rank's trace of a capture and write its tables beside it."""
+    tables = analyze_trace(trace, engine)
+    if tables.kind == "gpu":
+        write_gpu_timeline_csv(run.timeline_csv(step, rank), tables.timeline)
+        write_kernel_summary_csv(run.kernel_csv(step, rank), tables.kernel_summary)
+    else:
+        write_gpu_timeline_csv(cpu_timeline_csv(run, step, rank), tables.timeline)
+    return tables
+
+
+@dataclass(frozen=True)
+class RankTables:
+    timeline: Timeline
+    kind: str  # "gpu" or "cpu"
+
+
+def rank_tables(run: RunDir, step: int, rank: int, trace: Path, engine: str) -> RankTables:
+    """The rank's timeline for a capture: from its CSV, else computed and cached."""
+    for kind, path in (
+        ("gpu", run.timeline_csv(step, rank)),
+        ("cpu", cpu_timeline_csv(run, step, rank)),
+    ):
+        if path.exists():
+            with contextlib.suppress(DistanomError, OSError, ValueError):
+                return RankTables(read_gpu_timeline_csv(path), kind)
+    tables = analyze_trace(trace, engine)
+    with contextlib.suppress(OSError):  # a read-only run directory still gets its report
+        if tables.kind == "gpu":
+            write_gpu_timeline_csv(run.timeline_csv(step, rank), tables.timeline)
+            write_kernel_summary_csv(run.kernel_csv(step, rank), tables.kernel_summary)
+        else:
+            write_gpu_timeline_csv(cpu_timeline_csv(run, step, rank), tables.timeline)
+    return RankTables(tables.timeline, tables.kind)
+
+
+def timeline_json(timeline: Timeline) -> dict[str, dict[str, float | None]]:
+    """{"<row>": {"time_ms": x, "percent": y}} (NaN as null)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for row in TIMELINE_ROWS:
+        percent = timeline.percent(row)
+        out[row] = {
+            "time_ms": timeline.ms(row),
+            "percent": percent if math.isfinite(percent) else None,
+        }
+    return out
+
+
+@dataclass(frozen=True)
+class AnalyzeOutput:
+    tables: TraceTables
+
+    def as_json(self) -> dict[str, Any]:
+        key = "gpu_timeline" if self.tables.kind == "gpu" else "host_timeline"
+        body: dict[str, Any] = {
+            "trace": self.tables.source,
+            "engine": self.tables.engine,
+            "kind": self.tables.kind,
+            key: timeline_json(self.tables.timeline),
+            "kernel_summary": jsonable(self.tables.kernel_summary),
+        }
+        return body
+
+    def as_text(self) -> str:
+        from distanom.analysis.report import table
+
+        tables = self.tables
+        title = "gpu_timeline" if tables.kind == "gpu" else "host timeline (CPU-only trace)"
+        lines = [f"{tables.source}  (engine: {tables.engine})", "", f"{title}:"]
+        rows = []
+        for row in TIMELINE_ROWS:
+            percent = tables.timeline.percent(row)
+            rows.append(
+                [
+                    row,
+                    f"{tables.timeline.ms(row):.3f}",
+                    f"{percent:.2f}" if math.isfinite(percent) else "-",
+                ]
+            )
+        lines += ["  " + line for line in table(["type", "time ms", "percent"], rows)]
+        if tables.kernel_summary:
+            lines += ["", f"kernel_summary (top 20 of {len(tables.kernel_summary)} rows):"]
+            krows = []
+            for entry in tables.kernel_summary[:20]:
+                name = str(entry.get("Kernel name"))
+                krows.append(
+                    [
+                        _short(name, 70),
+                        str(entry.get("Kernel stream")),
+                        str(entry.get("Kernel duration (\u00b5s)_count")),
+                        f"{float(entry.get('Kernel duration (µs)_sum') or 0):.1f}",
+                        _pct(entry.get("Percent of total time (%)")),
+                    ]
+                )
+            lines += [
+                "  " + line
+                for line in table(["kernel", "stream", "count", "sum µs", "% total"], krows)
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _pct(value: Any) -> str:
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return f"{value:.2f}"
+    return "-"
+
+
+def analyze_for_cli(path: str, engine: str) -> AnalyzeOutput:
+    return AnalyzeOutput(analyze_trace(Path(path), engine))
