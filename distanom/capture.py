@@ -27,6 +27,7 @@ from typing import Any
 
 from distanom.config import Config
 from distanom.detect import CaptureDecision
+from distanom.errors import RunDirError
 from distanom.rundir import RunDir, write_bytes_atomic
 from distanom.tracers.base import Availability, StepTrace, Tracer
 from distanom.world import WorldInfo
@@ -189,7 +190,10 @@ class CaptureWorker:
                 )
             return
         path = self._run.trace_path(decision.step, rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._run.path.is_dir():  # never re-create a run directory someone removed
+            raise RunDirError(f"{self._run.path}: run directory vanished")
+        path.parent.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(exist_ok=True)
         write_bytes_atomic(path, data)
         self.stats.written += 1
         self.stats.bytes_written += len(data)

@@ -214,9 +214,13 @@ class RunDir:
         line = json.dumps(record, sort_keys=True, allow_nan=False)
         lock = filelock.FileLock(str(self.index_path) + ".lock", timeout=LOCK_TIMEOUT_S)
         with lock:
-            fd = os.open(self.index_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+            fd = os.open(self.index_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
             try:
-                os.write(fd, (line + "\n").encode())
+                size = os.fstat(fd).st_size
+                # a writer killed mid-line left no newline: start a fresh line so the torn
+                # record stays the only casualty
+                torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+                os.write(fd, (("\n" if torn else "") + line + "\n").encode())
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -9,6 +9,9 @@ per rank. Injections happen on known steps (0-based optimizer steps):
   --gpu-sleep-rank R --gpu-sleep-steps 40 --gpu-sleep-cycles 20000000
                                                       extra GPU work (torch.cuda._sleep)
   --all-slow-steps 50 --all-slow-s 0.3               every rank slows down at once
+  --step-sleep 0.02                                   every step takes at least this long
+  --exit-rank R --exit-step K                         rank R leaves at step K (os._exit(0));
+                                                      with --no-ddp the others carry on
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ def main() -> None:
     parser.add_argument("--gpu-sleep-cycles", type=int, default=20_000_000)
     parser.add_argument("--all-slow-steps", type=parse_steps, default=set())
     parser.add_argument("--all-slow-s", type=float, default=0.3)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--exit-rank", type=int, default=-1)
+    parser.add_argument("--exit-step", type=int, default=-1)
+    parser.add_argument("--no-ddp", action="store_true", help="no gradient all-reduce")
     parser.add_argument("--exit-code", type=int, default=0, help="exit with this status")
     args = parser.parse_args()
 
@@ -55,13 +62,17 @@ def main() -> None:
     model: nn.Module = nn.Sequential(
         nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, 1)
     ).to(device)
-    if distributed:
+    if distributed and not args.no_ddp:
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     inputs = torch.randn(args.batch, args.width, device=device)
     targets = torch.randn(args.batch, 1, device=device)
 
     for step in range(args.steps):
+        if rank == args.exit_rank and step == args.exit_step:
+            os._exit(0)  # a rank that vanishes without any cleanup
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         if rank == args.stall_rank and step in args.stall_steps:
             time.sleep(args.stall_s)
         if step in args.all_slow_steps:
@@ -75,6 +86,8 @@ def main() -> None:
     if use_cuda:
         torch.cuda.synchronize()
     if distributed:
+        if not args.no_ddp:
+            dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
         print(f"toy_train: {args.steps} steps done")

@@ -44,6 +44,8 @@ def build_report(data: RunData, *, engine: str = "auto") -> dict[str, Any]:
         "episodes": status.get("episodes") or [],
         "capture_state": {
             "written": (status.get("captures") or {}).get("written"),
+            "skipped_disk": (status.get("captures") or {}).get("skipped_disk"),
+            "missed": (status.get("captures") or {}).get("missed"),
             "capture_off": status.get("capture_off"),
             "consensus_error": status.get("consensus_error"),
         },
@@ -208,6 +210,16 @@ def render_text(report: dict[str, Any]) -> str:
             )
         )
     state = report.get("capture_state") or {}
+    if state.get("skipped_disk"):
+        lines.append(
+            f"  disk budget (capture.max_disk_mb) reached: {state['skipped_disk']} capture(s) "
+            "counted but not written on rank 0"
+        )
+    if state.get("missed"):
+        lines.append(
+            f"  {state['missed']} capture(s) decided after the tracer had dropped the step "
+            "(raise tracer.history_steps)"
+        )
     for key in ("capture_off", "consensus_error"):
         if state.get(key):
             lines.append(f"  capture stepped aside: {state[key]}")

@@ -26,6 +26,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 FLOW_CATEGORY = "ac2g"
+# A step whose wall-clock and monotonic lengths differ by more than this saw a clock step.
+CLOCK_JUMP_NS = 20_000_000
 # Kineto's own top-level keys that a step trace keeps unchanged.
 KEPT_METADATA = (
     "schemaVersion",
@@ -71,12 +74,12 @@ class KinetoTracer:
         self._window_steps = config.kineto_window_steps
         self._lock = threading.Lock()
         self._windows: list[_Window] = []
-        self._boundaries: dict[int, int] = {}  # step -> host end ns
+        # step -> (host end, time.time_ns(); same instant, time.monotonic_ns())
+        self._boundaries: dict[int, tuple[int, int]] = {}
         self._profiler: Any = None
         self._window_first: int | None = None
         self._traced_steps: set[int] = set()
         self._last_step: int | None = None
-        self._want_on = True
         self._closed = False
 
     # -- training thread -------------------------------------------------------------
@@ -110,7 +113,7 @@ class KinetoTracer:
 
     def mark_step(self, step: int, host_end_ns: int) -> None:
         with self._lock:
-            self._boundaries[step] = host_end_ns
+            self._boundaries[step] = (host_end_ns, time.monotonic_ns())
             self._last_step = step
             self._trim()
         if self._profiler is None:
@@ -122,8 +125,6 @@ class KinetoTracer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self._profiler.step()
-        if not self._want_on:
-            self._stop_profiler()
 
     def _on_window(self, prof: Any) -> None:
         if self._window_first is None or self._last_step is None:
@@ -143,9 +144,12 @@ class KinetoTracer:
                 profiler.stop()  # hands over the partial window through _on_window
 
     def set_tracing(self, on: bool) -> None:
-        self._want_on = on
+        """Called at a step boundary (after `mark_step`): stopping hands over the window
+        so far, so the steps already ended stay capturable."""
         if on and self._profiler is None and not self._closed:
             self._start_profiler()
+        elif not on:
+            self._stop_profiler()
 
     def _trim(self) -> None:
         """Forget windows and boundaries older than the history (lock held)."""
@@ -186,20 +190,27 @@ class KinetoTracer:
     def step_trace(self, step: int) -> StepTrace:
         with self._lock:
             windows = self._windows_for(step)
-            start_ns = self._boundaries.get(step - 1)
-            end_ns = self._boundaries.get(step)
-        if windows is None or start_ns is None or end_ns is None:
+            start = self._boundaries.get(step - 1)
+            end = self._boundaries.get(step)
+        if windows is None or start is None or end is None:
             raise KeyError(step)
+        start_ns, end_ns = start[0], end[0]
+        wall_ns, mono_ns = end[0] - start[0], end[1] - start[1]
+        jumped = abs(wall_ns - mono_ns) > CLOCK_JUMP_NS
+        if jumped:  # the wall clock was stepped during this step: trust the monotonic length
+            end_ns = start_ns + mono_ns
         documents = []
         for window in windows:
             window.document = window.document or _export(window.results)
             documents.append(window.document)  # kept: a second cut from it is cheap
-        return cut_step(documents, step, start_ns, end_ns)
+        trace = cut_step(documents, step, start_ns, end_ns)
+        if jumped:
+            trace.stats["clock_jump"] = 1
+        return trace
 
     def close(self) -> None:
         if self._closed:
             return
-        self._want_on = False
         with contextlib.suppress(Exception):
             self._stop_profiler()
         with self._lock:

@@ -1,0 +1,120 @@
+"""The agent in one process (world size 1): step counting, optimizer choice, manual steps."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+import distanom
+from distanom.agent import Agent, active_agent
+from distanom.config import load_config
+from distanom.world import WorldInfo
+
+
+def make_agent(tmp_path: Path, *overrides: str) -> Agent:
+    config = load_config(
+        None, ["tracer.backend=none", "detect.warmup_steps=0", "detect.min_steps=5", *overrides]
+    )
+    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    agent.install()
+    return agent
+
+
+def recorded_steps(agent: Agent) -> list[int]:
+    assert agent.run is not None
+    with open(agent.run.steps_csv(0)) as handle:
+        return [int(row["step"]) for row in csv.DictReader(handle)]
+
+
+def train(optimizers: list[torch.optim.Optimizer], model: torch.nn.Module, steps: int) -> None:
+    for _ in range(steps):
+        model(torch.randn(4, 8)).sum().backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@pytest.fixture
+def model() -> torch.nn.Module:
+    return torch.nn.Linear(8, 2)
+
+
+def test_each_optimizer_step_is_a_step(tmp_path: Path, model: torch.nn.Module) -> None:
+    agent = make_agent(tmp_path)
+    assert active_agent() is agent and distanom.current_step() == 0
+    train([torch.optim.SGD(model.parameters(), lr=0.1)], model, 12)
+    assert distanom.current_step() == 12
+    agent.close()
+    assert active_agent() is None and distanom.current_step() is None
+    assert recorded_steps(agent) == list(range(1, 12))  # step 0 has no start boundary
+    assert (agent.run.path / "status.json").exists()  # type: ignore[union-attr]
+
+
+def test_first_optimizer_counts_unless_configured(tmp_path: Path, model: torch.nn.Module) -> None:
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    agent = make_agent(tmp_path)
+    train([sgd, adam], model, 5)
+    assert agent.current_step == 5  # not 10: only the first optimizer counts
+    agent.close()
+
+    agent = make_agent(tmp_path, "step.optimizer=Adam")
+    train([sgd, adam], model, 4)
+    assert agent.current_step == 4
+    assert agent._optimizer_ref is not None and agent._optimizer_ref() is adam
+    agent.close()
+
+
+def test_use_optimizer_and_manual_steps(tmp_path: Path, model: torch.nn.Module) -> None:
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    agent = make_agent(tmp_path)
+    distanom.use_optimizer(adam)
+    train([sgd, adam], model, 3)
+    assert agent.current_step == 3 and agent._optimizer_ref() is adam  # type: ignore[misc]
+    for _ in range(4):  # from now on only distanom.step() counts
+        distanom.step()
+        train([sgd, adam], model, 1)
+    assert agent.current_step == 7
+    agent.close()
+
+    agent = make_agent(tmp_path, "step.source=manual")
+    train([sgd], model, 3)
+    assert agent.current_step == 0
+    distanom.step()
+    assert agent.current_step == 1
+    agent.close()
+
+
+def test_public_api_is_a_no_op_without_an_agent() -> None:
+    assert active_agent() is None
+    distanom.step()
+    distanom.use_optimizer(object())
+    assert distanom.current_step() is None
+
+
+def test_a_failing_tracer_never_reaches_the_training_loop(
+    tmp_path: Path, model: torch.nn.Module, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Broken:
+        name = "broken"
+
+        def mark_step(self, step: int, host_end_ns: int) -> None:
+            raise RuntimeError("disk on fire")
+
+        def start(self) -> None: ...
+        def set_tracing(self, on: bool) -> None: ...
+        def close(self) -> None: ...
+
+    agent = make_agent(tmp_path)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    train([sgd], model, 2)
+    agent.tracer = Broken()  # type: ignore[assignment]
+    with caplog.at_level("WARNING", logger="distanom"):
+        train([sgd], model, 5)
+    assert agent.current_step == 7 and agent.tracer is None
+    assert sum("disk on fire" in r.getMessage() for r in caplog.records) == 1
+    agent.close()
