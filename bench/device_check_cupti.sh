@@ -33,10 +33,10 @@ EOF
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1
 } 2>&1 | tee "$OUT/env.log"
 
-python3 -m pytest tests/gpu -q -m gpu -s -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+timeout 480 python3 -m pytest tests/gpu -q -m gpu -s -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
 rc_tests=${PIPESTATUS[0]}
 
-python3 bench/cupti_demo.py --out "$OUT" 2>&1 | tee "$OUT/demo.log"
+timeout 120 python3 bench/cupti_demo.py --out "$OUT" 2>&1 | tee "$OUT/demo.log"
 rc_demo=${PIPESTATUS[0]}
 
 echo "gpu tests rc=$rc_tests, demo rc=$rc_demo" | tee "$OUT/summary.txt"

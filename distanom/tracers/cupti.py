@@ -148,7 +148,9 @@ class StepResolver:
     """Finds one step's records in the pool's retained buffers. No torch, no CUPTI calls
     except through the injected `flush`; runs on the reader's thread."""
 
-    MIN_FLUSH_INTERVAL_NS = 20_000_000
+    # Each flush hands back a partly filled buffer that then takes a whole ring slot, so
+    # a capture worker polling a PENDING step must not flush on every poll.
+    MIN_FLUSH_INTERVAL_NS = 50_000_000
 
     def __init__(
         self,
@@ -587,9 +589,10 @@ class CuptiTracer:
         self._state = "running"
         log.info(
             "cupti tracer on (rank %d): %s, CUPTI version %d, ring %d x %d MB, marker grids %s "
-            "(block work size %s), clock offset %d ns, version %d",
+            "(grid = ceil(length / %s)), clock offset %d ns, memcpy layout checked: %s",
             self.rank, calibration.library, version, pool.max_buffers, pool.buffer_bytes >> 20,
-            calibration.grids, calibration.block_work_size, calibration.clock_offset_ns, version,
+            calibration.grids, calibration.block_work_size, calibration.clock_offset_ns,
+            calibration.memcpy_checked,
         )  # fmt: skip
 
     def _calibrate(
@@ -615,18 +618,22 @@ class CuptiTracer:
         torch.cuda.synchronize()
         after = time.time_ns()
         del copied
-        session.flush(False)
         resolver = StepResolver(
             pool, lib.record_offsets, names, grid_to_code={}, num_codes=self._codes, history_steps=2
         )
-        indexes = resolver.index_since(0)
-        markers = sorted((m for idx in indexes for m in idx.markers), key=lambda m: m.correlation)
-        if len(markers) < self._codes:
-            session.flush(True)  # everything has completed: a forced flush loses nothing
+        markers: list[MarkerRecord] = []
+        indexes: list[BufferIndex] = []
+        # After a synchronize the records exist, but CUPTI may still be completing them:
+        # retry the default flush (which returns only complete buffers) for up to ~2 s
+        # before a forced one (which may return unfinished records with zero timestamps).
+        for attempt in range(100):
+            session.flush(forced=attempt == 99)
             indexes = resolver.index_since(0)
-            markers = sorted(
-                (m for idx in indexes for m in idx.markers), key=lambda m: m.correlation
-            )
+            markers = sorted((m for i in indexes for m in i.markers), key=lambda m: m.correlation)
+            if len(markers) >= self._codes:
+                break
+            time.sleep(0.02)
+        log.debug("calibration: %d flush(es) to get %d markers", attempt + 1, len(markers))
         problems: list[str] = []
         if len(markers) != self._codes:
             problems.append(
@@ -675,6 +682,7 @@ class CuptiTracer:
         indexes: list[BufferIndex], pool: cupti_lib.BufferPool, names: NameTable, after_corr: int
     ) -> bool:
         by_seq = {b.seq: b for b in pool.completed()}
+        seen: list[str] = []  # other threads may copy meanwhile: not proof of a bad layout
         for idx in indexes:
             buf = by_seq.get(idx.seq)
             if buf is None:
@@ -685,11 +693,12 @@ class CuptiTracer:
             for rec in decode_records(view, idx.offsets[mask].tolist(), names, stats):
                 if rec.bytes == 16 and rec.copy_kind == 1:
                     return True
-                raise TracerUnavailableError(
-                    f"CUPTI memcpy record layout check failed: expected a 16-byte HtoD copy, "
-                    f"decoded {rec.bytes} bytes of copy kind {rec.copy_kind}"
-                )
-        log.warning("calibration: no memcpy record for the 16-byte copy; memcpy layout unchecked")
+                seen.append(f"{rec.bytes} bytes, copy kind {rec.copy_kind}")
+        log.warning(
+            "calibration: no record of the 16-byte host-to-device copy (memcpy records seen: "
+            "%s); memcpy layout unchecked",
+            seen or "none",
+        )
         return False
 
     def close(self) -> None:
@@ -708,6 +717,11 @@ class CuptiTracer:
                 log.info("cupti tracer closed (rank %d): %s", self.rank, self.stats())
 
     # -- training thread ---------------------------------------------------------------
+
+    @property
+    def last_step(self) -> int | None:
+        """The last step `mark_step` recorded (None before the first)."""
+        return self._last_step
 
     def set_tracing(self, on: bool) -> None:
         self._want_tracing = bool(on)  # applied at the next step boundary

@@ -64,6 +64,20 @@ class Work:
         return float(y.sum().item())  # reduction + Memcpy DtoH
 
 
+def fetch(tracer: CuptiTracer, step: int, timeout: float = 10.0) -> Any:
+    """step_trace once READY: right after a synchronize CUPTI may still be completing."""
+    from distanom.tracers.base import Availability
+
+    deadline = time.monotonic() + timeout
+    while True:
+        state, why = tracer.explain(step)
+        if state is Availability.READY:
+            return tracer.step_trace(step)
+        if state is Availability.GONE or time.monotonic() > deadline:
+            raise RuntimeError(f"step {step}: {state.value} ({why}); {tracer.stats()}")
+        time.sleep(0.01)
+
+
 def run_cupti(steps: int) -> dict[str, Any]:
     work = Work()
     work.step()
@@ -77,7 +91,7 @@ def run_cupti(steps: int) -> dict[str, Any]:
     torch.cuda.synchronize()
     out: dict[str, Any] = {"steps": {}, "stats": {}}
     for s in range(1, steps + 1):
-        trace = tracer.step_trace(s)
+        trace = fetch(tracer, s)
         out["steps"][str(s)] = [
             [e["cat"], e["name"]] for e in trace.events if e.get("cat") in GPU_CATS
         ]
@@ -143,7 +157,7 @@ def run_conflict(steps: int) -> dict[str, Any]:
         work.step()
         tracer.mark_step(s, time.time_ns())
     torch.cuda.synchronize()
-    out["kernels"] = [tracer.step_trace(s).stats["kernels"] for s in range(1, steps + 1)]
+    out["kernels"] = [fetch(tracer, s).stats["kernels"] for s in range(1, steps + 1)]
     tracer.close()
     return out
 

@@ -8,10 +8,12 @@ several times in it.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -282,6 +284,49 @@ def test_many_steps_nothing_dropped_and_mark_step_is_cheap(make_tracer: Any) -> 
     print(f"tracer stats: {st}")
     assert st["mark_errors"] == 0 and st["lag_alarms"] == 0 and st["callback_errors"] == 0
     assert med < 200, "mark_step should cost tens of µs"
+
+
+def test_capture_thread_reads_while_the_training_thread_launches(make_tracer: Any) -> None:
+    # The agent's shape: training on the main thread, capture on another thread that
+    # flushes CUPTI (whose completion callback needs the GIL) while kernels launch.
+    # A deadlock between CUPTI's locks and the GIL would hang here (pytest-timeout).
+    tracer = make_tracer()
+    work = Work(kernels=100)
+    served: list[StepTrace] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def capture() -> None:
+        try:
+            while not stop.is_set():
+                last = tracer.last_step
+                if last is not None and last >= 3:
+                    state, _ = tracer.explain(last - 2)
+                    if state is Availability.READY:
+                        served.append(tracer.step_trace(last - 2))
+                time.sleep(0.002)
+        except BaseException as err:
+            errors.append(err)
+
+    # A GIL deadlock cannot be interrupted from Python: faulthandler's C watchdog dumps
+    # every thread's stack and ends the process instead.
+    faulthandler.dump_traceback_later(150, exit=True)
+    reader = threading.Thread(target=capture, daemon=True)
+    reader.start()
+    t0 = time.perf_counter()
+    run_steps(tracer, work, 0, 300)
+    torch.cuda.synchronize()
+    stop.set()
+    reader.join(30)
+    faulthandler.cancel_dump_traceback_later()
+    took = time.perf_counter() - t0
+    print(f"\n300 steps in {took:.2f} s with a reader; {len(served)} traces served")
+    assert not reader.is_alive(), "capture thread hung"
+    assert not errors, errors
+    assert len(served) > 10
+    for t in served:
+        assert_clean(t)
+        assert t.stats["kernels"] == served[0].stats["kernels"]
 
 
 def test_close_is_idempotent_and_a_new_tracer_starts_after_it(make_tracer: Any) -> None:
