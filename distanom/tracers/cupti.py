@@ -321,16 +321,18 @@ class StepResolver:
                 self._flush(False)
                 self.counters["flushes"] += 1
                 found, why = self._try_locate(marks, lo, hi)
+            age = marks[-1].step - step
             if (
                 found is None
                 and why == "pending"
-                and now - hi.launch_mono_ns > self._force_after
+                and (now - hi.launch_mono_ns > self._force_after or 2 * age >= self.history_steps)
                 and step not in self._forced_for
             ):
                 # CUPTI only hands back a buffer whose records are all complete; on a GPU
-                # that is never idle that can take long. A forced flush delivers it now;
-                # records of kernels still running then come back with zero timestamps
-                # (counted in the later steps' stats).
+                # that is never idle that waits for the buffer to fill. Before the step
+                # ages out of the history (or after force_flush_after), a forced flush
+                # delivers it now; records of kernels still running then come back with
+                # zero timestamps (dropped and counted in those later steps' stats).
                 if len(self._forced_for) > 4 * self.history_steps:
                     self._forced_for.clear()
                 self._forced_for.add(step)
@@ -485,6 +487,7 @@ class CuptiTracer:
         rank: int,
         marker_codes: int = MARKER_CODES,
         force_flush_after_s: float = 2.0,
+        buffer_kb: int = cupti_lib.DEFAULT_BUFFER_BYTES >> 10,
     ) -> None:
         # Duck-typed on purpose: only these three fields are read, so device scripts can
         # pass a plain namespace where pydantic is not installed.
@@ -494,6 +497,7 @@ class CuptiTracer:
         self.rank = rank
         self._codes = int(marker_codes)
         self._force_after_ns = int(force_flush_after_s * 1e9)
+        self._buffer_bytes = int(buffer_kb) << 10
         self._state = "new"  # new | running | failed | closed
         self._want_tracing = True
         self._tracing = False
@@ -558,7 +562,9 @@ class CuptiTracer:
         self._lag_free = [cuda.Event() for _ in range(LAG_PROBE_AGE // LAG_PROBE_EVERY + 2)]
         torch.cuda.synchronize()
 
-        pool = cupti_lib.BufferPool.for_ring(self.ring_mb, clock=time.monotonic_ns)
+        pool = cupti_lib.BufferPool.for_ring(
+            self.ring_mb, clock=time.monotonic_ns, buffer_bytes=self._buffer_bytes
+        )
         session = cupti_lib.ActivitySession(lib, pool)
         session.open()  # raises TracerUnavailableError with CUPTI's message
         names = NameTable()
@@ -588,9 +594,9 @@ class CuptiTracer:
         self._tracing = True
         self._state = "running"
         log.info(
-            "cupti tracer on (rank %d): %s, CUPTI version %d, ring %d x %d MB, marker grids %s "
+            "cupti tracer on (rank %d): %s, CUPTI version %d, ring %d x %d KB, marker grids %s "
             "(grid = ceil(length / %s)), clock offset %d ns, memcpy layout checked: %s",
-            self.rank, calibration.library, version, pool.max_buffers, pool.buffer_bytes >> 20,
+            self.rank, calibration.library, version, pool.max_buffers, pool.buffer_bytes >> 10,
             calibration.grids, calibration.block_work_size, calibration.clock_offset_ns,
             calibration.memcpy_checked,
         )  # fmt: skip

@@ -57,7 +57,12 @@ CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED = 39
 FLUSH_FORCED = 1  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
 
 BUFFER_ALIGN = 8  # ACTIVITY_RECORD_ALIGNMENT
-DEFAULT_BUFFER_BYTES = 8 << 20
+# CUPTI hands a buffer back only once every record in it is complete; on a GPU that is
+# never idle the buffer being filled always ends with kernels still in flight, so a
+# step's records arrive when their buffer fills. 1 MB (~4,800 kernel records, a few
+# steps of a typical training loop) keeps that delay well inside `history_steps`;
+# callbacks stay rare (one pair per buffer) and the ring simply has more slots.
+DEFAULT_BUFFER_BYTES = 1 << 20
 
 
 class CuptiError(TracerUnavailableError):
@@ -382,10 +387,15 @@ class BufferPool:
         }
 
     @classmethod
-    def for_ring(cls, ring_mb: int, clock: Callable[[], int] = time.time_ns) -> BufferPool:
-        """Split `ring_mb` into 8 MB buffers, or at least 4 smaller ones for a small ring."""
+    def for_ring(
+        cls,
+        ring_mb: int,
+        clock: Callable[[], int] = time.time_ns,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    ) -> BufferPool:
+        """Split `ring_mb` into `buffer_bytes` buffers (at least 4 buffers)."""
         ring_bytes = int(ring_mb) << 20
-        size = min(DEFAULT_BUFFER_BYTES, ring_bytes // 4)
+        size = min(buffer_bytes, ring_bytes // 4)
         size -= size % BUFFER_ALIGN
         return cls(size, max(2, ring_bytes // size), clock)
 

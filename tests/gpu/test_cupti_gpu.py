@@ -239,7 +239,7 @@ def test_kernel_on_a_side_stream_overlapping_the_marker_is_flagged(make_tracer: 
 
 
 def test_small_ring_evicts_old_steps_and_keeps_recent_ones(make_tracer: Any) -> None:
-    # 8 MB ring = 4 buffers of 2 MB (~9,700 kernel records each); 400 kernels a step.
+    # 8 MB ring = 8 buffers of 1 MB (~4,800 kernel records each); ~400 kernels a step.
     tracer = make_tracer(ring_mb=8, history_steps=10_000)
     work = Work(kernels=400)
     run_steps(tracer, work, 0, 120)
@@ -249,7 +249,7 @@ def test_small_ring_evicts_old_steps_and_keeps_recent_ones(make_tracer: Any) -> 
     print(f"\nring stats: {st}")
     print(f"READY {states.count(Availability.READY)}, GONE {states.count(Availability.GONE)}")
     assert st["buffers_evicted"] > 0
-    assert st["buffers_allocated"] <= 4
+    assert st["buffers_allocated"] <= 8
     assert st["cupti_dropped_records"] == 0
     assert states[0] is Availability.GONE
     last = wait_ready(tracer, 120)

@@ -93,9 +93,11 @@ def test_pool_takes_back_empty_buffers_and_ignores_unknown_ones() -> None:
 
 def test_pool_sizes_for_ring_budget() -> None:
     small = BufferPool.for_ring(8)
-    assert (small.buffer_bytes, small.max_buffers) == (2 << 20, 4)
+    assert (small.buffer_bytes, small.max_buffers) == (1 << 20, 8)
     big = BufferPool.for_ring(256)
-    assert (big.buffer_bytes, big.max_buffers) == (8 << 20, 32)
+    assert (big.buffer_bytes, big.max_buffers) == (1 << 20, 256)
+    eights = BufferPool.for_ring(8, buffer_bytes=8 << 20)
+    assert (eights.buffer_bytes, eights.max_buffers) == (2 << 20, 4)  # at least 4 buffers
     with pytest.raises(ValueError):
         BufferPool(4096, 1)
 

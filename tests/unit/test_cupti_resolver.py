@@ -58,6 +58,7 @@ class FakeCupti:
         self.queue: deque[_Launch] = deque()
         self.lagging = False
         self.gpu_delay = 3_000  # launch-to-start latency of the emulated GPU
+        self.busy = False  # a never-idle GPU: the default flush hands nothing back
         self.cur: tuple[int, int] | None = None
         self.used = 0
         self.dropped = 0
@@ -170,6 +171,8 @@ class FakeCupti:
 
     def flush(self, forced: bool) -> None:
         self.flushes.append(forced)
+        if self.busy and not forced:
+            return
         if self.cur is not None and self.used:
             self.pool.complete(self.cur[0], self.used)
             self.cur = None
@@ -228,6 +231,25 @@ def test_pending_until_cupti_delivers_then_ready_after_flush() -> None:
     assert f.state(2) is Availability.READY  # locate() flushes when it needs to
     assert f.flushes == [False]
     assert kernel_names(f.trace(2)) == ["k0_s2", "k1_s2", "k2_s2"]
+
+
+def test_busy_gpu_forced_flush_before_the_step_ages_out() -> None:
+    f = FakeCupti(buffer_bytes=1 << 16, history=16)  # a buffer holds ~75 steps
+    f.busy = True
+    for s in range(5):
+        f.step(s)
+    assert f.state(3) is Availability.PENDING  # young: wait for CUPTI to deliver
+    assert f.flushes == [False]
+    for s in range(5, 11):  # up to 7 steps old
+        f.step(s)
+        f.mono += 100_000_000  # > MIN_FLUSH_INTERVAL between polls
+        assert f.state(3) is Availability.PENDING, s
+    f.step(11)  # step 3 is now 8 = history_steps / 2 steps old
+    f.mono += 100_000_000
+    assert f.state(3) is Availability.READY
+    assert f.flushes[-1] is True
+    assert f.resolver.counters["forced_flushes"] == 1
+    assert kernel_names(f.trace(3)) == ["k0_s3", "k1_s3", "k2_s3"]
 
 
 def test_first_old_and_untraced_steps_are_gone() -> None:
