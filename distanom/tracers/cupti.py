@@ -252,7 +252,10 @@ class StepResolver:
         """Index (once) every retained buffer that completed at or after `since_mono_ns`;
         forget buffers the pool recycled. Returns all live indexes, oldest first."""
         retained = self.pool.completed()
-        live = {b.seq for b in retained}
+        marks = self._snapshot()
+        # Buffers that completed before the oldest retained mark hold no servable step.
+        horizon = marks[0].launch_mono_ns if marks else 0
+        live = {b.seq for b in retained if b.completed_ns >= horizon}
         for seq in [s for s in self._indexes if s not in live]:
             del self._indexes[seq]
         for buf in reversed(retained):
