@@ -22,9 +22,11 @@ How records are numbered to steps (the part that must never be silently wrong):
   launched), walking markers from the newest down, steps strictly decreasing. A lost
   marker or a dropped buffer therefore cannot shift the numbering: the next marker still
   carries its own code. Only a GPU lagging the host by K steps or more could fool it, so
-  `mark_step` records a CUDA event every 4 markers and queries it 12 markers later: if
-  it has not completed, the GPU lagged at least 12 steps and the steps around it are
-  flagged ambiguous (GONE, counted as `lag_alarms`).
+  `mark_step` records a CUDA event after each marker (~1-2 µs) and queries the one
+  recorded 12 markers earlier: if it has not completed, the GPU lags at least 12 steps
+  and the steps around it are flagged ambiguous (GONE, counted as `lag_alarms`). The
+  same events tell the reader whether the GPU has passed a step's closing marker, the
+  condition for a forced CUPTI flush (see `StepResolver.locate`).
 - Step N is served only if markers N-1 and N were both found and no other marker lies
   between them (`marker_verified` = 1 in its stats); else it is GONE, with the reason
   logged and counted.
@@ -74,8 +76,8 @@ MARKER_SOURCE = "template <typename T> T distanom_step_marker(T x) { return x + 
 MARKER_CODES = 16  # K: markers encode step % K
 MARKER_LENGTH_STRIDE = 4096  # elements between two codes' marker lengths (> any block's work)
 CLOCK_TOLERANCE_NS = 200_000  # CUPTI vs time.time_ns(): measured within ~3 µs
-LAG_PROBE_EVERY = 4  # markers between two lag-probe events
-LAG_PROBE_AGE = 12  # markers after which a probe must have completed (<= K - LAG_PROBE_EVERY)
+LAG_PROBE_AGE = 12  # markers after which a marker's event must have completed (< K)
+STEP_EVENTS = 64  # CUDA events kept, one per recent marker
 
 
 def marker_length(code: int) -> int:
@@ -165,6 +167,7 @@ class StepResolver:
         correlation_floor: int = 0,
         flush: Callable[[bool], None] | None = None,
         dropped_records: Callable[[], int] | None = None,
+        gpu_passed: Callable[[int], bool] | None = None,
         force_flush_after_ns: int = 2_000_000_000,
         mono_clock: Callable[[], int] = time.monotonic_ns,
         num_sms: int | None = None,
@@ -180,6 +183,7 @@ class StepResolver:
         self.correlation_floor = correlation_floor
         self._flush = flush
         self._dropped = dropped_records
+        self._gpu_passed = gpu_passed
         self._force_after = force_flush_after_ns
         self._now = mono_clock
         self.num_sms = num_sms
@@ -330,12 +334,15 @@ class StepResolver:
                 and why == "pending"
                 and (now - hi.launch_mono_ns > self._force_after or 2 * age >= self.history_steps)
                 and step not in self._forced_for
+                and (self._gpu_passed is None or self._gpu_passed(hi.step))
             ):
                 # CUPTI only hands back a buffer whose records are all complete; on a GPU
                 # that is never idle that waits for the buffer to fill. Before the step
                 # ages out of the history (or after force_flush_after), a forced flush
                 # delivers it now; records of kernels still running then come back with
-                # zero timestamps (dropped and counted in those later steps' stats).
+                # zero timestamps (dropped and counted in those later steps' stats). Only
+                # once the GPU has run the closing marker: else the marker itself would
+                # come back unfinished and the step would be lost.
                 if len(self._forced_for) > 4 * self.history_steps:
                     self._forced_for.clear()
                 self._forced_for.add(step)
@@ -517,8 +524,9 @@ class CuptiTracer:
         self.calibration: Calibration | None = None
         self._last_step: int | None = None
         self._markers_launched = 0
-        self._lag_free: list[Any] = []  # idle CUDA events
-        self._lag_probes: deque[tuple[int, int, Any]] = deque()  # (marker index, step, event)
+        self._events: list[Any] = []  # STEP_EVENTS CUDA events, used round-robin
+        self._step_events: deque[tuple[int, Any]] = deque(maxlen=STEP_EVENTS)
+        self._events_lock = threading.Lock()
         self.failure: str | None = None
         self.counters: dict[str, int] = {
             "marks": 0,
@@ -562,7 +570,7 @@ class CuptiTracer:
         for x in self._marker_inputs:
             self._marker_fn(x)
         cuda: Any = torch.cuda
-        self._lag_free = [cuda.Event() for _ in range(LAG_PROBE_AGE // LAG_PROBE_EVERY + 2)]
+        self._events = [cuda.Event() for _ in range(STEP_EVENTS)]
         torch.cuda.synchronize()
 
         pool = cupti_lib.BufferPool.for_ring(
@@ -590,6 +598,7 @@ class CuptiTracer:
             correlation_floor=calibration.correlation_floor,
             flush=session.flush,
             dropped_records=session.poll_dropped,
+            gpu_passed=self.gpu_passed,
             force_flush_after_ns=self._force_after_ns,
             num_sms=num_sms,
             rank=self.rank,
@@ -774,27 +783,39 @@ class CuptiTracer:
             self._fail(f"mark_step({step}): {type(err).__name__}: {err}")
 
     def _probe_lag(self, step: int) -> None:
-        """Detect a GPU lagging >= LAG_PROBE_AGE markers behind the host (see the module
-        docstring): one event record every LAG_PROBE_EVERY markers, one query each."""
-        index = self._markers_launched
+        """Record an event after this step's marker; alarm if the one LAG_PROBE_AGE
+        markers back has not completed yet (the GPU lags that far behind the host)."""
+        event = self._events[self._markers_launched % STEP_EVENTS]
         self._markers_launched += 1
-        assert self._resolver is not None
-        while self._lag_probes and index - self._lag_probes[0][0] >= LAG_PROBE_AGE:
-            _, probe_step, event = self._lag_probes.popleft()
-            if not event.query():
-                self.counters["lag_alarms"] += 1
-                self._resolver.flag_ambiguous(probe_step - LAG_PROBE_EVERY, step)
-                if self.counters["lag_alarms"] == 1:
-                    log.warning(
-                        "the GPU lags the host by >= %d steps (at step %d): steps %d..%d "
-                        "cannot be numbered safely and will not be served",
-                        LAG_PROBE_AGE, step, probe_step - LAG_PROBE_EVERY, step,
-                    )  # fmt: skip
-            self._lag_free.append(event)
-        if index % LAG_PROBE_EVERY == 0 and self._lag_free:
-            event = self._lag_free.pop()
+        with self._events_lock:
             event.record()
-            self._lag_probes.append((index, step, event))
+            self._step_events.append((step, event))
+            old = (
+                self._step_events[-1 - LAG_PROBE_AGE]
+                if len(self._step_events) > LAG_PROBE_AGE
+                else None
+            )
+        if old is not None and not old[1].query():
+            self.counters["lag_alarms"] += 1
+            assert self._resolver is not None
+            self._resolver.flag_ambiguous(old[0] - 1, step)
+            if self.counters["lag_alarms"] == 1:
+                log.warning(
+                    "the GPU lags the host by >= %d steps (at step %d): steps from %d on "
+                    "cannot be numbered safely while it does, and will not be served",
+                    LAG_PROBE_AGE, step, old[0] - 1,
+                )  # fmt: skip
+
+    def gpu_passed(self, step: int) -> bool:
+        """Whether the GPU has run the marker that closed `step` (reader thread). Steps
+        older than the events kept count as passed: a lag that long raises lag alarms."""
+        with self._events_lock:
+            for s, event in reversed(self._step_events):
+                if s == step:
+                    return bool(event.query())
+                if s < step:
+                    break
+            return True
 
     def _toggle(self, on: bool) -> None:
         assert self._session is not None

@@ -10,9 +10,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from distanom.tracers.cupti import (
-    LAG_PROBE_AGE,
-    LAG_PROBE_EVERY,
     MARKER_CODES,
+    STEP_EVENTS,
     CuptiTracer,
     StepResolver,
 )
@@ -63,7 +62,7 @@ def running_tracer(history: int = 16) -> tuple[CuptiTracer, list[str]]:
         num_codes=MARKER_CODES,
         history_steps=history,
     )
-    t._lag_free = [FakeEvent(log) for _ in range(LAG_PROBE_AGE // LAG_PROBE_EVERY + 2)]
+    t._events = [FakeEvent(log) for _ in range(STEP_EVENTS)]
     t._tracing = True
     t._state = "running"
     return t, log
@@ -114,17 +113,20 @@ def test_no_marker_while_a_cuda_graph_is_being_captured() -> None:
 
 
 def test_lag_probe_flags_steps_when_the_gpu_falls_behind() -> None:
-    t, _ = running_tracer(history=1000)
+    t, log = running_tracer(history=1000)
     for s in range(1, 40):
         t.mark_step(s, 0)
+    assert log.count("event") == 39  # one event after each marker
     assert t.counters["lag_alarms"] == 0
-    for ev in t._lag_free + [p[2] for p in t._lag_probes]:
-        ev.done = False  # the GPU has not reached any probe recorded from now on
+    assert t.gpu_passed(39) and t.gpu_passed(5)
+    for ev in t._events:
+        ev.done = False  # from now on the GPU reaches no marker
     for s in range(40, 60):
         t.mark_step(s, 0)
+    assert not t.gpu_passed(59)
     assert t.counters["lag_alarms"] >= 1
     assert t._resolver is not None
-    assert t._resolver._is_ambiguous(45)
+    assert t._resolver._is_ambiguous(50)
     assert not t._resolver._is_ambiguous(20)
 
 

@@ -59,6 +59,7 @@ class FakeCupti:
         self.lagging = False
         self.gpu_delay = 3_000  # launch-to-start latency of the emulated GPU
         self.busy = False  # a never-idle GPU: the default flush hands nothing back
+        self.gpu_behind: set[int] = set()  # steps whose closing marker the GPU has not run
         self.cur: tuple[int, int] | None = None
         self.used = 0
         self.dropped = 0
@@ -72,6 +73,7 @@ class FakeCupti:
             history_steps=history,
             flush=self.flush,
             dropped_records=lambda: self.dropped,
+            gpu_passed=lambda step: step not in self.gpu_behind,
             mono_clock=lambda: self.mono,
             num_sms=132,
         )
@@ -245,6 +247,11 @@ def test_busy_gpu_forced_flush_before_the_step_ages_out() -> None:
         f.mono += 100_000_000  # > MIN_FLUSH_INTERVAL between polls
         assert f.state(3) is Availability.PENDING, s
     f.step(11)  # step 3 is now 8 = history_steps / 2 steps old
+    f.mono += 100_000_000
+    f.gpu_behind = {3}  # ...but the GPU has not run marker 3: forcing would lose it
+    assert f.state(3) is Availability.PENDING
+    assert f.resolver.counters["forced_flushes"] == 0
+    f.gpu_behind = set()
     f.mono += 100_000_000
     assert f.state(3) is Availability.READY
     assert f.flushes[-1] is True
