@@ -1,0 +1,511 @@
+"""What tracing costs: distanom's cupti backend against its alternatives, on one NVIDIA GPU.
+
+    python3 bench/overhead.py                       # both workloads, all variants, 5 pairs
+    python3 bench/overhead.py --workload resnet18 --pairs 7 --variants cupti,raw_cupti
+
+Self-contained device benchmark. Each run of a variant is its own process (forked from
+a server that has imported torch but never touched CUDA), so no CUPTI or profiler state
+is shared. Runs come in pairs, (none, X) back to back, and the variants take turns
+within each round of pairs, so slow drifts of the machine hit both sides of a pair.
+The ratio X / none of each pair's wall time per step is reported, and the median ratio.
+
+Workloads:
+- resnet18: torchvision ResNet18, bf16, batch 5, SGD (the seed's; ~400 kernels in ~9 ms:
+  launch-bound, the worst case for per-kernel tracing costs);
+- transformer: nn.TransformerEncoder, 24 layers, d 1024, 16 heads, seq 2048, batch 10,
+  bf16, AdamW (GPU-bound, >= 100 ms a step on an H200).
+
+Variants and their step semantics (wall time per step = (end - start) / steps over the
+timed loop, with one torch.cuda.synchronize() after the loop unless said otherwise):
+- none: the training step alone.
+- cupti: distanom's CuptiTracer, always on: mark_step after every step (one marker
+  kernel), records kept raw. After the timed loop, untimed, 20 more steps with
+  torch.cuda._sleep(20_000_000) injected into 3 known steps; each injected step and its
+  neighbours are fetched with step_trace to check the sleep landed in its own step only.
+- cupti_budget1: CuptiTracer driven by the OverheadGovernor with a 1% budget; the
+  governor is fed each step's host time (time between two step ends; without a per-step
+  synchronize this is the GPU-paced step time in steady state) and switches tracing per
+  window (8 steps for resnet18, 2 for transformer, lag 2 windows' worth of data).
+- raw_cupti: control. CUPTI activity buffers registered through distanom's binding,
+  KERNEL+MEMCPY+MEMSET enabled, no markers, nothing decoded (records counted after the
+  loop, untimed).
+- kineto_always: torch.profiler, CUDA activities only, started before the warm-up and
+  never flushed nor stopped (the process exits without stopping it: stopping 100k
+  events costs seconds and is not part of the steady-state cost).
+- seed: the seed recipe: torch.profiler CUDA-only, schedule(wait=0, warmup=0, active=1),
+  on_trace_ready discarding the trace, and, as the seed does, torch.cuda.synchronize()
+  and prof.step() after every step. Its partner `none` run does not synchronize per
+  step, so its ratio is the cost of the whole recipe (sync + flush per step).
+
+Output: bench/results/overhead_<workload>.json (see `_summary`), rewritten after every
+pair, and progress on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+VARIANTS = ("cupti", "cupti_budget1", "raw_cupti", "kineto_always", "seed")
+WORKLOADS: dict[str, dict[str, int]] = {
+    # steps/warmup sized so both workloads, 5 pairs of all variants, fit in ~8 minutes
+    "resnet18": {"steps": 150, "warmup": 20, "governor_window": 8},
+    "transformer": {"steps": 12, "warmup": 3, "governor_window": 2},
+}
+INJECT_CYCLES = 20_000_000
+INJECT_OFFSETS = (5, 10, 15)
+INJECT_PHASE_STEPS = 20
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Child side: one variant, one process
+
+
+@dataclass
+class Workload:
+    step: Callable[[int], None]  # step(sleep_cycles)
+    describe: dict[str, Any]
+
+
+def build_workload(name: str, transformer_batch: int) -> Workload:
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    if name == "resnet18":
+        import torchvision
+
+        with torch.device("cuda"):
+            model = torchvision.models.resnet18().to(bf16)
+        opt: Any = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(5, 3, 224, 224, device="cuda", dtype=bf16)
+        y = torch.randn(5, 1000, device="cuda", dtype=bf16)
+        desc = {"model": "torchvision resnet18", "dtype": "bf16", "batch": 5, "optimizer": "SGD"}
+    elif name == "transformer":
+        layer_kw = {"d_model": 1024, "nhead": 16, "dim_feedforward": 4096, "dropout": 0.0}
+        with torch.device("cuda"):
+            layer = torch.nn.TransformerEncoderLayer(**layer_kw, batch_first=True, norm_first=True)
+            model = torch.nn.TransformerEncoder(layer, 24, enable_nested_tensor=False).to(bf16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        x = torch.randn(transformer_batch, 2048, 1024, device="cuda", dtype=bf16)
+        y = torch.zeros_like(x)
+        desc = {
+            "model": "nn.TransformerEncoder", "layers": 24, "d_model": 1024, "heads": 16,
+            "seq": 2048, "batch": transformer_batch, "dtype": "bf16", "optimizer": "AdamW",
+        }  # fmt: skip
+    else:
+        raise ValueError(f"unknown workload {name}")
+
+    def step(sleep_cycles: int = 0) -> None:
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)
+        opt.step()
+
+    return Workload(step, desc)
+
+
+def _tracer_config(budget: float | None) -> Any:
+    fields = {
+        "backend": "cupti",
+        "history_steps": 16,
+        "ring_mb": 256,
+        "overhead_budget_pct": budget,
+    }
+    try:
+        from distanom.config import TracerConfig
+
+        return TracerConfig(**fields)
+    except ImportError:  # the device image has no pydantic
+        return SimpleNamespace(**fields)
+
+
+def _timed(loop: Callable[[int], None], first: int, steps: int) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(first, first + steps):
+        loop(i)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1000.0 / steps
+
+
+def _check_injected(tracer: Any, work: Workload, first: int) -> dict[str, Any]:
+    """Untimed: 20 steps, 3 with a GPU sleep; fetch each and its neighbours."""
+    import torch
+
+    from distanom.tracers.base import Availability
+
+    inject = {first + off for off in INJECT_OFFSETS}
+    details: list[dict[str, Any]] = []
+
+    def fetch(step: int) -> Any:
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            state, why = tracer.explain(step)
+            if state is Availability.READY:
+                return tracer.step_trace(step)
+            if state is Availability.GONE:
+                return why
+            time.sleep(0.005)
+        return "still pending after 10 s"
+
+    def spins(trace: Any) -> int:
+        return sum(1 for e in trace.events if "spin_kernel" in e.get("name", ""))
+
+    for i in range(first, first + INJECT_PHASE_STEPS):
+        work.step(INJECT_CYCLES if i in inject else 0)
+        tracer.mark_step(i, time.time_ns())
+        s = i - 2
+        if s in inject:
+            torch.cuda.synchronize()
+            got = {t: fetch(t) for t in (s - 1, s, s + 1)}
+            ok_all = all(not isinstance(v, str) for v in got.values())
+            detail: dict[str, Any] = {"step": s}
+            if ok_all:
+                counts = {t: spins(v) for t, v in got.items()}
+                spin_ev = next(e for e in got[s].events if "spin_kernel" in e.get("name", ""))
+                detail.update(
+                    captured=counts[s] == 1 and counts[s - 1] == 0 and counts[s + 1] == 0,
+                    spin_counts=[counts[s - 1], counts[s], counts[s + 1]],
+                    spin_us=spin_ev["dur"] if counts[s] else None,
+                    kernels=[got[t].stats["kernels"] for t in (s - 1, s, s + 1)],
+                    stats=got[s].stats,
+                )
+            else:
+                detail.update(
+                    captured=False, unavailable={t: v for t, v in got.items() if isinstance(v, str)}
+                )
+            details.append(detail)
+    return {
+        "injected": len(inject),
+        "captured_injected": sum(1 for d in details if d.get("captured")),
+        "details": details,
+    }
+
+
+def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    variant, warmup, steps = spec["variant"], spec["warmup"], spec["steps"]
+    work = build_workload(spec["workload"], spec["transformer_batch"])
+    result: dict[str, Any] = {
+        "variant": variant,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "workload_detail": work.describe,
+    }
+    work.step(0)  # first step: CUDA init, cuBLAS/cuDNN handles, allocator
+    torch.cuda.synchronize()
+
+    if variant == "none":
+        for _ in range(warmup):
+            work.step(0)
+        result["wall_ms"] = _timed(lambda i: work.step(0), 0, steps)
+
+    elif variant in ("cupti", "cupti_budget1"):
+        from distanom.governor import GovernorParams, OverheadGovernor
+        from distanom.tracers.cupti import CuptiTracer
+
+        budget = 1.0 if variant == "cupti_budget1" else None
+        tracer = CuptiTracer(_tracer_config(budget), rank=0)
+        t0 = time.perf_counter()
+        tracer.start()
+        result["start_ms"] = (time.perf_counter() - t0) * 1000
+        cal = tracer.calibration
+        result["calibration"] = None if cal is None else {
+            "grids": cal.grids, "block_work_size": cal.block_work_size,
+            "clock_offset_ns": cal.clock_offset_ns, "memcpy_checked": cal.memcpy_checked,
+            "cupti_version": cal.cupti_version, "library": cal.library,
+        }  # fmt: skip
+        governor = None
+        state: dict[str, Any] = {"on": {1: True}}
+        if budget is not None:
+            params = GovernorParams(window_steps=spec["governor_window"], lag_steps=2)
+            governor = OverheadGovernor(budget, params, first_step=1)
+            state["on"][1] = governor.tracing_on(1)
+            tracer.set_tracing(state["on"][1])
+        tracer.mark_step(0, time.time_ns())
+        state["last"] = time.perf_counter()
+
+        def traced_step(i: int) -> None:
+            work.step(0)
+            if governor is not None:
+                now = time.perf_counter()
+                governor.record(i, now - state["last"], state["on"][i])
+                state["last"] = now
+                nxt = governor.tracing_on(i + 1)
+                state["on"][i + 1] = nxt
+                tracer.set_tracing(nxt)  # applies at this boundary: step i+1
+            tracer.mark_step(i, time.time_ns())
+
+        for i in range(1, warmup + 1):
+            traced_step(i)
+        result["wall_ms"] = _timed(traced_step, warmup + 1, steps)
+        if governor is not None:
+            result["governor"] = governor.report()
+        else:
+            result["injection"] = _check_injected(tracer, work, warmup + steps + 1)
+        tracer.close()
+        result["tracer_stats"] = tracer.stats()
+
+    elif variant == "raw_cupti":
+        from distanom.tracers import cupti_lib
+
+        lib = cupti_lib.CuptiLib.load()
+        session = cupti_lib.ActivitySession(lib, cupti_lib.BufferPool.for_ring(256))
+        session.open()
+        for _ in range(warmup):
+            work.step(0)
+        result["wall_ms"] = _timed(lambda i: work.step(0), 0, steps)
+        session.flush(forced=True)
+        records = sum(
+            len(lib.record_offsets(b.address, b.valid_size)) for b in session.pool.completed()
+        )
+        result["records_per_step"] = records / (warmup + steps)
+        result["cupti_dropped_records"] = session.poll_dropped()
+        result["pool"] = session.pool.stats()
+        session.close()
+
+    elif variant == "kineto_always":
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.__enter__()  # never stopped: see the module docstring
+        for _ in range(warmup):
+            work.step(0)
+        result["wall_ms"] = _timed(lambda i: work.step(0), 0, steps)
+
+    elif variant == "seed":
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        prof = profile(
+            activities=[ProfilerActivity.CUDA],
+            schedule=schedule(wait=0, warmup=0, active=1),
+            on_trace_ready=lambda p: None,
+        )
+        prof.__enter__()
+
+        def seed_step(i: int) -> None:
+            work.step(0)
+            torch.cuda.synchronize()
+            prof.step()
+
+        for i in range(warmup):
+            seed_step(i)
+        result["wall_ms"] = _timed(seed_step, 0, steps)
+    else:
+        raise ValueError(f"unknown variant {variant}")
+    return result
+
+
+def _child(spec: dict[str, Any], conn: Any) -> None:
+    try:
+        conn.send(("ok", run_variant(spec)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no exit-time profiler stop, no CUDA teardown: not part of any cost
+
+
+# ---------------------------------------------------------------------------------------
+# Parent side
+
+
+def run_once(ctx: Any, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(spec, child), daemon=True)
+    t0 = time.perf_counter()
+    proc.start()
+    child.close()
+    status, payload = "error", f"no result within {timeout_s:.0f} s"
+    if parent.poll(timeout_s):
+        try:
+            status, payload = parent.recv()
+        except EOFError:
+            payload = "child exited without a result"
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+    took = time.perf_counter() - t0
+    if status != "ok":
+        log(f"  {spec['variant']}: FAILED ({took:.1f} s)\n{payload}")
+        return {"variant": spec["variant"], "error": payload, "process_s": took}
+    payload["process_s"] = took
+    return payload  # type: ignore[no-any-return]
+
+
+def _summary(
+    workload: str, runs: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]], cfg: dict[str, Any]
+) -> dict[str, Any]:
+    first_ok = next(
+        (r for pairs in runs.values() for pair in pairs for r in pair if "wall_ms" in r), {}
+    )
+    out: dict[str, Any] = {
+        "device": first_ok.get("device"),
+        "torch": first_ok.get("torch"),
+        "cuda": first_ok.get("cuda"),
+        "backend": "cupti",
+        "workload": workload,
+        "workload_detail": first_ok.get("workload_detail"),
+        "config": cfg,
+        "variants": {},
+    }
+    for variant, pairs in runs.items():
+        ok = [(a, b) for a, b in pairs if "wall_ms" in a and "wall_ms" in b]
+        ratios = [b["wall_ms"] / a["wall_ms"] for a, b in ok]
+        entry: dict[str, Any] = {
+            "pairs": [[round(a["wall_ms"], 4), round(b["wall_ms"], 4)] for a, b in ok],
+            "ratios": [round(r, 4) for r in ratios],
+            "median_ratio": round(statistics.median(ratios), 4) if ratios else None,
+            "failed_runs": [
+                r.get("error", "")[-2000:] for pair in pairs for r in pair if "wall_ms" not in r
+            ],
+        }
+        traced = [b for _, b in ok]
+        if variant == "cupti":
+            inj = [b["injection"] for b in traced if "injection" in b]
+            entry["injected"] = sum(i["injected"] for i in inj)
+            entry["captured_injected"] = sum(i["captured_injected"] for i in inj)
+            entry["injection_details"] = [i["details"] for i in inj]
+            entry["tracer_stats"] = [b.get("tracer_stats") for b in traced]
+            entry["calibration"] = next((b.get("calibration") for b in traced), None)
+            entry["start_ms"] = [round(b.get("start_ms", 0), 1) for b in traced]
+            out["injected"] = entry["injected"]
+            out["captured_injected"] = entry["captured_injected"]
+        if variant == "cupti_budget1":
+            entry["governor_reports"] = [b.get("governor") for b in traced]
+            entry["tracer_stats"] = [b.get("tracer_stats") for b in traced]
+            out["governor_report"] = entry["governor_reports"][-1] if traced else None
+        if variant == "raw_cupti":
+            entry["records_per_step"] = [b.get("records_per_step") for b in traced]
+            entry["cupti_dropped_records"] = [b.get("cupti_dropped_records") for b in traced]
+        out["variants"][variant] = entry
+    return out
+
+
+def bench_workload(
+    ctx: Any, workload: str, args: argparse.Namespace, variants: Sequence[str]
+) -> Path:
+    defaults = WORKLOADS[workload]
+    steps = args.steps or defaults["steps"]
+    warmup = args.warmup if args.warmup is not None else defaults["warmup"]
+    cfg = {
+        "pairs": args.pairs, "steps": steps, "warmup": warmup, "variants": list(variants),
+        "governor_window": defaults["governor_window"], "transformer_batch": args.transformer_batch,
+        "inject_cycles": INJECT_CYCLES, "isolation": "forkserver process per run",
+    }  # fmt: skip
+    out_path = Path(args.out) / f"overhead_{workload}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {v: [] for v in variants}
+    t_start = time.perf_counter()
+    for p in range(args.pairs):
+        order = list(variants[p % len(variants) :]) + list(variants[: p % len(variants)])
+        for variant in order:
+            base = {"workload": workload, "steps": steps, "warmup": warmup,
+                    "governor_window": defaults["governor_window"],
+                    "transformer_batch": args.transformer_batch}  # fmt: skip
+            a = run_once(ctx, {**base, "variant": "none"}, args.child_timeout)
+            b = run_once(ctx, {**base, "variant": variant}, args.child_timeout)
+            runs[variant].append((a, b))
+            if "wall_ms" in a and "wall_ms" in b:
+                extra = ""
+                if "injection" in b:
+                    inj = b["injection"]
+                    extra = f"  injected captured {inj['captured_injected']}/{inj['injected']}"
+                if "governor" in b:
+                    g = b["governor"]
+                    extra = (
+                        f"  governor traced {g['traced_fraction']}, "
+                        f"overhead {g['measured_overhead_pct']}"
+                    )
+                log(
+                    f"{workload} pair {p + 1}/{args.pairs} {variant:14s} "
+                    f"none {a['wall_ms']:8.3f} ms  {variant} {b['wall_ms']:8.3f} ms  "
+                    f"ratio {b['wall_ms'] / a['wall_ms']:.3f}  "
+                    f"({a['process_s']:.1f}+{b['process_s']:.1f} s){extra}"
+                )
+            out_path.write_text(json.dumps(_summary(workload, runs, cfg), indent=1))
+        log(f"{workload}: round {p + 1} done, {time.perf_counter() - t_start:.0f} s elapsed")
+    summary = _summary(workload, runs, cfg)
+    summary["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    out_path.write_text(json.dumps(summary, indent=1))
+    for variant, entry in summary["variants"].items():
+        log(f"{workload} {variant:14s} median ratio {entry['median_ratio']}  {entry['ratios']}")
+    none_ms = [pair[0] for e in summary["variants"].values() for pair in e["pairs"]]
+    if none_ms:
+        log(f"{workload}: untraced step {statistics.median(none_ms):.2f} ms (median over runs)")
+    if "captured_injected" in summary:
+        got, want = summary["captured_injected"], summary["injected"]
+        log(f"{workload}: injected sleeps captured {got}/{want}")
+    log(f"wrote {out_path}")
+    return out_path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    parser.add_argument("--pairs", type=int, default=5, help="(none, X) pairs per variant")
+    parser.add_argument(
+        "--steps", type=int, default=0, help="timed steps (0: per-workload default)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="warm-up steps (default per workload)"
+    )
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated subset of " + ",".join(VARIANTS),
+    )
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--transformer-batch", type=int, default=10)
+    parser.add_argument("--child-timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if args.pairs < 1:
+        parser.error("--pairs must be >= 1")
+    ctx = mp.get_context("forkserver")
+    # The server imports torch once; every run forks from it and initialises CUDA itself.
+    ctx.set_forkserver_preload(["torch", "torchvision", "numpy"])
+    workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    t0 = time.perf_counter()
+    for workload in workloads:
+        bench_workload(ctx, workload, args, variants)
+    log(f"all done in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The overhead governor: which steps are traced, so that tracing costs at most a budget.
+
+Owns the tracing duty cycle. Tracing is switched in windows of `window_steps` steps
+(switching per step would put CUPTI's enable/disable on every boundary). The governor
+measures the tracer's cost live, from the run itself: overhead = median(step times of
+recent traced windows) / median(step times of recent untraced windows) - 1. With a
+budget of B percent it traces a fraction f of the windows, f = B / overhead (within a
+hysteresis band, clamped to [min_fraction, 1 - 1/probe_every_windows]), spread evenly by
+an accumulator. Without a budget it traces every window but one in
+`probe_every_windows` (and window 1), so every run can still report what tracing costs.
+
+Pure and deterministic: no torch, no clock, no I/O. Every rank feeds it the SAME
+gathered data in step order (per step: the step time, max over ranks, and whether
+tracing was on) and the decision for step s depends only on the complete windows that
+ended at least `lag_steps` before the window holding s begins; so all ranks compute the
+same schedule even though gathered data arrive late. It reads only what `record` is
+given and hands decisions (`tracing_on`) and a summary (`report`) back to the agent.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from distanom.config import TracerConfig
+
+
+class GovernorNotReadyError(LookupError):
+    """A decision was asked for before the data it depends on were recorded."""
+
+
+@dataclass(frozen=True)
+class GovernorParams:
+    window_steps: int = 16  # steps per duty-cycle window
+    lag_steps: int = 4  # data of the last `lag_steps` steps before a window are not used
+    history_windows: int = 8  # traced / untraced windows the overhead is measured over
+    min_fraction: float = 1 / 32  # always trace this much, to keep measuring
+    probe_every_windows: int = 64  # at least one untraced window in this many
+    hysteresis: float = 0.2  # keep the fraction while the target stays within ±20% of it
+    min_samples: int = 4  # step times each side needs before an overhead is trusted
+    initial_fraction: float = 0.5  # before the first measurement (budgeted runs)
+
+    def __post_init__(self) -> None:
+        if self.window_steps < 1 or self.lag_steps < 0 or self.history_windows < 1:
+            raise ValueError("window_steps >= 1, lag_steps >= 0, history_windows >= 1")
+        if self.probe_every_windows < 2:
+            raise ValueError("probe_every_windows must be >= 2")
+        if not 0 < self.min_fraction <= 1 - 1 / self.probe_every_windows:
+            raise ValueError("min_fraction must be in (0, 1 - 1/probe_every_windows]")
+        if not 0 <= self.hysteresis < 1 or self.min_samples < 1:
+            raise ValueError("hysteresis in [0, 1), min_samples >= 1")
+
+
+@dataclass(frozen=True)
+class _Window:
+    kind: str  # "T" traced, "U" untraced, "M" mixed (not used to measure)
+    times: tuple[float, ...]
+
+
+class OverheadGovernor:
+    """Decides `tracing_on(step)` from recorded (step time, traced) pairs."""
+
+    def __init__(
+        self, budget_pct: float | None, params: GovernorParams | None = None, first_step: int = 0
+    ) -> None:
+        if budget_pct is not None and not budget_pct > 0:
+            raise ValueError("budget_pct must be > 0 or None")
+        self.budget_pct = budget_pct
+        self.params = params or GovernorParams()
+        self.first_step = first_step
+        self._times: list[float | None] = []
+        self._traced: list[bool] = []
+        self._windows: list[_Window] = []  # complete data windows, in order
+        self._decisions: list[bool] = []  # per decided window
+        self._fraction: float | None = None
+        self._credit = 0.0
+        self._last_overhead: float | None = None
+
+    @classmethod
+    def from_config(
+        cls, config: TracerConfig, params: GovernorParams | None = None, first_step: int = 0
+    ) -> OverheadGovernor:
+        return cls(config.overhead_budget_pct, params, first_step)
+
+    # -- data ------------------------------------------------------------------------
+
+    def record(self, step: int, step_time_s: float | None, traced: bool) -> None:
+        """Add the next step's gathered data. Steps come in order without gaps; a step
+        nobody could time is recorded with `step_time_s=None`."""
+        expected = self.first_step + len(self._times)
+        if step != expected:
+            raise ValueError(f"governor expects step {expected} next, got {step}")
+        if step_time_s is not None and not step_time_s >= 0:
+            raise ValueError(f"step time must be >= 0 or None, got {step_time_s!r}")
+        self._times.append(step_time_s)
+        self._traced.append(bool(traced))
+        k = self.params.window_steps
+        if len(self._times) % k == 0:
+            lo = len(self._times) - k
+            flags = self._traced[lo:]
+            kind = "T" if all(flags) else ("U" if not any(flags) else "M")
+            times = tuple(t for t in self._times[lo:] if t is not None)
+            self._windows.append(_Window(kind, times))
+
+    # -- decisions -------------------------------------------------------------------
+
+    def _window_of(self, step: int) -> int:
+        if step < self.first_step:
+            raise ValueError(f"step {step} is before the governor's first step {self.first_step}")
+        return (step - self.first_step) // self.params.window_steps
+
+    def _usable_windows(self, window: int) -> int:
+        """Complete data windows that ended at least lag_steps before `window` starts."""
+        cutoff = window * self.params.window_steps - self.params.lag_steps
+        return max(0, cutoff // self.params.window_steps)
+
+    def ready(self, step: int) -> bool:
+        """Whether `tracing_on(step)` can be answered from the data recorded so far."""
+        return len(self._windows) >= self._usable_windows(self._window_of(step))
+
+    def tracing_on(self, step: int) -> bool:
+        w = self._window_of(step)
+        while len(self._decisions) <= w:
+            nxt = len(self._decisions)
+            need = self._usable_windows(nxt)
+            if len(self._windows) < need:
+                raise GovernorNotReadyError(
+                    f"deciding step {step} needs the data of steps < "
+                    f"{self.first_step + need * self.params.window_steps}; recorded up to "
+                    f"{self.first_step + len(self._times) - 1}"
+                )
+            self._decisions.append(self._decide(nxt, self._windows[:need]))
+        return self._decisions[w]
+
+    def _is_probe(self, window: int) -> bool:
+        p = self.params.probe_every_windows
+        return window == 1 or window % p == p - 1
+
+    def _decide(self, window: int, data: list[_Window]) -> bool:
+        overhead = self._measure(data)
+        self._last_overhead = overhead
+        if self.budget_pct is None:
+            return not self._is_probe(window)
+        if window < 2:
+            return window == 0  # bootstrap: one traced, one untraced window
+        prm = self.params
+        if overhead is not None:
+            budget = self.budget_pct / 100.0
+            target = 1.0 if overhead <= 0 else budget / overhead
+            target = min(max(target, prm.min_fraction), 1.0 - 1.0 / prm.probe_every_windows)
+            f = self._fraction
+            if f is None or not (f * (1 - prm.hysteresis) <= target <= f * (1 + prm.hysteresis)):
+                self._fraction = target
+        fraction = self._fraction if self._fraction is not None else prm.initial_fraction
+        self._credit += fraction
+        if self._credit >= 1.0 - 1e-9:
+            self._credit -= 1.0
+            return True
+        return False
+
+    def _measure(self, data: list[_Window]) -> float | None:
+        """Overhead (0.13 = 13%) from the last history_windows traced and untraced windows."""
+        h = self.params.history_windows
+        traced = [w for w in data if w.kind == "T"][-h:]
+        untraced = [w for w in data if w.kind == "U"][-h:]
+        t = [x for w in traced for x in w.times]
+        u = [x for w in untraced for x in w.times]
+        if len(t) < self.params.min_samples or len(u) < self.params.min_samples:
+            return None
+        mu = statistics.median(u)
+        if mu <= 0:
+            return None
+        return statistics.median(t) / mu - 1.0
+
+    # -- summary ---------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """Measured overhead, traced fraction and counts, for logs and run.json."""
+        recent = self._measure(self._windows)
+        t_all = [x for x, on in zip(self._times, self._traced, strict=True) if on and x is not None]
+        u_all = [
+            x for x, on in zip(self._times, self._traced, strict=True) if not on and x is not None
+        ]
+        steps_traced = sum(self._traced)
+        steps_recorded = len(self._traced)
+        fraction_steps = steps_traced / steps_recorded if steps_recorded else None
+        decided = len(self._decisions)
+        traced_windows = sum(self._decisions)
+        return {
+            "budget_pct": self.budget_pct,
+            "window_steps": self.params.window_steps,
+            "lag_steps": self.params.lag_steps,
+            "windows_decided": decided,
+            "windows_traced": traced_windows,
+            "traced_fraction": traced_windows / decided if decided else None,
+            "target_fraction": self._fraction,
+            "measured_overhead_pct": None if recent is None else 100.0 * recent,
+            "effective_overhead_pct": (
+                None
+                if recent is None or fraction_steps is None
+                else 100.0 * recent * fraction_steps
+            ),
+            "steps_recorded": steps_recorded,
+            "steps_traced": steps_traced,
+            "steps_untraced": steps_recorded - steps_traced,
+            "traced_median_s": statistics.median(t_all) if t_all else None,
+            "untraced_median_s": statistics.median(u_all) if u_all else None,
+        }

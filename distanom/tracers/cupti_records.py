@@ -1,0 +1,575 @@
+"""Decoding CUPTI activity buffers: raw bytes → compact records → Kineto-shaped events.
+
+Owns the record layouts distanom relies on (the prefix fields of CUPTI 13.0's
+CUpti_ActivityKernel10, CUpti_ActivityMemcpy6 and CUpti_ActivityMemset4, which have kept
+their offsets across record versions), the per-buffer index (`index_buffer`: where each
+record is, its kind and correlation id, and the step-marker kernels), the full decoding
+of selected records (`decode_records`) with validation (records with a zero timestamp or
+an end before their start are dropped and counted), and the conversion to chrome-trace
+events in Kineto's shape (`kineto_events`), so a CUPTI trace reads like a CUDA-only
+torch.profiler trace in Perfetto, HTA, TraceLens and distanom's analysis.
+
+Pure: it reads memory it is given and never calls CUPTI. How records are found in a
+buffer is injected (`RecordIterator`): the tracer passes `CuptiLib.record_offsets`
+(cuptiActivityGetNextRecord); tests pass `iterate_by_size` over synthetic buffers.
+Kernel names are read through a `NameTable` from the char* in each kernel record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+log = logging.getLogger(__name__)
+
+KIND_MEMCPY = 1
+KIND_MEMSET = 2
+KIND_CONCURRENT_KERNEL = 10
+
+# Full record sizes on CUPTI 13.0 (only used to walk synthetic buffers in tests and as a
+# documented fallback; the real walk asks CUPTI).
+RECORD_SIZES: dict[int, int] = {KIND_CONCURRENT_KERNEL: 216, KIND_MEMCPY: 96, KIND_MEMSET: 88}
+
+# Bytes of each record distanom reads (through the name pointer, the correlation id,
+# the memory kind): a record is only used when that much of it lies in the buffer.
+_MIN_READ = {KIND_CONCURRENT_KERNEL: 112, KIND_MEMCPY: 48, KIND_MEMSET: 52}
+
+# Kernel10: registers_per_thread u16 @6; start,end u64 @16; device,context,stream u32 @40;
+# grid xyz, block xyz, static smem, dynamic smem i32 @52..80; correlation u32 @92; name @104.
+_K_REGS = struct.Struct("<H")
+_K_TIMES = struct.Struct("<QQ")
+_K_IDS_SHAPE = struct.Struct("<IIIiiiiiiii")
+_K_CORR = struct.Struct("<I")
+_K_NAME = struct.Struct("<Q")
+# Memcpy6: copy/src/dst kind u8 @4; bytes,start,end u64 @8; device,context,stream,corr u32 @32.
+_MC_KINDS = struct.Struct("<BBB")
+_X_BYTES_TIMES = struct.Struct("<QQQ")  # shared by Memcpy6 and Memset4 @8
+_X_IDS = struct.Struct("<IIII")  # shared by Memcpy6 and Memset4 @32
+# Memset4: value u32 @4; memory_kind u16 @50.
+_MS_VALUE = struct.Struct("<I")
+_MS_MEMKIND = struct.Struct("<H")
+
+MEMCPY_KIND_NAMES = {
+    0: "Unknown", 1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA",
+    6: "AtoD", 7: "DtoA", 8: "DtoD", 9: "HtoH", 10: "PtoP",
+}  # fmt: skip
+MEMORY_KIND_NAMES = {
+    0: "Unknown", 1: "Pageable", 2: "Pinned", 3: "Device", 4: "Array",
+    5: "Managed", 6: "Device Static", 7: "Managed Static",
+}  # fmt: skip
+
+RecordIterator = Callable[[int, int], Sequence[int]]
+"""(buffer address, valid size) → offsets of the records in the buffer, in order."""
+
+U8Array = npt.NDArray[np.uint8]
+I64Array = npt.NDArray[np.int64]
+
+
+def buffer_view(address: int, valid_size: int) -> U8Array:
+    """A zero-copy uint8 view of `valid_size` bytes at `address` (caller keeps it alive)."""
+    if valid_size <= 0:
+        return np.zeros(0, dtype=np.uint8)
+    raw = (ctypes.c_uint8 * valid_size).from_address(address)
+    return np.ctypeslib.as_array(raw)
+
+
+def iterate_by_size(view: U8Array) -> list[int]:
+    """Walk a buffer by the known record sizes (tests' synthetic buffers). Raises
+    ValueError on a kind it does not know, since it could not find the next record."""
+    offsets: list[int] = []
+    pos = 0
+    data = view.tobytes()
+    while pos + 4 <= len(data):
+        (kind,) = struct.unpack_from("<i", data, pos)
+        size = RECORD_SIZES.get(kind)
+        if size is None:
+            raise ValueError(f"unknown record kind {kind} at offset {pos}")
+        offsets.append(pos)
+        pos += size
+    return offsets
+
+
+# ---------------------------------------------------------------------------------------
+# Names
+
+
+class SafeMemoryReader:
+    """Reads bytes at a raw address without risking a segfault: the bytes go through a
+    pipe, so an unmapped address is an EFAULT error rather than a crash. Kernel names
+    are char* pointers inside records; if a record were misread, a bad pointer must cost
+    one name, not the training job."""
+
+    _PAGE = 4096
+
+    def __init__(self) -> None:
+        self._pipe: tuple[int, int] | None = None
+        try:
+            self._pipe = os.pipe()
+        except OSError:
+            self._pipe = None
+
+    def read_cstring(self, address: int, limit: int = 1 << 16) -> bytes | None:
+        """The NUL-terminated string at `address` (at most `limit` bytes), None if unreadable."""
+        if address <= 0:
+            return None
+        if self._pipe is None:
+            return ctypes.string_at(address)[:limit]
+        out = bytearray()
+        pos = address
+        while len(out) < limit:
+            # Reads never cross a page boundary: a page is mapped or not as a whole.
+            chunk = min(self._PAGE - (pos % self._PAGE), limit - len(out))
+            piece = self._read(pos, chunk)
+            if piece is None:
+                return None
+            nul = piece.find(b"\0")
+            if nul >= 0:
+                out += piece[:nul]
+                return bytes(out)
+            out += piece
+            pos += chunk
+        return bytes(out)
+
+    def _read(self, address: int, size: int) -> bytes | None:
+        assert self._pipe is not None
+        read_fd, write_fd = self._pipe
+        source = (ctypes.c_char * size).from_address(address)
+        try:
+            written = os.write(write_fd, memoryview(source).cast("B"))
+        except OSError:
+            return None
+        data = b""
+        while len(data) < written:
+            data += os.read(read_fd, written - len(data))
+        return data
+
+    def close(self) -> None:
+        if self._pipe is not None:
+            for fd in self._pipe:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._pipe = None
+
+
+class _Demangler:
+    """C++ names → Kineto's readable form through libstdc++'s __cxa_demangle."""
+
+    def __init__(self) -> None:
+        self._func: Any = None
+        self._free: Any = None
+        try:
+            cxx = ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6")
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            func = getattr(cxx, "__cxa_demangle")  # getattr: no private-name mangling
+            func.argtypes = [
+                ctypes.c_char_p,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.POINTER(ctypes.c_int),
+            ]
+            func.restype = ctypes.c_void_p
+            free = libc.free
+            free.argtypes = [ctypes.c_void_p]
+            free.restype = None
+            self._func, self._free = func, free
+        except (OSError, AttributeError) as err:
+            log.info("no C++ demangler (%s): kernel names stay mangled", err)
+
+    def __call__(self, name: str) -> str:
+        if self._func is None or not name.startswith("_Z"):
+            return name
+        status = ctypes.c_int(1)
+        ptr = self._func(name.encode(), None, None, ctypes.byref(status))
+        if not ptr:
+            return name
+        try:
+            if status.value != 0:
+                return name
+            return ctypes.string_at(ptr).decode("utf-8", errors="replace")
+        finally:
+            self._free(ptr)
+
+
+class NameTable:
+    """Kernel-name pointers → names. CUPTI shares one name string per kernel across its
+    records, so each pointer is read (and demangled) once."""
+
+    UNREADABLE = "<unreadable kernel name>"
+
+    def __init__(
+        self,
+        read_cstring: Callable[[int], bytes | None] | None = None,
+        demangle: Callable[[str], str] | None = None,
+        max_entries: int = 200_000,
+    ) -> None:
+        self._reader: SafeMemoryReader | None = None
+        if read_cstring is None:
+            self._reader = SafeMemoryReader()
+            read_cstring = self._reader.read_cstring
+        self._read = read_cstring
+        self._demangle = demangle if demangle is not None else _Demangler()
+        self._raw: dict[int, str] = {}
+        self._shown: dict[int, str] = {}
+        self._max = max_entries
+        self.unreadable = 0
+
+    def raw(self, pointer: int) -> str:
+        name = self._raw.get(pointer)
+        if name is None:
+            data = self._read(pointer) if pointer else None
+            if data is None:
+                self.unreadable += 1
+                name = self.UNREADABLE
+            else:
+                name = data.decode("utf-8", errors="replace")
+            if len(self._raw) >= self._max:
+                self._raw.clear()
+                self._shown.clear()
+            self._raw[pointer] = name
+        return name
+
+    def display(self, pointer: int) -> str:
+        shown = self._shown.get(pointer)
+        if shown is None:
+            shown = self._demangle(self.raw(pointer))
+            self._shown[pointer] = shown
+        return shown
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+
+
+# ---------------------------------------------------------------------------------------
+# Index of one buffer
+
+
+@dataclass(frozen=True)
+class MarkerRecord:
+    """A step-marker kernel as CUPTI recorded it."""
+
+    correlation: int
+    grid_x: int
+    start_ns: int
+    end_ns: int
+    device: int
+    stream: int
+    buffer_seq: int
+
+
+@dataclass(frozen=True)
+class BufferIndex:
+    """Where the records of one completed buffer are, and which are step markers.
+
+    Small (12 bytes a record) and cached per buffer, so a buffer is walked once.
+    """
+
+    seq: int
+    offsets: I64Array
+    kinds: npt.NDArray[np.int32]
+    correlation: I64Array
+    markers: tuple[MarkerRecord, ...]
+    other_kinds: int  # records of kinds distanom did not enable (skipped)
+
+    @property
+    def min_correlation(self) -> int:
+        return int(self.correlation.min()) if len(self.correlation) else 0
+
+    @property
+    def max_correlation(self) -> int:
+        return int(self.correlation.max()) if len(self.correlation) else 0
+
+
+def _gather(view: U8Array, positions: I64Array, dtype: npt.DTypeLike) -> npt.NDArray[Any]:
+    """Little-endian values of `dtype` at each byte position (vectorised)."""
+    dt = np.dtype(dtype).newbyteorder("<")
+    if len(positions) == 0:
+        return np.zeros(0, dtype=dt)
+    idx = positions[:, None] + np.arange(dt.itemsize, dtype=np.int64)
+    out: npt.NDArray[Any] = np.ascontiguousarray(view[idx]).view(dt).reshape(-1)
+    return out
+
+
+def index_buffer(
+    view: U8Array,
+    offsets: Sequence[int],
+    seq: int,
+    names: NameTable,
+    is_marker: Callable[[str], bool],
+) -> BufferIndex:
+    """Index a buffer: kind and correlation id of every record, and its marker kernels.
+
+    Records of other kinds are counted and skipped; so is a record that would run past
+    the valid end of the buffer (it cannot be read whole)."""
+    offs = np.asarray(offsets, dtype=np.int64)
+    if len(offs) and (int(offs.min()) < 0 or int(offs.max()) + 4 > len(view)):
+        raise ValueError("record offset outside the buffer")
+    kinds = _gather(view, offs, np.int32).astype(np.int32)
+    need = np.zeros(len(kinds), dtype=np.int64)
+    for kind, size in _MIN_READ.items():
+        need[kinds == kind] = size
+    usable = (need > 0) & (offs + need <= len(view))
+    other = int((~usable).sum())
+    offs, kinds = offs[usable], kinds[usable]
+    corr_off = np.where(kinds == KIND_CONCURRENT_KERNEL, 92, 44).astype(np.int64)
+    corr = _gather(view, offs + corr_off, np.uint32).astype(np.int64)
+
+    markers: list[MarkerRecord] = []
+    kern = np.nonzero(kinds == KIND_CONCURRENT_KERNEL)[0]
+    if len(kern):
+        name_ptrs = _gather(view, offs[kern] + 104, np.uint64)
+        marker_ptrs = {int(p) for p in np.unique(name_ptrs) if is_marker(names.raw(int(p)))}
+        if marker_ptrs:
+            data = view.data
+            wanted = np.array(sorted(marker_ptrs), dtype=np.uint64)
+            for i in kern[np.isin(name_ptrs, wanted)]:
+                base = int(offs[i])
+                start, end = _K_TIMES.unpack_from(data, base + 16)
+                dev, _ctx, stream, grid_x = struct.unpack_from("<IIIi", data, base + 40)
+                markers.append(MarkerRecord(int(corr[i]), grid_x, start, end, dev, stream, seq))
+    return BufferIndex(seq, offs, kinds, corr, tuple(markers), other)
+
+
+# ---------------------------------------------------------------------------------------
+# Full decoding
+
+
+@dataclass(frozen=True)
+class GpuActivity:
+    """One kernel, memcpy or memset, decoded."""
+
+    kind: int
+    start_ns: int
+    end_ns: int
+    device: int
+    context: int
+    stream: int
+    correlation: int
+    name: str
+    grid: tuple[int, int, int] = (0, 0, 0)
+    block: tuple[int, int, int] = (0, 0, 0)
+    registers: int = 0
+    shared_memory: int = 0
+    bytes: int = 0
+    copy_kind: int = 0
+    src_kind: int = 0
+    dst_kind: int = 0
+    memory_kind: int = 0
+    value: int = 0
+
+
+@dataclass
+class DecodeStats:
+    """What decoding dropped, by reason."""
+
+    zero_timestamp: int = 0
+    end_before_start: int = 0
+    unknown_kind: int = 0
+    counts: dict[int, int] = field(default_factory=dict)  # kept records per kind
+
+
+def memcpy_name(copy_kind: int, src: int, dst: int) -> str:
+    """Kineto's memcpy event name, e.g. 'Memcpy HtoD (Pageable -> Device)'."""
+    return (
+        f"Memcpy {MEMCPY_KIND_NAMES.get(copy_kind, 'Unknown')} "
+        f"({MEMORY_KIND_NAMES.get(src, 'Unknown')} -> {MEMORY_KIND_NAMES.get(dst, 'Unknown')})"
+    )
+
+
+def memset_name(memory_kind: int) -> str:
+    return f"Memset ({MEMORY_KIND_NAMES.get(memory_kind, 'Unknown')})"
+
+
+def decode_record(view: memoryview, offset: int, names: NameTable) -> GpuActivity | None:
+    """Decode one record (None for a kind distanom does not trace). `view` is the
+    buffer's bytes (e.g. `buffer_view(...).data`)."""
+    (kind,) = struct.unpack_from("<i", view, offset)
+    if kind == KIND_CONCURRENT_KERNEL:
+        (regs,) = _K_REGS.unpack_from(view, offset + 6)
+        start, end = _K_TIMES.unpack_from(view, offset + 16)
+        dev, ctx, stream, gx, gy, gz, bx, by, bz, smem_s, smem_d = _K_IDS_SHAPE.unpack_from(
+            view, offset + 40
+        )
+        (corr,) = _K_CORR.unpack_from(view, offset + 92)
+        (name_ptr,) = _K_NAME.unpack_from(view, offset + 104)
+        return GpuActivity(
+            kind, start, end, dev, ctx, stream, corr, names.display(name_ptr),
+            grid=(gx, gy, gz), block=(bx, by, bz), registers=regs, shared_memory=smem_s + smem_d,
+        )  # fmt: skip
+    if kind == KIND_MEMCPY:
+        copy_kind, src, dst = _MC_KINDS.unpack_from(view, offset + 4)
+        nbytes, start, end = _X_BYTES_TIMES.unpack_from(view, offset + 8)
+        dev, ctx, stream, corr = _X_IDS.unpack_from(view, offset + 32)
+        return GpuActivity(
+            kind, start, end, dev, ctx, stream, corr, memcpy_name(copy_kind, src, dst),
+            bytes=nbytes, copy_kind=copy_kind, src_kind=src, dst_kind=dst,
+        )  # fmt: skip
+    if kind == KIND_MEMSET:
+        (value,) = _MS_VALUE.unpack_from(view, offset + 4)
+        nbytes, start, end = _X_BYTES_TIMES.unpack_from(view, offset + 8)
+        dev, ctx, stream, corr = _X_IDS.unpack_from(view, offset + 32)
+        (memory_kind,) = _MS_MEMKIND.unpack_from(view, offset + 50)
+        return GpuActivity(
+            kind, start, end, dev, ctx, stream, corr, memset_name(memory_kind),
+            bytes=nbytes, memory_kind=memory_kind, value=value,
+        )  # fmt: skip
+    return None
+
+
+def decode_records(
+    view: U8Array, offsets: Iterable[int], names: NameTable, stats: DecodeStats
+) -> list[GpuActivity]:
+    """Decode and validate records; invalid ones are counted in `stats`, not returned."""
+    out: list[GpuActivity] = []
+    data = view.data
+    for offset in offsets:
+        rec = decode_record(data, int(offset), names)
+        if rec is None:
+            stats.unknown_kind += 1
+            continue
+        if rec.start_ns == 0 or rec.end_ns == 0:
+            # CUPTI leaves timestamps at 0 when it could not time a record (e.g. a forced
+            # flush of an unfinished kernel): there is nothing to place on a timeline.
+            stats.zero_timestamp += 1
+            continue
+        if rec.end_ns < rec.start_ns:
+            stats.end_before_start += 1
+            continue
+        stats.counts[rec.kind] = stats.counts.get(rec.kind, 0) + 1
+        out.append(rec)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Kineto-shaped events
+
+KINETO_CATEGORY = {
+    KIND_CONCURRENT_KERNEL: "kernel",
+    KIND_MEMCPY: "gpu_memcpy",
+    KIND_MEMSET: "gpu_memset",
+}
+
+
+def _us(ns: int) -> float:
+    # Kineto writes microseconds with nanosecond precision (3 decimals).
+    return round(ns / 1000.0, 3)
+
+
+def kineto_event(rec: GpuActivity, base_time_ns: int, num_sms: int | None = None) -> dict[str, Any]:
+    """One record as a chrome-trace 'X' event the way Kineto writes it."""
+    dur_ns = rec.end_ns - rec.start_ns
+    args: dict[str, Any] = {
+        "device": rec.device,
+        "context": rec.context,
+        "stream": rec.stream,
+        "correlation": rec.correlation,
+    }
+    if rec.kind == KIND_CONCURRENT_KERNEL:
+        args["registers per thread"] = rec.registers
+        args["shared memory"] = rec.shared_memory
+        if num_sms:
+            blocks = rec.grid[0] * rec.grid[1] * rec.grid[2] / num_sms
+            threads = rec.block[0] * rec.block[1] * rec.block[2]
+            args["blocks per SM"] = round(blocks, 6)
+            args["warps per SM"] = round(blocks * threads / 32.0, 6)
+        args["grid"] = list(rec.grid)
+        args["block"] = list(rec.block)
+    else:
+        args["bytes"] = rec.bytes
+        args["memory bandwidth (GB/s)"] = rec.bytes / dur_ns if dur_ns > 0 else "N/A"
+    return {
+        "ph": "X",
+        "cat": KINETO_CATEGORY[rec.kind],
+        "name": rec.name,
+        "pid": rec.device,
+        "tid": rec.stream,
+        "ts": _us(rec.start_ns - base_time_ns),
+        "dur": _us(dur_ns),
+        "args": args,
+    }
+
+
+def metadata_events(
+    devices_streams: Iterable[tuple[int, int]], ts: float, process_name: str = "python3"
+) -> list[dict[str, Any]]:
+    """Kineto's 'M' events naming each GPU row (pid = device) and stream row (tid = stream)."""
+    pairs = sorted(set(devices_streams))
+    events: list[dict[str, Any]] = []
+    for device in sorted({d for d, _ in pairs}):
+        events.append(
+            {
+                "name": "process_name",
+                "ph": "M",
+                "ts": ts,
+                "pid": device,
+                "tid": 0,
+                "args": {"name": process_name},
+            }
+        )
+        events.append(
+            {
+                "name": "process_labels",
+                "ph": "M",
+                "ts": ts,
+                "pid": device,
+                "tid": 0,
+                "args": {"labels": f"GPU {device}"},
+            }
+        )
+        events.append(
+            {
+                "name": "process_sort_index",
+                "ph": "M",
+                "ts": ts,
+                "pid": device,
+                "tid": 0,
+                "args": {"sort_index": 5000000 + device},
+            }
+        )
+    for device, stream in pairs:
+        # Kineto's stream label has a trailing space; kept so names match its traces.
+        events.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "ts": ts,
+                "pid": device,
+                "tid": stream,
+                "args": {"name": f"stream {stream} "},
+            }
+        )
+        events.append(
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "ts": ts,
+                "pid": device,
+                "tid": stream,
+                "args": {"sort_index": stream},
+            }
+        )
+    return events
+
+
+def kineto_events(
+    records: Sequence[GpuActivity],
+    base_time_ns: int,
+    num_sms: int | None = None,
+    process_name: str = "python3",
+) -> list[dict[str, Any]]:
+    """Metadata events, then one event per record in start order."""
+    ordered = sorted(records, key=lambda r: (r.start_ns, r.correlation))
+    spans = [kineto_event(r, base_time_ns, num_sms) for r in ordered]
+    first_ts = spans[0]["ts"] if spans else 0.0
+    meta = metadata_events(((r.device, r.stream) for r in ordered), first_ts, process_name)
+    return meta + spans

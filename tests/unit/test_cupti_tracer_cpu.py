@@ -1,0 +1,54 @@
+"""CuptiTracer where CUDA is absent: it says why, never breaks the training loop."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from distanom.config import TracerConfig
+from distanom.errors import TracerUnavailableError
+from distanom.tracers.base import Availability, Tracer
+from distanom.tracers.cupti import CuptiTracer, marker_length, probe_cupti
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU paths")
+
+
+def test_implements_the_tracer_protocol() -> None:
+    tracer = CuptiTracer(TracerConfig(backend="cupti"), rank=0)
+    assert isinstance(tracer, Tracer)
+    assert tracer.name == "cupti"
+
+
+def test_probe_gives_a_one_line_reason() -> None:
+    reason = probe_cupti()
+    assert isinstance(reason, str) and reason and "\n" not in reason
+
+
+def test_start_raises_unavailable_and_everything_else_is_harmless() -> None:
+    tracer = CuptiTracer(TracerConfig(backend="cupti", history_steps=8, ring_mb=16), rank=3)
+    with pytest.raises(TracerUnavailableError):
+        tracer.start()
+    tracer.mark_step(1, 123)  # before/without start: no-op, never raises
+    tracer.set_tracing(False)
+    assert tracer.availability(1) is Availability.GONE
+    with pytest.raises(KeyError):
+        tracer.step_trace(1)
+    tracer.close()
+    tracer.close()
+
+
+def test_accepts_a_plain_namespace_config() -> None:
+    # Device scripts run where pydantic may be missing: only three fields are read.
+    cfg = SimpleNamespace(history_steps=4, ring_mb=8, overhead_budget_pct=None)
+    tracer = CuptiTracer(cfg, rank=0)  # type: ignore[arg-type]
+    assert (tracer.history_steps, tracer.ring_mb) == (4, 8)
+
+
+def test_marker_lengths_give_distinct_grids_for_any_block_work_up_to_the_stride() -> None:
+    import math
+
+    for bw in (128, 256, 512, 1024, 2048, 4096):
+        grids = [math.ceil(marker_length(c) / bw) for c in range(16)]
+        assert len(set(grids)) == 16, bw

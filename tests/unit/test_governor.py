@@ -1,0 +1,167 @@
+"""The overhead governor on synthetic step-time sequences."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+
+import pytest
+
+from distanom.governor import GovernorNotReadyError, GovernorParams, OverheadGovernor
+
+BASE = 0.010  # 10 ms steps
+
+
+def simulate(
+    gov: OverheadGovernor,
+    steps: int,
+    slowdown: float = 1.13,
+    noise: float = 0.01,
+    seed: int = 0,
+    step_time: Callable[[int, bool], float] | None = None,
+) -> list[bool]:
+    """Run `steps` steps: ask the governor, 'train', record. Returns the schedule."""
+    rng = random.Random(seed)
+    schedule: list[bool] = []
+    for s in range(gov.first_step, gov.first_step + steps):
+        on = gov.tracing_on(s)
+        if step_time is not None:
+            t = step_time(s, on)
+        else:
+            t = BASE * (slowdown if on else 1.0) * (1 + rng.uniform(-noise, noise))
+        gov.record(s, t, on)
+        schedule.append(on)
+    return schedule
+
+
+def windows(schedule: list[bool], k: int) -> list[bool]:
+    return [schedule[i] for i in range(0, len(schedule), k)]
+
+
+def test_budget_one_percent_with_thirteen_percent_overhead() -> None:
+    gov = OverheadGovernor(1.0)
+    k = gov.params.window_steps
+    sched = simulate(gov, 64 * 400)  # 1600 windows
+    rep = gov.report()
+    assert rep["measured_overhead_pct"] == pytest.approx(13.0, abs=1.5)
+    assert rep["target_fraction"] == pytest.approx(1 / 13, abs=0.012)
+    steady = windows(sched, k)[100:]
+    assert sum(steady) / len(steady) == pytest.approx(1 / 13, abs=0.012)
+    assert rep["traced_fraction"] == pytest.approx(1 / 13, abs=0.015)
+    assert rep["effective_overhead_pct"] == pytest.approx(1.0, abs=0.25)
+    assert rep["steps_traced"] + rep["steps_untraced"] == rep["steps_recorded"] == len(sched)
+    # whole windows only: the schedule never switches inside a window
+    for w in range(len(sched) // k):
+        assert len(set(sched[w * k : (w + 1) * k])) == 1
+
+
+def test_no_budget_traces_everything_but_the_probe_windows() -> None:
+    gov = OverheadGovernor(None)
+    k, p = gov.params.window_steps, gov.params.probe_every_windows
+    sched = simulate(gov, k * p * 4)
+    per_window = windows(sched, k)
+    untraced = [w for w, on in enumerate(per_window) if not on]
+    assert untraced == [1] + [w for w in range(len(per_window)) if w % p == p - 1]
+    rep = gov.report()
+    assert rep["measured_overhead_pct"] == pytest.approx(13.0, abs=1.5)
+    assert rep["traced_fraction"] > 0.97
+
+
+def test_same_input_same_schedule() -> None:
+    a, b = OverheadGovernor(2.0), OverheadGovernor(2.0)
+    assert simulate(a, 8000, seed=7) == simulate(b, 8000, seed=7)
+    assert a.report() == b.report()
+
+
+def test_decision_for_a_window_ignores_data_within_the_lag() -> None:
+    # Ranks that have gathered different amounts of recent data (or data that differ
+    # in the last lag_steps before a window) decide that window the same.
+    params = GovernorParams(window_steps=8, lag_steps=3)
+    ref = OverheadGovernor(1.0, params)
+    rng = random.Random(5)
+    data: list[tuple[float, bool]] = []
+    for s in range(8 * 300):
+        on = ref.tracing_on(s)
+        t = BASE * (1.13 if on else 1.0) * (1 + rng.uniform(-0.02, 0.02))
+        ref.record(s, t, on)
+        data.append((t, on))
+    garbage = random.Random(9)
+    for w in range(1, 300, 7):
+        cutoff = w * 8 - 3
+        a = OverheadGovernor(1.0, params)
+        b = OverheadGovernor(1.0, params)
+        for s in range(cutoff):
+            a.record(s, *data[s])
+            b.record(s, *data[s])
+        for s in range(cutoff, w * 8):  # b has later data, with different values
+            b.record(s, BASE * garbage.uniform(0.1, 10.0), data[s][1])
+        assert a.ready(w * 8) and b.ready(w * 8)
+        assert a.tracing_on(w * 8) == b.tracing_on(w * 8) == ref.tracing_on(w * 8), w
+
+
+def test_not_ready_until_the_data_before_the_lag_are_recorded() -> None:
+    params = GovernorParams(window_steps=8, lag_steps=3)
+    g = OverheadGovernor(1.0, params)
+    for s in range(8 * 5 - 3):
+        g.record(s, BASE, g.tracing_on(s))
+    assert g.ready(8 * 5)  # window 5 needs steps < 37 only
+    assert not g.ready(8 * 6)
+    with pytest.raises(GovernorNotReadyError, match="needs the data of steps < 40"):
+        g.tracing_on(8 * 6)
+    before = g.tracing_on(8 * 5)
+    g.record(37, 100.0, before)  # an absurd later step cannot change a past decision
+    assert g.tracing_on(8 * 5) == before
+
+
+def test_hysteresis_keeps_the_fraction_steady_under_noise() -> None:
+    gov = OverheadGovernor(1.0)
+    fractions: list[float | None] = []
+    rng = random.Random(3)
+    for s in range(64 * 300):
+        on = gov.tracing_on(s)
+        gov.record(s, BASE * (1.13 if on else 1.0) * (1 + rng.uniform(-0.03, 0.03)), on)
+        if s % 16 == 0:
+            fractions.append(gov.report()["target_fraction"])
+    changes = sum(1 for a, b in itertools.pairwise(fractions) if a != b)
+    assert changes <= 8
+
+
+def test_budget_above_the_overhead_traces_nearly_everything() -> None:
+    gov = OverheadGovernor(50.0)
+    sched = simulate(gov, 64 * 200)
+    steady = windows(sched, 16)[50:]
+    p = gov.params.probe_every_windows
+    assert sum(steady) / len(steady) == pytest.approx(1 - 1 / p, abs=0.02)
+
+
+def test_huge_overhead_clamps_to_the_minimum_fraction() -> None:
+    gov = OverheadGovernor(1.0)
+    sched = simulate(gov, 64 * 300, slowdown=3.0)
+    steady = windows(sched, 16)[100:]
+    assert sum(steady) / len(steady) == pytest.approx(gov.params.min_fraction, abs=0.01)
+    assert gov.report()["measured_overhead_pct"] == pytest.approx(200.0, rel=0.05)
+
+
+def test_zero_overhead_means_trace_all_but_probes() -> None:
+    gov = OverheadGovernor(1.0)
+    sched = simulate(gov, 64 * 100, slowdown=1.0, noise=0.0)
+    steady = windows(sched, 16)[20:]
+    assert sum(steady) / len(steady) > 0.95
+
+
+def test_untimed_steps_and_input_validation() -> None:
+    gov = OverheadGovernor(1.0, first_step=100)
+    for s in range(100, 100 + 16 * 10):
+        gov.record(s, None if s % 3 == 0 else BASE, gov.tracing_on(s))
+    with pytest.raises(ValueError, match="expects step 260"):
+        gov.record(300, BASE, True)
+    with pytest.raises(ValueError):
+        gov.record(260, -1.0, True)
+    with pytest.raises(ValueError):
+        gov.tracing_on(5)
+    with pytest.raises(ValueError):
+        OverheadGovernor(0.0)
+    with pytest.raises(ValueError):
+        GovernorParams(min_fraction=0.0)
+    assert gov.report()["steps_recorded"] == 160
