@@ -24,6 +24,7 @@ import collections
 import contextlib
 import functools
 import logging
+import math
 import platform
 import queue
 import sys
@@ -52,8 +53,9 @@ from distanom.consensus import (
     recent_times,
 )
 from distanom.control import answer, pending_requests, validate_request, write_status
-from distanom.detect import Detector, StepSample
+from distanom.detect import CaptureDecision, Detector, StepSample
 from distanom.errors import CaptureRequestError, RunDirError
+from distanom.governor import GovernorNotReadyError, OverheadGovernor
 from distanom.rundir import RunDir, create_run, update_latest, write_json_atomic
 from distanom.tracers import Tracer, create_tracer
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
@@ -107,6 +109,13 @@ class Agent:
         self._offered_request: tuple[CaptureRequest, str] | None = None
         self._steps_file: Any = None
         self._started_at = time.time()
+        # The duty cycle: fed with gathered data on the control thread, asked on the
+        # training thread; every rank computes the same schedule from the same data.
+        self._governor: OverheadGovernor | None = None
+        if config.tracer.backend != "none":
+            self._governor = OverheadGovernor.from_config(config.tracer, first_step=1)
+        self._governor_lock = threading.Lock()
+        self._forced_on: set[int] = set()  # requested steps: traced whatever the duty cycle
         self._control = threading.Thread(
             target=self._control_main, name="distanom-control", daemon=True
         )
@@ -206,8 +215,10 @@ class Agent:
                 if not self._tracer_started:
                     self._tracer_started = True
                     tracer.start()
+                    self._tracing_during = True
                     log.info(self.tracer_note)
-                self._tracing_during = True
+                else:
+                    self._apply_duty_cycle(tracer, step + 1)
             except Exception as err:
                 self._tracer_failed(err)
         for resolved_step, duration in resolved:
@@ -215,6 +226,26 @@ class Agent:
         if len(self._traced) > 4096:  # boundaries the clock gave up on
             for old in [s for s in self._traced if s < step - 2048]:
                 del self._traced[old]
+
+    def _apply_duty_cycle(self, tracer: Tracer, next_step: int) -> None:
+        """Switch tracing on or off for the next step as the governor decided."""
+        governor = self._governor
+        if next_step in self._forced_on:
+            self._forced_on.discard(next_step)
+            want = True
+        elif governor is None:
+            return
+        else:
+            with self._governor_lock:
+                if not governor.ready(next_step):
+                    return  # gathered data lag behind: keep the current state
+                try:
+                    want = governor.tracing_on(next_step)
+                except GovernorNotReadyError:
+                    return
+        if want != self._tracing_during:
+            tracer.set_tracing(want)
+            self._tracing_during = want
 
     def _first_boundary(self) -> None:
         try:
@@ -424,10 +455,12 @@ class Agent:
 
     def _after_round(self, result: RoundResult) -> None:
         self._recent.extend(result.samples)
+        self._feed_governor(result)
         self._gathered_step = max(self._gathered_step, result.last_step)
         decisions = decide(result, self.detector, self.world.world_size)
+        self._forced_on.update(d.step for d in decisions if d.kind == "requested")
         if result.request is not None and self.world.rank == 0:
-            self._answer_request(result)
+            self._answer_request(result, decisions)
         if not decisions or self.run is None or self._capture_off_reason is not None:
             return
         if self.capture is None:
@@ -442,6 +475,39 @@ class Agent:
                 tracer_name=self.tracer.name,
             )
         self.capture.submit(decisions)
+
+    def _feed_governor(self, result: RoundResult) -> None:
+        governor = self._governor
+        if governor is None:
+            return
+        try:
+            with self._governor_lock:
+                for sample in result.samples:
+                    step_ms = sample.step_ms
+                    seconds = step_ms / 1000.0 if math.isfinite(step_ms) else None
+                    governor.record(sample.step, seconds, sample.traced)
+        except ValueError as err:
+            self._warn_once("governor", "governor: %s; tracing stays as it is", err)
+            self._governor = None
+
+    def tracer_report(self) -> dict[str, Any]:
+        """Backend, duty cycle and measured overhead, for the status file."""
+        report: dict[str, Any] = {
+            "backend": self.tracer.name if self.tracer else None,
+            "note": self.tracer_note,
+        }
+        governor = self._governor
+        if governor is not None:
+            with self._governor_lock:
+                duty = governor.report()
+            report["duty_cycle"] = duty
+            report["overhead_pct"] = duty.get("measured_overhead_pct")
+            report["traced_fraction"] = duty.get("traced_fraction")
+        stats = getattr(self.tracer, "stats", None)
+        if callable(stats):
+            with contextlib.suppress(Exception):
+                report["stats"] = stats()
+        return report
 
     def _log_step(self, step: int, duration: float, traced: bool) -> None:
         if self._steps_file is None:
@@ -483,14 +549,14 @@ class Agent:
             self._offered_request = (carried, request.request_id)
             return
 
-    def _answer_request(self, result: RoundResult) -> None:
+    def _answer_request(self, result: RoundResult, decisions: list[CaptureDecision]) -> None:
         request = result.request
         if request is None or self.run is None:
             return
         request_id = self._request_numbers.get(request.number)
         if request_id is None:
             return
-        first = result.last_step + 1
+        steps = [d.step for d in decisions if d.request_id == str(request.number)]
         ranks = request.ranks(self.world.world_size)
         with contextlib.suppress(OSError):
             answer(
@@ -499,7 +565,7 @@ class Agent:
                 {
                     "status": "accepted",
                     "request": str(request.number),
-                    "steps": list(range(first, first + request.n_steps)),
+                    "steps": steps,
                     "ranks": list(ranks) if ranks is not None else "all",
                     "world_size": self.world.world_size,
                 },
@@ -534,10 +600,7 @@ class Agent:
                 "skipped_disk": capture.skipped_disk if capture else 0,
                 "failed": capture.failed if capture else None,
             },
-            "tracer": {
-                "backend": self.tracer.name if self.tracer else None,
-                "note": self.tracer_note,
-            },
+            "tracer": self.tracer_report(),
             "capture_off": self._capture_off_reason,
             "consensus_error": self._consensus_error,
             "status_interval_s": self.config.control.status_interval_s,

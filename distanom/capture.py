@@ -200,11 +200,12 @@ class CaptureWorker:
         self._kinds[decision.step] = {decision.kind}
         self._index("written", decision, path, len(data), trace.stats)
         log.info(
-            "captured step %d (%s, %.1f ms, %.2fx median) -> %s",
+            "captured step %d (%s%s) -> %s",
             decision.step,
             decision.kind,
-            decision.step_ms,
-            decision.ratio,
+            f", {decision.step_ms:.1f} ms, {decision.ratio:.2f}x median"
+            if math.isfinite(decision.ratio)
+            else "",
             self._run.relative(path),
         )
         if self._config.analysis.on_capture:

@@ -32,6 +32,9 @@ MAX_RANGES = 8
 RANGE_SLOTS = 2 * MAX_RANGES
 FLAG_CAPTURE_OFF = 1
 FLAG_FINAL = 2
+# Requested steps start this many steps after the round that carried the request, so
+# every rank learns of them before it reaches them and can make sure they are traced.
+REQUEST_LEAD_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ def decide(result: RoundResult, detector: Detector, world_size: int) -> list[Cap
         decisions.extend(detector.observe(sample))
     request = result.request
     if request is not None and request.n_steps > 0:
-        first = result.last_step + 1
+        first = result.last_step + 1 + REQUEST_LEAD_STEPS
         ranks = request.ranks(world_size)
         median = detector.median_ms
         for offset in range(request.n_steps):

@@ -8,8 +8,10 @@ Rules (all thresholds come from `DetectConfig` / `CaptureConfig`):
 - A step's time is the slowest rank's duration (in synchronous training every rank
   waits for the slowest, in asynchronous work the slowest is the anomaly).
 - The baseline is the median of the last `window_steps` steps measured under the same
-  condition (traced or not), after `warmup_steps`; a step is judged once `min_steps` such
-  steps exist. It is anomalous above `multiplier` x that median.
+  condition (traced or not: tracing has a cost, so a traced step is never judged against
+  untraced ones), after `warmup_steps`; a step is judged once `min_steps` such steps
+  exist. It is anomalous above `multiplier` x that median. With a duty-cycled tracer the
+  traced steps are few, so each condition keeps its own window of its own last steps.
 - Anomalous steps at most `merge_gap_steps` apart form one episode (a slowdown that
   persists is one event with a count, not a capture per step). An episode's first
   traced step is captured, and so is a later step at least `ESCALATION` times as
@@ -116,7 +118,7 @@ class Detector:
     episodes: list[Episode] = field(default_factory=list)
     median_ms: float = math.nan
     threshold_ms: float = math.nan
-    _window: collections.deque[tuple[float, bool]] = field(init=False)
+    _windows: dict[bool, collections.deque[float]] = field(init=False)
     _kept: dict[int, float] = field(default_factory=dict)  # anomaly step -> ratio
     _last_capture_step: int | None = None
     _reference_step: int | None = None
@@ -124,14 +126,16 @@ class Detector:
     _max_episodes_kept: int = 1000
 
     def __post_init__(self) -> None:
-        self._window = collections.deque(maxlen=self.detect.window_steps)
+        self._windows = {
+            traced: collections.deque(maxlen=self.detect.window_steps) for traced in (True, False)
+        }
 
     @property
     def kept_anomalies(self) -> dict[int, float]:
         return dict(self._kept)
 
     def _baseline(self, traced: bool) -> float | None:
-        same = [t for t, cond in self._window if cond == traced]
+        same = self._windows[traced]
         if len(same) < self.detect.min_steps:
             return None
         return statistics.median(same)
@@ -152,7 +156,7 @@ class Detector:
                 decisions.extend(self._on_anomaly(sample, median, threshold))
             else:
                 decisions.extend(self._maybe_reference(sample, median, threshold))
-        self._window.append((step_ms, sample.traced))
+        self._windows[sample.traced].append(step_ms)
         return decisions
 
     def _on_anomaly(

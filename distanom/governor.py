@@ -19,7 +19,9 @@ given and hands decisions (`tracing_on`) and a summary (`report`) back to the ag
 
 from __future__ import annotations
 
+import collections
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +62,18 @@ class _Window:
 
 
 class OverheadGovernor:
-    """Decides `tracing_on(step)` from recorded (step time, traced) pairs."""
+    """Decides `tracing_on(step)` from recorded (step time, traced) pairs.
+
+    Memory is bounded whatever the run length: a measurement only ever looks at the last
+    `history_windows` traced and untraced windows, so complete windows are folded into
+    two such bounded queues as decisions advance; only the last `KEPT_DECISIONS`
+    decisions are kept, and the report's medians use the last `REPORT_SAMPLES` traced /
+    untraced step times.
+    """
+
+    MAX_UNCONSUMED_WINDOWS = 4096  # recorded, not yet needed by a decision (normally 1-2)
+    KEPT_DECISIONS = 64
+    REPORT_SAMPLES = 1024
 
     def __init__(
         self, budget_pct: float | None, params: GovernorParams | None = None, first_step: int = 0
@@ -70,10 +83,29 @@ class OverheadGovernor:
         self.budget_pct = budget_pct
         self.params = params or GovernorParams()
         self.first_step = first_step
-        self._times: list[float | None] = []
-        self._traced: list[bool] = []
-        self._windows: list[_Window] = []  # complete data windows, in order
-        self._decisions: list[bool] = []  # per decided window
+        self._recorded = 0  # steps recorded so far
+        self._steps_traced = 0
+        self._pending_times: list[float | None] = []  # the window being filled
+        self._pending_flags: list[bool] = []
+        # complete windows not yet seen by a decision, then the last history_windows
+        # traced ("T") and untraced ("U") windows among those a decision has seen
+        self._unconsumed: collections.deque[_Window] = collections.deque()
+        self._consumed = 0
+        self._seen: dict[str, collections.deque[_Window]] = {
+            kind: collections.deque(maxlen=self.params.history_windows) for kind in ("T", "U")
+        }
+        self._n_windows = 0
+        # decisions per window; _decisions[i] is window number _decisions_base + i
+        self._decisions: collections.deque[bool] = collections.deque(maxlen=self.KEPT_DECISIONS)
+        self._decisions_base = 0
+        self._n_decided = 0
+        self._n_traced_windows = 0
+        self._recent_traced: collections.deque[float] = collections.deque(
+            maxlen=self.REPORT_SAMPLES
+        )
+        self._recent_untraced: collections.deque[float] = collections.deque(
+            maxlen=self.REPORT_SAMPLES
+        )
         self._fraction: float | None = None
         self._credit = 0.0
         self._last_overhead: float | None = None
@@ -89,20 +121,26 @@ class OverheadGovernor:
     def record(self, step: int, step_time_s: float | None, traced: bool) -> None:
         """Add the next step's gathered data. Steps come in order without gaps; a step
         nobody could time is recorded with `step_time_s=None`."""
-        expected = self.first_step + len(self._times)
+        expected = self.first_step + self._recorded
         if step != expected:
             raise ValueError(f"governor expects step {expected} next, got {step}")
         if step_time_s is not None and not step_time_s >= 0:
             raise ValueError(f"step time must be >= 0 or None, got {step_time_s!r}")
-        self._times.append(step_time_s)
-        self._traced.append(bool(traced))
-        k = self.params.window_steps
-        if len(self._times) % k == 0:
-            lo = len(self._times) - k
-            flags = self._traced[lo:]
+        self._recorded += 1
+        self._steps_traced += bool(traced)
+        self._pending_times.append(step_time_s)
+        self._pending_flags.append(bool(traced))
+        if step_time_s is not None:
+            (self._recent_traced if traced else self._recent_untraced).append(step_time_s)
+        if len(self._pending_times) == self.params.window_steps:
+            flags = self._pending_flags
             kind = "T" if all(flags) else ("U" if not any(flags) else "M")
-            times = tuple(t for t in self._times[lo:] if t is not None)
-            self._windows.append(_Window(kind, times))
+            times = tuple(t for t in self._pending_times if t is not None)
+            self._unconsumed.append(_Window(kind, times))
+            self._n_windows += 1
+            if len(self._unconsumed) > self.MAX_UNCONSUMED_WINDOWS:
+                self._consume(1)  # nobody asks for decisions: fold instead of growing
+            self._pending_times, self._pending_flags = [], []
 
     # -- decisions -------------------------------------------------------------------
 
@@ -118,28 +156,44 @@ class OverheadGovernor:
 
     def ready(self, step: int) -> bool:
         """Whether `tracing_on(step)` can be answered from the data recorded so far."""
-        return len(self._windows) >= self._usable_windows(self._window_of(step))
+        return self._n_windows >= self._usable_windows(self._window_of(step))
 
     def tracing_on(self, step: int) -> bool:
         w = self._window_of(step)
-        while len(self._decisions) <= w:
-            nxt = len(self._decisions)
+        if w < self._decisions_base:
+            raise GovernorNotReadyError(f"the decision for step {step} is no longer kept")
+        while self._n_decided <= w:
+            nxt = self._n_decided
             need = self._usable_windows(nxt)
-            if len(self._windows) < need:
+            if self._n_windows < need:
                 raise GovernorNotReadyError(
                     f"deciding step {step} needs the data of steps < "
                     f"{self.first_step + need * self.params.window_steps}; recorded up to "
-                    f"{self.first_step + len(self._times) - 1}"
+                    f"{self.first_step + self._recorded - 1}"
                 )
-            self._decisions.append(self._decide(nxt, self._windows[:need]))
-        return self._decisions[w]
+            self._consume(need - self._consumed)
+            decision = self._decide(nxt)
+            if len(self._decisions) == self._decisions.maxlen:
+                self._decisions_base += 1
+            self._decisions.append(decision)
+            self._n_decided += 1
+            self._n_traced_windows += decision
+        return self._decisions[w - self._decisions_base]
+
+    def _consume(self, count: int) -> None:
+        """Let decisions see the next `count` complete windows, in order."""
+        for _ in range(max(0, count)):
+            window = self._unconsumed.popleft()
+            self._consumed += 1
+            if window.kind in self._seen:
+                self._seen[window.kind].append(window)
 
     def _is_probe(self, window: int) -> bool:
         p = self.params.probe_every_windows
         return window == 1 or window % p == p - 1
 
-    def _decide(self, window: int, data: list[_Window]) -> bool:
-        overhead = self._measure(data)
+    def _decide(self, window: int) -> bool:
+        overhead = self._measure(self._seen["T"], self._seen["U"])
         self._last_overhead = overhead
         if self.budget_pct is None:
             return not self._is_probe(window)
@@ -160,11 +214,8 @@ class OverheadGovernor:
             return True
         return False
 
-    def _measure(self, data: list[_Window]) -> float | None:
-        """Overhead (0.13 = 13%) from the last history_windows traced and untraced windows."""
-        h = self.params.history_windows
-        traced = [w for w in data if w.kind == "T"][-h:]
-        untraced = [w for w in data if w.kind == "U"][-h:]
+    def _measure(self, traced: Iterable[_Window], untraced: Iterable[_Window]) -> float | None:
+        """Overhead (0.13 = 13%) from the given traced and untraced windows."""
         t = [x for w in traced for x in w.times]
         u = [x for w in untraced for x in w.times]
         if len(t) < self.params.min_samples or len(u) < self.params.min_samples:
@@ -174,27 +225,25 @@ class OverheadGovernor:
             return None
         return statistics.median(t) / mu - 1.0
 
-    # -- summary ---------------------------------------------------------------------
-
     def report(self) -> dict[str, Any]:
-        """Measured overhead, traced fraction and counts, for logs and run.json."""
-        recent = self._measure(self._windows)
-        t_all = [x for x, on in zip(self._times, self._traced, strict=True) if on and x is not None]
-        u_all = [
-            x for x, on in zip(self._times, self._traced, strict=True) if not on and x is not None
-        ]
-        steps_traced = sum(self._traced)
-        steps_recorded = len(self._traced)
-        fraction_steps = steps_traced / steps_recorded if steps_recorded else None
-        decided = len(self._decisions)
-        traced_windows = sum(self._decisions)
+        """Measured overhead, traced fraction and counts, for logs and the status file."""
+        h = self.params.history_windows
+        newest = {
+            kind: [*self._seen[kind], *(w for w in self._unconsumed if w.kind == kind)][-h:]
+            for kind in ("T", "U")
+        }
+        recent = self._measure(newest["T"], newest["U"])
+        recorded = self._recorded
+        fraction_steps = self._steps_traced / recorded if recorded else None
         return {
             "budget_pct": self.budget_pct,
             "window_steps": self.params.window_steps,
             "lag_steps": self.params.lag_steps,
-            "windows_decided": decided,
-            "windows_traced": traced_windows,
-            "traced_fraction": traced_windows / decided if decided else None,
+            "windows_decided": self._n_decided,
+            "windows_traced": self._n_traced_windows,
+            "traced_fraction": self._n_traced_windows / self._n_decided
+            if self._n_decided
+            else None,
             "target_fraction": self._fraction,
             "measured_overhead_pct": None if recent is None else 100.0 * recent,
             "effective_overhead_pct": (
@@ -202,9 +251,13 @@ class OverheadGovernor:
                 if recent is None or fraction_steps is None
                 else 100.0 * recent * fraction_steps
             ),
-            "steps_recorded": steps_recorded,
-            "steps_traced": steps_traced,
-            "steps_untraced": steps_recorded - steps_traced,
-            "traced_median_s": statistics.median(t_all) if t_all else None,
-            "untraced_median_s": statistics.median(u_all) if u_all else None,
+            "steps_recorded": recorded,
+            "steps_traced": self._steps_traced,
+            "steps_untraced": recorded - self._steps_traced,
+            "traced_median_s": (
+                statistics.median(self._recent_traced) if self._recent_traced else None
+            ),
+            "untraced_median_s": (
+                statistics.median(self._recent_untraced) if self._recent_untraced else None
+            ),
         }

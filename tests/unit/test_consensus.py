@@ -59,8 +59,8 @@ def test_requests_schedule_the_steps_after_the_round() -> None:
     ]
     decisions = decide(decode_round(gathered(rows, 2), 2), detector, world_size=2)
     assert [(d.step, d.kind, d.ranks, d.request_id) for d in decisions] == [
-        (12, "requested", (0,), "9"),
-        (13, "requested", (0,), "9"),
+        (16, "requested", (0,), "9"),
+        (17, "requested", (0,), "9"),
     ]
 
 

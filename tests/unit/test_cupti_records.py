@@ -207,7 +207,7 @@ def test_events_have_kinetos_shape() -> None:
 
 
 def test_event_keys_match_a_real_h200_kineto_trace() -> None:
-    with gzip.open(DATA / "h200_kineto_cuda_3steps.json.gz", "rt") as fh:
+    with gzip.open(DATA / "device" / "h200_kineto_cuda_3steps.json.gz", "rt") as fh:
         kineto = json.load(fh)["traceEvents"]
     ours = _our_events()
     # Kineto extras we do not produce: 'queued' (needs CUPTI's queued timestamps) and the

@@ -1,0 +1,174 @@
+"""The whole capture path on a GPU: torchrun + distanom.launch + the seed's workload.
+
+    python3 bench/device_e2e.py --out $OUT [--backends cupti,kineto] [--nproc 1]
+
+For each tracer backend, runs `torchrun --nproc-per-node N -m distanom.launch` over
+launch/seed_resnet.py (ResNet18 bf16 batch 5) with `torch.cuda._sleep` injected on known
+steps and the seed's extra matmuls on others, then reads the run back through
+`distanom report --json` and checks, per injected step and rank:
+
+- the step was captured (kind anomaly);
+- its trace holds exactly one `spin_kernel` (the injected delay) for sleep steps;
+- no kernel of another step is in it: apart from the injected kernels, its kernel count
+  equals that of a healthy reference capture of the same run (ResNet18 steps launch the
+  same kernels every step);
+
+and records the verdict and top kernel change the report gives. Writes
+`<out>/device_e2e.json` (device, torch, per-backend per-step results) and tars the run
+directories into `<out>/runs.tar.gz` for offline inspection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SLEEP_STEPS = [100, 160, 220, 280]
+MATMUL_STEPS = [130, 250]
+STEPS = 320
+
+
+def run_job(backend: str, nproc: int, runs: Path) -> dict[str, Any]:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", "-m", "distanom.launch", "--run-dir", str(runs),
+        "--set", f"tracer.backend={backend}", "--set", "detect.warmup_steps=20",
+        "--set", "detect.min_steps=30", "--set", "capture.reference_every_steps=60",
+        "--set", "detect.merge_gap_steps=2",
+        str(REPO / "launch" / "seed_resnet.py"), "--steps", str(STEPS),
+        "--sleep-steps", ",".join(map(str, SLEEP_STEPS)), "--sleep-cycles", "20000000",
+        "--matmul-steps", ",".join(map(str, MATMUL_STEPS)), "--matmul-count", "6",
+    ]  # fmt: skip
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    started = time.monotonic()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    return {
+        "returncode": done.returncode,
+        "seconds": round(time.monotonic() - started, 1),
+        "stderr_tail": done.stderr[-4000:],
+        "stdout_tail": done.stdout[-1000:],
+    }
+
+
+def kernels(path: Path) -> list[dict[str, Any]]:
+    document = json.loads(gzip.decompress(path.read_bytes()))
+    return [e for e in document["traceEvents"] if e.get("cat") == "kernel"]
+
+
+def check(backend: str, runs: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO))
+    from distanom.analysis.report import build_report
+    from distanom.analysis.run import load_run
+
+    report = build_report(load_run(str(runs)))
+    captures = {c["step"]: c for c in report["captures"]}
+    references = [c for c in report["captures"] if "reference" in c["kinds"]]
+    out: dict[str, Any] = {
+        "captured_steps": sorted(captures),
+        "reference_steps": [c["step"] for c in references],
+        "tracer": report.get("tracer"),
+        "detector": report.get("detector"),
+        "problems": report.get("problems"),
+        "steps": {},
+    }
+    baseline: dict[str, int] = {}
+    for ref in references:
+        for rank, entry in ref["ranks"].items():
+            baseline.setdefault(rank, len(kernels(Path(report["run_dir"]) / entry["trace"])))
+    for step in SLEEP_STEPS + MATMUL_STEPS:
+        capture = captures.get(step)
+        result: dict[str, Any] = {"captured": capture is not None}
+        if capture is not None:
+            result["kinds"] = capture["kinds"]
+            result["ratio"] = capture["ratio"]
+            result["verdict"] = capture.get("verdict")
+            diff = capture.get("kernel_diff") or {}
+            result["kernel_diff_top"] = (diff.get("changes") or diff.get("top") or [])[:3]
+            per_rank = {}
+            for rank, entry in capture["ranks"].items():
+                found = kernels(Path(report["run_dir"]) / entry["trace"])
+                spins = sum("spin_kernel" in k["name"] for k in found)
+                gemms = sum(1 for k in found if "gemm" in k["name"].lower() or "nvjet" in k["name"])
+                expected = baseline.get(rank)
+                per_rank[rank] = {
+                    "kernels": len(found),
+                    "spin_kernels": spins,
+                    "gemm_like_kernels": gemms,
+                    "reference_kernels": expected,
+                    # kernels beyond a healthy step's: 1 (the spin) on sleep steps, the
+                    # extra matmuls' kernels on matmul steps; anything else would be
+                    # kernels of a neighbouring step
+                    "extra_kernels": None if expected is None else len(found) - expected,
+                    "tracer_stats": entry.get("tracer_stats"),
+                }
+            result["ranks"] = per_rank
+        out["steps"][str(step)] = result
+    sleep_ok = all(
+        out["steps"][str(s)]["captured"]
+        and all(
+            r["spin_kernels"] == 1 and r["extra_kernels"] == 1
+            for r in out["steps"][str(s)]["ranks"].values()
+        )
+        for s in SLEEP_STEPS
+    )
+    out["all_sleep_steps_captured_and_clean"] = sleep_ok
+    out["matmul_steps_captured"] = [s for s in MATMUL_STEPS if out["steps"][str(s)]["captured"]]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "device_out")))
+    parser.add_argument("--backends", default="cupti,kineto")
+    parser.add_argument("--nproc", type=int, default=1)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    summary: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nproc": args.nproc,
+        "workload": "seed ResNet18 bf16 batch 5, SGD",
+        "sleep_steps": SLEEP_STEPS,
+        "sleep_cycles": 20_000_000,
+        "matmul_steps": MATMUL_STEPS,
+        "backends": {},
+    }
+    work = Path("/tmp/distanom_device_e2e")
+    for backend in args.backends.split(","):
+        runs = work / f"runs_{backend}"
+        job = run_job(backend, args.nproc, runs)
+        entry: dict[str, Any] = {"job": job}
+        print(f"[{backend}] rc={job['returncode']} in {job['seconds']} s", flush=True)
+        if job["returncode"] == 0:
+            try:
+                entry.update(check(backend, runs))
+            except Exception as err:  # keep the other backend's results
+                entry["check_error"] = repr(err)
+        else:
+            print(job["stderr_tail"], flush=True)
+        summary["backends"][backend] = entry
+        print(json.dumps({k: v for k, v in entry.items() if k != "job"}, default=str)[:3000])
+    (args.out / "device_e2e.json").write_text(json.dumps(summary, indent=1, default=str))
+    with tarfile.open(args.out / "runs.tar.gz", "w:gz") as tar:
+        tar.add(work, arcname="runs")
+    ok = all(b.get("all_sleep_steps_captured_and_clean") for b in summary["backends"].values())
+    print("ALL SLEEP STEPS CAPTURED AND CLEAN" if ok else "SOME CHECK FAILED", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
