@@ -53,7 +53,14 @@ from distanom.consensus import (
     recent_times,
 )
 from distanom.control import answer, pending_requests, validate_request, write_status
-from distanom.detect import CaptureDecision, Detector, StepSample
+from distanom.detect import (
+    STEP_AFTER_FLUSH,
+    STEP_DISTURBED,
+    STEP_TRACED,
+    CaptureDecision,
+    Detector,
+    StepSample,
+)
 from distanom.errors import CaptureRequestError, RunDirError
 from distanom.governor import GovernorNotReadyError, OverheadGovernor
 from distanom.rundir import RunDir, create_run, update_latest, write_json_atomic
@@ -94,7 +101,10 @@ class Agent:
         self._hook_handle: Any = None
         self._inside_counted_step = False
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._traced: dict[int, bool] = {}
+        self._step_flags: dict[int, int] = {}  # STEP_* bits of steps not yet resolved
+        self._next_after_flush = False  # the tracer flushed at the last boundary
+        self._last_busy_ns = 0
+        self._self_ms: dict[int, float] = {}  # capture work during steps not yet resolved
         self._tracing_during = False  # whether the tracer records the step in progress
         self._tracer_started = False
         self._closed = False
@@ -207,9 +217,13 @@ class Agent:
             except Exception as err:
                 self._warn_once("clock", "clock: step timing failed (%s); detection stops", err)
                 self.clock = None
-        self._traced[step] = self._tracing_during
+        self_ms = self._self_ms_of_ended_step()
+        self._step_flags[step] = self._flags_of_ended_step() | (STEP_DISTURBED if self_ms else 0)
+        if self_ms:
+            self._self_ms[step] = self_ms
         tracer = self.tracer
         if tracer is not None and not inside_optimizer:
+            flushes = getattr(tracer, "boundary_flushes", 0)
             try:
                 tracer.mark_step(step, host_ns)
                 if not self._tracer_started:
@@ -221,11 +235,31 @@ class Agent:
                     self._apply_duty_cycle(tracer, step + 1)
             except Exception as err:
                 self._tracer_failed(err)
+            self._next_after_flush = getattr(tracer, "boundary_flushes", 0) != flushes
         for resolved_step, duration in resolved:
-            self._inbox.put((resolved_step, duration, self._traced.pop(resolved_step, False)))
-        if len(self._traced) > 4096:  # boundaries the clock gave up on
-            for old in [s for s in self._traced if s < step - 2048]:
-                del self._traced[old]
+            flags = self._step_flags.pop(resolved_step, 0)
+            self._inbox.put((resolved_step, duration, flags, self._self_ms.pop(resolved_step, 0.0)))
+        if len(self._step_flags) > 4096:  # boundaries the clock gave up on
+            for old in [s for s in self._step_flags if s < step - 2048]:
+                del self._step_flags[old]
+                self._self_ms.pop(old, None)
+
+    def _flags_of_ended_step(self) -> int:
+        """STEP_* bits of the step that just ended: traced, after a flush, disturbed by
+        distanom's own capture work (then it is never judged: no feedback loop)."""
+        flags = STEP_TRACED if self._tracing_during else 0
+        if self._next_after_flush:
+            flags |= STEP_AFTER_FLUSH
+        return flags
+
+    def _self_ms_of_ended_step(self) -> float:
+        """How long distanom's capture work ran during the step that just ended."""
+        capture = self.capture
+        if capture is None:
+            return 0.0
+        busy = capture.busy_ns()
+        spent, self._last_busy_ns = busy - self._last_busy_ns, busy
+        return spent / 1e6
 
     def _apply_duty_cycle(self, tracer: Tracer, next_step: int) -> None:
         """Switch tracing on or off for the next step as the governor decided."""
@@ -354,7 +388,7 @@ class Agent:
             run.steps_csv(world.rank).parent.mkdir(exist_ok=True)
             self._steps_file = open(run.steps_csv(world.rank), "a", encoding="ascii")  # noqa: SIM115
             if self._steps_file.tell() == 0:
-                self._steps_file.write("step,duration_ms,traced\n")
+                self._steps_file.write("step,duration_ms,traced,after_flush,self_ms\n")
         except OSError as err:
             self._capture_off(f"{run.path}: not writable ({err.strerror})")
             return
@@ -414,9 +448,9 @@ class Agent:
                 if item is _FINAL:
                     final = True
                     continue
-                step, duration, traced = item
-                builder.add(step, duration, traced)
-                self._log_step(step, duration, traced)
+                step, duration, step_flags, self_ms = item
+                builder.add(step, duration, step_flags, self_ms)
+                self._log_step(step, duration, step_flags, self_ms)
             self._flush_steps()
             now = time.monotonic()
             if self.world.rank == 0 and now >= next_poll:
@@ -439,9 +473,10 @@ class Agent:
         local = LocalRound(
             local.first_step,
             local.durations_ms,
-            local.traced,
+            local.step_flags,
             flags,
             offered[0] if offered else None,
+            local.self_ms,
         )
         batch = self.config.consensus.batch_steps
         timeout = None
@@ -509,11 +544,13 @@ class Agent:
                 report["stats"] = stats()
         return report
 
-    def _log_step(self, step: int, duration: float, traced: bool) -> None:
+    def _log_step(self, step: int, duration: float, step_flags: int, self_ms: float) -> None:
         if self._steps_file is None:
             return
         try:
-            self._steps_file.write(f"{step},{duration:.4f},{int(traced)}\n")
+            traced = int(bool(step_flags & STEP_TRACED))
+            flushed = int(bool(step_flags & STEP_AFTER_FLUSH))
+            self._steps_file.write(f"{step},{duration:.4f},{traced},{flushed},{self_ms:.3f}\n")
         except (OSError, ValueError):
             self._steps_file = None
 
@@ -635,7 +672,8 @@ class Agent:
         if self.clock is not None:
             try:
                 for step, duration in self.clock.drain():
-                    self._inbox.put((step, duration, self._traced.pop(step, False)))
+                    flags = self._step_flags.pop(step, 0)
+                    self._inbox.put((step, duration, flags, self._self_ms.pop(step, 0.0)))
             except Exception as err:
                 self._warn_once("clock", "clock: final read failed (%s)", err)
         self._inbox.put(_FINAL)

@@ -67,8 +67,19 @@ class CaptureWorker:
         self._closing = False
         self._close_deadline = math.inf
         self.stats = CaptureStats()
+        # time spent in heavy work (monotonic ns), and when the current one began: the
+        # agent charges it to the steps it overlapped, which detection then discounts
+        self._busy_ns = 0
+        self._analysis_failed = False  # warn once, then leave the tables to the report
+        self._busy_since: int | None = None
         self._thread = threading.Thread(target=self._loop, name="distanom-capture", daemon=True)
         self._thread.start()
+
+    def busy_ns(self) -> int:
+        """Total time spent writing captures so far, the current one included."""
+        since = self._busy_since
+        ongoing = time.monotonic_ns() - since if since is not None else 0
+        return self._busy_ns + ongoing
 
     @property
     def active(self) -> bool:
@@ -110,7 +121,17 @@ class CaptureWorker:
                 pass
             self._advance()
             if stop and (not self._pending or time.monotonic() > self._close_deadline):
+                if self._config.analysis.on_capture == "exit":
+                    self._analyze_written()
                 return
+
+    def _analyze_written(self) -> None:
+        """Training is over: compute the tables of this rank's captures while time is left
+        (whatever is not done here, `distanom report` computes)."""
+        for step in sorted(self._kinds):
+            if time.monotonic() > self._close_deadline:
+                return
+            self._analyze(step, self._run.trace_path(step, self._world.rank))
 
     def _advance(self) -> None:
         still: list[CaptureDecision] = []
@@ -147,8 +168,13 @@ class CaptureWorker:
             self.stats.missed_steps = [*self.stats.missed_steps, decision.step][-100:]
             log.debug("capture: step %d no longer held by the tracer", decision.step)
             return True
-        trace = self._tracer.step_trace(decision.step)
-        self._write(decision, trace)
+        self._busy_since = time.monotonic_ns()
+        try:
+            trace = self._tracer.step_trace(decision.step)
+            self._write(decision, trace)
+        finally:
+            self._busy_ns += time.monotonic_ns() - self._busy_since
+            self._busy_since = None
         return True
 
     def _document(self, decision: CaptureDecision, trace: StepTrace) -> dict[str, Any]:
@@ -208,16 +234,24 @@ class CaptureWorker:
             else "",
             self._run.relative(path),
         )
-        if self._config.analysis.on_capture:
+        if self._config.analysis.on_capture == "now":
             self._analyze(decision.step, path)
 
     def _analyze(self, step: int, path: Any) -> None:
+        if self._analysis_failed:
+            return
         try:
             from distanom.analysis.tables_io import write_rank_tables
 
             write_rank_tables(self._run, step, self._world.rank, path, self._config.analysis.engine)
         except Exception as err:  # tables can be computed again at report time
-            log.warning("capture: tables for step %d not computed now (%s)", step, err)
+            self._analysis_failed = True
+            log.warning(
+                "capture: tables of step %d not computed (%s); distanom report will compute "
+                "them",
+                step,
+                err,
+            )
 
     def _drop(self, step: int, kind: str, replaced_by: int) -> None:
         held = self._kinds.get(step)

@@ -173,10 +173,11 @@ class AnalysisConfig(_Section):
         description="who computes gpu_timeline and kernel_summary: 'tracelens' if importable "
         "under 'auto', else the built-in identical implementation",
     )
-    on_capture: bool = Field(
-        True,
-        description="compute each capture's tables in the background right after it is "
-        "written (else at report time)",
+    on_capture: Literal["now", "exit", "report"] = Field(
+        "exit",
+        description="when each rank computes its captures' tables: 'now' (in the "
+        "background, right after writing: competes with training for the GIL), 'exit' "
+        "(once training ends, within exit_timeout_s), 'report' (by distanom report)",
     )
     exit_timeout_s: float = Field(
         30.0,

@@ -6,7 +6,9 @@ rank submits a round once its clock has resolved the round's last step, as one
 fixed-shape float64 row:
 
     [magic, first_step, n_steps, flags, req_id, req_first_step, req_n_steps, req_n_ranges,
-     ranges (16: start,end pairs), durations (B), traced (B)]
+     ranges (16: start,end pairs), durations (B), step flags (B), self ms (B)]
+
+`self ms` is how long distanom's own capture work ran on the rank during the step.
 
 The all-gather over `AgentGroup` returns the same (world_size x row) matrix on every
 rank; decoding it and feeding the `Detector` is deterministic, so every rank takes the
@@ -24,7 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distanom.detect import CaptureDecision, Detector, StepSample
+from distanom.detect import (
+    STEP_AFTER_FLUSH,
+    STEP_DISTURBED,
+    STEP_TRACED,
+    CaptureDecision,
+    Detector,
+    StepSample,
+)
 
 MAGIC = 7011.0  # a wrong-shaped or foreign row is refused, not misread
 HEADER = 8
@@ -58,9 +67,10 @@ class LocalRound:
 
     first_step: int
     durations_ms: tuple[float, ...]
-    traced: tuple[bool, ...]
+    step_flags: tuple[int, ...]  # STEP_* bits per step
     flags: int = 0
     request: CaptureRequest | None = None
+    self_ms: tuple[float, ...] = ()  # per step; () = none
 
 
 @dataclass(frozen=True)
@@ -80,13 +90,13 @@ class RoundResult:
 
 
 def row_length(batch_steps: int) -> int:
-    return HEADER + RANGE_SLOTS + 2 * batch_steps
+    return HEADER + RANGE_SLOTS + 3 * batch_steps
 
 
 def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
     n = len(local.durations_ms)
-    if n > batch_steps or len(local.traced) != n:
-        raise ValueError("round larger than batch_steps or traced/durations mismatch")
+    if n > batch_steps or len(local.step_flags) != n:
+        raise ValueError("round larger than batch_steps or flags/durations mismatch")
     row = torch.full((row_length(batch_steps),), math.nan, dtype=torch.float64)
     request = local.request
     ranges = request.ranges if request is not None else ()
@@ -110,7 +120,11 @@ def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
     if n:
         row[start : start + n] = torch.tensor(local.durations_ms, dtype=torch.float64)
         row[start + batch_steps : start + batch_steps + n] = torch.tensor(
-            [1.0 if t else 0.0 for t in local.traced], dtype=torch.float64
+            [float(f) for f in local.step_flags], dtype=torch.float64
+        )
+        own = local.self_ms or (0.0,) * n
+        row[start + 2 * batch_steps : start + 2 * batch_steps + n] = torch.tensor(
+            own, dtype=torch.float64
         )
     return row
 
@@ -129,10 +143,19 @@ def decode_round(matrix: torch.Tensor, batch_steps: int) -> RoundResult:
     samples = []
     for offset in range(n_steps):
         times = tuple((row[start + offset] if offset < int(row[2]) else math.nan) for row in rows)
-        traced = all(
-            row[start + batch_steps + offset] == 1.0 for row in rows if offset < int(row[2])
+        present = [row for row in rows if offset < int(row[2])]
+        step_flags = [int(row[start + batch_steps + offset]) for row in present]
+        own = [row[start + 2 * batch_steps + offset] for row in present]
+        samples.append(
+            StepSample(
+                first_step + offset,
+                times,
+                traced=all(f & STEP_TRACED for f in step_flags),
+                after_flush=any(f & STEP_AFTER_FLUSH for f in step_flags),
+                disturbed=any(f & STEP_DISTURBED for f in step_flags),
+                self_ms=max((v for v in own if math.isfinite(v)), default=0.0),
+            )
         )
-        samples.append(StepSample(first_step + offset, times, traced))
     request = None
     head = rows[0]
     if head[4] > 0:
@@ -177,12 +200,12 @@ class RoundBuilder:
 
     batch_steps: int
     next_first: int = 1
-    _durations: dict[int, tuple[float, bool]] = field(default_factory=dict)
+    _durations: dict[int, tuple[float, int, float]] = field(default_factory=dict)
     _max_step: int = 0
 
-    def add(self, step: int, duration_ms: float, traced: bool) -> None:
+    def add(self, step: int, duration_ms: float, step_flags: int, self_ms: float = 0.0) -> None:
         if step >= self.next_first:
-            self._durations[step] = (duration_ms, traced)
+            self._durations[step] = (duration_ms, step_flags, self_ms)
             self._max_step = max(self._max_step, step)
 
     def ready(self) -> bool:
@@ -199,13 +222,15 @@ class RoundBuilder:
         if final:
             n = max(0, min(n, self._max_step - first + 1))
         durations: list[float] = []
-        traced: list[bool] = []
+        flags: list[int] = []
+        own: list[float] = []
         for step in range(first, first + n):
-            duration, was_traced = self._durations.pop(step, (math.nan, False))
+            duration, step_flags, self_ms = self._durations.pop(step, (math.nan, 0, 0.0))
             durations.append(duration)
-            traced.append(was_traced)
+            flags.append(step_flags)
+            own.append(self_ms)
         self.next_first = first + self.batch_steps
-        return LocalRound(first, tuple(durations), tuple(traced))
+        return LocalRound(first, tuple(durations), tuple(flags), self_ms=tuple(own))
 
 
 def recent_times(history: Sequence[StepSample], limit: int) -> dict[int, list[float | None]]:

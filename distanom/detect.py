@@ -8,10 +8,19 @@ Rules (all thresholds come from `DetectConfig` / `CaptureConfig`):
 - A step's time is the slowest rank's duration (in synchronous training every rank
   waits for the slowest, in asynchronous work the slowest is the anomaly).
 - The baseline is the median of the last `window_steps` steps measured under the same
-  condition (traced or not: tracing has a cost, so a traced step is never judged against
-  untraced ones), after `warmup_steps`; a step is judged once `min_steps` such steps
-  exist. It is anomalous above `multiplier` x that median. With a duty-cycled tracer the
-  traced steps are few, so each condition keeps its own window of its own last steps.
+  condition, after `warmup_steps`; a step is judged once `min_steps` such steps exist.
+  It is anomalous above `multiplier` x that median. Conditions: traced or not (tracing
+  has a cost), and whether the tracer flushed at the step's start (kineto's per-window
+  flush makes the next step slower every time: judged against its own kind). Each
+  condition keeps its own window of its own last steps, so rare conditions (a
+  duty-cycled tracer's traced steps) still get a baseline.
+- distanom's own capture work (decoding, writing a trace) competes with the training
+  thread for the GIL. A step is judged on its time minus the longest such work on any
+  rank during it (`self_ms`, the most it can have slowed the step), capped at
+  `SELF_DISCOUNT_CAP` x median: while a rank sleeps or waits, its capture worker runs
+  freely, and a real stall must not be explained away by work that cost it nothing.
+  Disturbed steps stay out of the baseline, so a capture cannot make the next steps
+  look slow enough to trigger more captures.
 - Anomalous steps at most `merge_gap_steps` apart form one episode (a slowdown that
   persists is one event with a count, not a capture per step). An episode's first
   traced step is captured, and so is a later step at least `ESCALATION` times as
@@ -39,6 +48,15 @@ REFERENCE_MAX_RATIO = 1.1
 # Within an episode, a step this many times as severe as its last capture is captured too.
 ESCALATION = 2.0
 
+# The most a step's own capture work may explain away, in medians (measured on an H200:
+# captures slowed 11 ms ResNet18 steps by up to 37 ms, 3.4 medians).
+SELF_DISCOUNT_CAP = 4.0
+
+# Per-step flags each rank reports (OR/AND-ed across ranks in `consensus`).
+STEP_TRACED = 1  # the tracer recorded the step
+STEP_AFTER_FLUSH = 2  # the tracer flushed at the step's start boundary
+STEP_DISTURBED = 4  # distanom's own capture work ran during the step
+
 
 @dataclass(frozen=True)
 class StepSample:
@@ -47,6 +65,13 @@ class StepSample:
     step: int
     times_ms: tuple[float, ...]  # index = rank; NaN where a rank has no duration
     traced: bool
+    after_flush: bool = False
+    disturbed: bool = False
+    self_ms: float = 0.0  # the longest distanom capture work on any rank during the step
+
+    @property
+    def condition(self) -> tuple[bool, bool]:
+        return (self.traced, self.after_flush)
 
     @property
     def step_ms(self) -> float:
@@ -101,6 +126,7 @@ class DetectorCounts:
     judged: int = 0
     anomalous: int = 0
     anomalous_untraced: int = 0
+    disturbed: int = 0
     captured: int = 0
     replaced: int = 0
     skipped_budget: int = 0
@@ -118,7 +144,7 @@ class Detector:
     episodes: list[Episode] = field(default_factory=list)
     median_ms: float = math.nan
     threshold_ms: float = math.nan
-    _windows: dict[bool, collections.deque[float]] = field(init=False)
+    _windows: dict[tuple[bool, bool], collections.deque[float]] = field(init=False)
     _kept: dict[int, float] = field(default_factory=dict)  # anomaly step -> ratio
     _last_capture_step: int | None = None
     _reference_step: int | None = None
@@ -127,15 +153,17 @@ class Detector:
 
     def __post_init__(self) -> None:
         self._windows = {
-            traced: collections.deque(maxlen=self.detect.window_steps) for traced in (True, False)
+            (traced, flushed): collections.deque(maxlen=self.detect.window_steps)
+            for traced in (True, False)
+            for flushed in (True, False)
         }
 
     @property
     def kept_anomalies(self) -> dict[int, float]:
         return dict(self._kept)
 
-    def _baseline(self, traced: bool) -> float | None:
-        same = self._windows[traced]
+    def _baseline(self, condition: tuple[bool, bool]) -> float | None:
+        same = self._windows[condition]
         if len(same) < self.detect.min_steps:
             return None
         return statistics.median(same)
@@ -145,25 +173,29 @@ class Detector:
         step_ms = sample.step_ms
         if sample.step < self.detect.warmup_steps or not math.isfinite(step_ms):
             return []
+        if sample.disturbed:
+            self.counts.disturbed += 1
         decisions: list[CaptureDecision] = []
-        median = self._baseline(sample.traced)
+        median = self._baseline(sample.condition)
         if median is not None and median > 0:
             self.counts.judged += 1
             threshold = self.detect.multiplier * median
-            if sample.traced:
+            if sample.condition == (True, False):
                 self.median_ms, self.threshold_ms = median, threshold
-            if step_ms > threshold:
-                decisions.extend(self._on_anomaly(sample, median, threshold))
+            judged = max(0.0, step_ms - min(sample.self_ms, SELF_DISCOUNT_CAP * median))
+            if judged > threshold:
+                decisions.extend(self._on_anomaly(sample, judged, median, threshold))
             else:
-                decisions.extend(self._maybe_reference(sample, median, threshold))
-        self._windows[sample.traced].append(step_ms)
+                decisions.extend(self._maybe_reference(sample, judged, median, threshold))
+        if not sample.disturbed:
+            self._windows[sample.condition].append(step_ms)
         return decisions
 
     def _on_anomaly(
-        self, sample: StepSample, median: float, threshold: float
+        self, sample: StepSample, judged: float, median: float, threshold: float
     ) -> list[CaptureDecision]:
         self.counts.anomalous += 1
-        ratio = sample.step_ms / median
+        ratio = judged / median
         episode = self.episodes[-1] if self.episodes else None
         gap_ok = episode is not None and (
             sample.step - episode.last_step - 1 <= self.detect.merge_gap_steps
@@ -183,10 +215,16 @@ class Detector:
             return []
         if episode.captured_step is not None and ratio < ESCALATION * episode.captured_ratio:
             return []
-        return self._admit(sample, median, threshold, ratio, episode)
+        return self._admit(sample, judged, median, threshold, ratio, episode)
 
     def _admit(
-        self, sample: StepSample, median: float, threshold: float, ratio: float, episode: Episode
+        self,
+        sample: StepSample,
+        judged: float,
+        median: float,
+        threshold: float,
+        ratio: float,
+        episode: Episode,
     ) -> list[CaptureDecision]:
         last = self._last_capture_step
         if last is not None and sample.step - last < self.capture.min_gap_steps:
@@ -212,7 +250,7 @@ class Detector:
             CaptureDecision(
                 step=sample.step,
                 kind="anomaly",
-                step_ms=sample.step_ms,
+                step_ms=judged,
                 median_ms=median,
                 threshold_ms=threshold,
                 slowest_rank=sample.slowest_rank,
@@ -222,13 +260,13 @@ class Detector:
         ]
 
     def _maybe_reference(
-        self, sample: StepSample, median: float, threshold: float
+        self, sample: StepSample, judged: float, median: float, threshold: float
     ) -> list[CaptureDecision]:
         every = self.capture.reference_every_steps
         if every <= 0 or not sample.traced:
             return []
         due = self._last_reference_at is None or sample.step - self._last_reference_at >= every
-        if not due or sample.step_ms > REFERENCE_MAX_RATIO * median:
+        if not due or sample.disturbed or judged > REFERENCE_MAX_RATIO * median:
             return []
         previous = self._reference_step
         self._reference_step = self._last_reference_at = sample.step
@@ -237,7 +275,7 @@ class Detector:
             CaptureDecision(
                 step=sample.step,
                 kind="reference",
-                step_ms=sample.step_ms,
+                step_ms=judged,
                 median_ms=median,
                 threshold_ms=threshold,
                 slowest_rank=sample.slowest_rank,

@@ -3,7 +3,7 @@
 The capture worker calls `write_rank_tables` right after a trace is written; the report
 calls `rank_tables` for every rank of every capture, which reads the CSVs when they are
 there and computes (and caches) them from the trace when they are not, e.g. after
-`analysis.on_capture: false` or when the job ended before its worker got to them.
+`analysis.on_capture: report` or when the job ended before its worker got to them.
 A CPU-only trace gets the host breakdown, written as `rank<R>.cpu_timeline.csv` so its
 name never claims GPU time it does not hold.
 """

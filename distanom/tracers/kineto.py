@@ -81,6 +81,7 @@ class KinetoTracer:
         self._traced_steps: set[int] = set()
         self._last_step: int | None = None
         self._closed = False
+        self.boundary_flushes = 0  # windows handed over at a step boundary (costly)
 
     # -- training thread -------------------------------------------------------------
 
@@ -129,6 +130,7 @@ class KinetoTracer:
     def _on_window(self, prof: Any) -> None:
         if self._window_first is None or self._last_step is None:
             return
+        self.boundary_flushes += 1
         window = _Window(self._window_first, self._last_step, prof.profiler)
         self._window_first = self._last_step + 1
         with self._lock:
@@ -165,11 +167,12 @@ class KinetoTracer:
     # -- capture thread --------------------------------------------------------------
 
     def _windows_for(self, step: int) -> list[_Window] | None:
-        """The window holding `step` and, on GPU, the next one when `step` ends its window:
-        kernels still running when a cycle stops are delivered with the next cycle."""
+        """The window holding `step`, and on GPU also the next one: CUDA activity still in
+        flight when a cycle stops (the GPU runs behind the host) is delivered with a
+        later cycle. None while a needed window is still open."""
         for position, window in enumerate(self._windows):
             if window.first_step <= step <= window.last_step:
-                if not self._use_cuda or step < window.last_step:
+                if not self._use_cuda:
                     return [window]
                 if position + 1 < len(self._windows):
                     return [window, self._windows[position + 1]]
@@ -235,8 +238,10 @@ def _export(results: Any) -> dict[str, Any]:
 def cut_step(documents: list[dict[str, Any]], step: int, start_ns: int, end_ns: int) -> StepTrace:
     """Select the events of the step whose host interval is [start_ns, end_ns).
 
-    `documents[0]` is the export of the window holding the step; later documents (the
-    next window) only contribute GPU events launched inside the step.
+    The documents are consecutive window exports, pooled: a host event belongs to the
+    step if it starts inside the interval, a GPU event if its launch call does (matched
+    by correlation id, in whichever document each was delivered), or, with no launch
+    record at all, if it starts inside the interval itself.
     """
     main = documents[0]
     base_ns = int(main.get("baseTimeNanoseconds", 0))
@@ -246,9 +251,17 @@ def cut_step(documents: list[dict[str, Any]], step: int, start_ns: int, end_ns: 
     def inside(ts: Any) -> bool:
         return isinstance(ts, (int, float)) and start_us <= ts < end_us
 
+    pooled: list[dict[str, Any]] = []
+    for document in documents:
+        shift_us = (int(document.get("baseTimeNanoseconds", base_ns)) - base_ns) / 1000.0
+        for event in document.get("traceEvents", []):
+            if shift_us and isinstance(event.get("ts"), (int, float)):
+                event = {**event, "ts": event["ts"] + shift_us}
+            pooled.append(event)
+
     launched: set[Any] = set()
     launch_ids: set[Any] = set()
-    for event in main.get("traceEvents", []):
+    for event in pooled:
         if event.get("cat") in LAUNCH_CATEGORIES:
             correlation = (event.get("args") or {}).get("correlation")
             if correlation is None:
@@ -257,37 +270,36 @@ def cut_step(documents: list[dict[str, Any]], step: int, start_ns: int, end_ns: 
             if inside(event.get("ts")):
                 launched.add(correlation)
 
-    kept: list[dict[str, Any]] = []
+    kept: list[dict[str, Any]] = [e for e in main.get("traceEvents", []) if e.get("ph") == "M"]
+    seen: set[tuple[Any, ...]] = set()
     stats = {"gpu_events": 0, "gpu_by_launch": 0, "gpu_by_time": 0, "outside_bounds": 0}
-    for position, document in enumerate(documents):
-        shift_us = (int(document.get("baseTimeNanoseconds", base_ns)) - base_ns) / 1000.0
-        for event in document.get("traceEvents", []):
-            category = event.get("cat")
-            if category in GPU_CATEGORIES:
-                correlation = (event.get("args") or {}).get("correlation")
-                if correlation in launched:
-                    stats["gpu_by_launch"] += 1
-                elif position == 0 and correlation not in launch_ids and inside(event.get("ts")):
-                    stats["gpu_by_time"] += 1
-                else:
-                    continue
-                if shift_us:
-                    event = {**event, "ts": event["ts"] + shift_us}
-                stats["gpu_events"] += 1
-                if not start_us <= event.get("ts", start_us) <= end_us:
-                    stats["outside_bounds"] += 1  # launched in this step, ran after its host end
-                kept.append(event)
-            elif position > 0:
+    for event in pooled:
+        category = event.get("cat")
+        if event.get("ph") == "M":
+            continue
+        key = (category, event.get("name"), event.get("ts"), event.get("pid"), event.get("tid"))
+        if key in seen:  # the same event delivered twice
+            continue
+        if category in GPU_CATEGORIES:
+            correlation = (event.get("args") or {}).get("correlation")
+            if correlation in launched:
+                stats["gpu_by_launch"] += 1
+            elif correlation not in launch_ids and inside(event.get("ts")):
+                stats["gpu_by_time"] += 1
+            else:
                 continue
-            elif event.get("ph") == "M":
-                kept.append(event)
-            elif category == FLOW_CATEGORY:
-                if event.get("id") in launched:
-                    kept.append(event)
-            elif str(event.get("name", "")).startswith("ProfilerStep#"):
-                continue  # the profiler's own cycle counter, not our step number: misleading
-            elif inside(event.get("ts")):
-                kept.append(event)
+            stats["gpu_events"] += 1
+            if not start_us <= event.get("ts", start_us) <= end_us:
+                stats["outside_bounds"] += 1  # launched in this step, ran after its host end
+        elif category == FLOW_CATEGORY:
+            if event.get("id") not in launched:
+                continue
+        elif str(event.get("name", "")).startswith("ProfilerStep#"):
+            continue  # the profiler's own cycle counter, not our step number: misleading
+        elif not inside(event.get("ts")):
+            continue
+        seen.add(key)
+        kept.append(event)
     kept.append(_step_annotation(step, start_us, end_us, kept))
     metadata = {key: main[key] for key in KEPT_METADATA if key in main}
     if "distributedInfo" in main:

@@ -64,7 +64,7 @@ def test_request_two_steps_on_two_ranks_of_a_running_job(
         assert cli_main(["capture", str(runs), "--ranks", "9"]) == 2
         assert "rank 9 does not exist" in capsys.readouterr().err
     finally:
-        out, err = job.communicate(timeout=300)
+        _out, err = job.communicate(timeout=300)
     assert job.returncode == 0, err[-2000:]
 
     run = (runs / "latest").resolve()

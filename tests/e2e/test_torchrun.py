@@ -62,7 +62,7 @@ def test_stalled_rank_steps_are_captured_on_every_rank(
             assert any(e.get("cat") == "cpu_op" for e in document["traceEvents"])
     steps_file = Path(report["run_dir"]) / "steps" / "rank2.csv"
     rows = steps_file.read_text().splitlines()
-    assert rows[0] == "step,duration_ms,traced" and len(rows) >= 95
+    assert rows[0] == "step,duration_ms,traced,after_flush,self_ms" and len(rows) >= 95
     text = subprocess.run(
         [sys.executable, "-m", "distanom", "report", str(tmp_path / "runs")],
         capture_output=True,

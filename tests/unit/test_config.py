@@ -51,6 +51,7 @@ def test_overrides_are_typed_and_nested(tmp_path: Path) -> None:
         ("detect: [\n", "not valid YAML at line"),
         ("bogus: 1\n", "unknown key 'bogus'"),
         ("analysis:\n  on_capture: maybe\n", "analysis.on_capture"),
+        ("analysis:\n  on_capture: true\n", "analysis.on_capture"),
         ("detect:\n  min_steps: 500\n  window_steps: 100\n", "must not exceed"),
     ],
 )

@@ -26,36 +26,39 @@ def gathered(rows: list[LocalRound], batch: int) -> torch.Tensor:
 def test_round_trip_of_a_gathered_matrix() -> None:
     request = CaptureRequest(3, 2, ((1, 1), (3, 4)))
     rows = [
-        LocalRound(5, (10.0, 11.0, 12.0), (True, True, False), 0, request),
-        LocalRound(5, (10.5, math.nan, 30.0), (True, True, True), FLAG_CAPTURE_OFF),
+        LocalRound(5, (10.0, 11.0, 12.0), (1, 1 | 2, 0), 0, request),
+        LocalRound(5, (10.5, math.nan, 30.0), (1, 1, 1 | 4), FLAG_CAPTURE_OFF),
     ]
     result = decode_round(gathered(rows, 4), 4)
     assert [s.step for s in result.samples] == [5, 6, 7]
     assert result.samples[0].times_ms == (10.0, 10.5)
     assert math.isnan(result.samples[1].times_ms[1])
     assert [s.traced for s in result.samples] == [True, True, False]  # AND across ranks
+    assert [s.after_flush for s in result.samples] == [False, True, False]  # OR across ranks
+    assert [s.disturbed for s in result.samples] == [False, False, True]
+    assert [s.self_ms for s in result.samples] == [0.0, 0.0, 0.0]
     assert result.request == request
     assert result.ranks_with(FLAG_CAPTURE_OFF) == [1]
     assert request.ranks(4) == (1, 3)  # rank 4 does not exist in a 4-rank job
 
 
 def test_malformed_rows_are_refused() -> None:
-    matrix = gathered([LocalRound(1, (1.0,), (True,))], 2)
+    matrix = gathered([LocalRound(1, (1.0,), (1,))], 2)
     with pytest.raises(ValueError, match="shape"):
         decode_round(matrix, 3)
     matrix[0, 0] = 1.0
     with pytest.raises(ValueError, match="malformed"):
         decode_round(matrix, 2)
     with pytest.raises(ValueError):
-        encode_round(LocalRound(1, (1.0, 2.0, 3.0), (True, True, True)), 2)
+        encode_round(LocalRound(1, (1.0, 2.0, 3.0), (1, 1, 1)), 2)
 
 
 def test_requests_schedule_the_steps_after_the_round() -> None:
     detector = Detector(DetectConfig(min_steps=3, window_steps=10), CaptureConfig())
     request = CaptureRequest(9, 2, ((0, 0),))
     rows = [
-        LocalRound(10, (5.0, 5.0), (True, True), 0, request),
-        LocalRound(10, (5.0, 5.0), (True, True)),
+        LocalRound(10, (5.0, 5.0), (1, 1), 0, request),
+        LocalRound(10, (5.0, 5.0), (1, 1)),
     ]
     decisions = decide(decode_round(gathered(rows, 2), 2), detector, world_size=2)
     assert [(d.step, d.kind, d.ranks, d.request_id) for d in decisions] == [
@@ -66,20 +69,22 @@ def test_requests_schedule_the_steps_after_the_round() -> None:
 
 def test_round_builder_fills_gaps_with_nan_and_keeps_order() -> None:
     builder = RoundBuilder(batch_steps=3)
-    builder.add(1, 10.0, True)
-    builder.add(2, 11.0, True)
+    builder.add(1, 10.0, 1)
+    builder.add(2, 11.0, 1)
     assert not builder.ready()
-    builder.add(4, 13.0, False)  # step 3's boundary was lost
+    builder.add(4, 13.0, 0)  # step 3's boundary was lost
     assert builder.ready()
     first = builder.take()
     assert first.first_step == 1 and first.durations_ms[:2] == (10.0, 11.0)
     assert math.isnan(first.durations_ms[2])
     assert not builder.ready() and builder.pending_steps() == 1
     last = builder.take(final=True)
-    assert last.first_step == 4 and last.durations_ms == (13.0,) and last.traced == (False,)
+    assert last.first_step == 4 and last.durations_ms == (13.0,) and last.step_flags == (0,)
+    builder.add(7, 9.0, 4, 3.5)
+    assert builder.take(final=True).self_ms == (3.5,)
 
 
 def test_recent_times_per_rank() -> None:
-    rows = [LocalRound(1, (1.0, 2.0), (True, True)), LocalRound(1, (3.0, math.nan), (True, True))]
+    rows = [LocalRound(1, (1.0, 2.0), (1, 1)), LocalRound(1, (3.0, math.nan), (1, 1))]
     samples = decode_round(gathered(rows, 2), 2).samples
     assert recent_times(samples, 1) == {0: [2.0], 1: [None]}

@@ -129,3 +129,35 @@ def test_same_input_same_decisions_on_every_rank() -> None:
     ]
     assert runs[0] == runs[1] == runs[2]
     assert any(kind == "anomaly" for _, kind, _ in runs[0])
+
+
+def test_own_capture_work_is_discounted_and_kept_out_of_the_baseline() -> None:
+    detector = make()
+    feed(detector, [10.0] * 20)
+    # 45 ms, but distanom's own capture work ran for 35 ms of it on some rank
+    slowed = StepSample(20, (45.0, 45.0), True, disturbed=True, self_ms=35.0)
+    assert detector.observe(slowed) == []
+    assert detector.counts.disturbed == 1
+    # a real 500 ms stall during 20 ms of capture work is still an anomaly
+    stalled = StepSample(21, (520.0, 20.0), True, disturbed=True, self_ms=20.0)
+    (decision,) = detector.observe(stalled)
+    assert decision.step_ms == 500.0 and decision.slowest_rank == 0
+    # nor can 480 ms of capture work that ran while the rank slept explain it away
+    feed_from(detector, 22, [10.0] * 8)  # a new episode for the next one
+    asleep = StepSample(30, (520.0, 520.0), True, disturbed=True, self_ms=480.0)
+    (decision,) = detector.observe(asleep)
+    assert decision.step_ms == 520.0 - 4 * 10.0
+    # neither entered the baseline
+    assert detector.median_ms == 10.0 and len(detector._windows[(True, False)]) == 28
+
+
+def test_steps_after_a_flush_have_their_own_baseline() -> None:
+    detector = make()
+    decisions = []
+    for step in range(60):  # every 4th step follows a flush and is 3x slower, always
+        flushed = step % 4 == 0
+        t = 30.0 if flushed else 10.0
+        decisions += detector.observe(StepSample(step, (t, t), True, after_flush=flushed))
+    assert decisions == []
+    decisions = detector.observe(StepSample(60, (61.0, 61.0), True, after_flush=True))
+    assert decisions and decisions[0].median_ms == 30.0
