@@ -1,6 +1,9 @@
 """The `distanom` command: look at runs, traces and running jobs.
 
-    distanom report RUN_DIR [--json]          the run: steps, threshold, captures, per-rank tables
+    distanom report RUN_DIR [--json] [--html OUT.html]
+                                              the run: steps, threshold, captures, per-rank
+                                              tables, verdicts, kernel diffs; --html also
+                                              writes a self-contained page (and its PNGs)
     distanom analyze TRACE [--json]           gpu_timeline and kernel_summary of one trace
     distanom status RUN_DIR [--json] [--watch] live state of a running job (or the final one)
     distanom capture RUN_DIR [--steps N] [--ranks 0,3-5]
@@ -37,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="summarise a run directory")
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.add_argument("--json", action="store_true", help="machine-readable output")
+    report.add_argument(
+        "--html",
+        metavar="OUT.html",
+        help="also write one self-contained HTML page (charts as PNG when matplotlib is "
+        "installed, also written beside it as OUT_<chart>.png; else inline SVG)",
+    )
 
     analyze = commands.add_parser("analyze", help="tables of one trace file")
     analyze.add_argument("trace", metavar="TRACE")
@@ -90,12 +99,33 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from distanom.analysis.report import build_report, render_text
     from distanom.analysis.run import load_run
 
-    report = build_report(load_run(args.run_dir))
+    data = load_run(args.run_dir)
+    report = build_report(data)
+    if args.html:
+        _write_html(data, report, args.html, sys.stderr if args.json else sys.stdout)
+        if not args.json:
+            return 0
     if args.json:
         _print_json(report)
     else:
         sys.stdout.write(render_text(report))
     return 0
+
+
+def _write_html(data: Any, report: dict[str, Any], out: str, stream: Any) -> None:
+    from pathlib import Path
+
+    from distanom.analysis.html_report import render_html, write_html
+    from distanom.analysis.run import load_steps
+
+    config = data.info.get("config") if isinstance(data.info.get("config"), dict) else {}
+    detect = config.get("detect") if isinstance(config.get("detect"), dict) else {}
+    page = render_html(report, load_steps(data), detect)
+    try:
+        written = write_html(page, Path(out))
+    except OSError as err:
+        raise DistanomError(f"{out}: cannot write the page: {err.strerror or err}") from None
+    print(f"wrote {', '.join(str(p) for p in written)}", file=stream)
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:

@@ -305,5 +305,6 @@ def verdict_line(capture: Mapping[str, Any]) -> str | None:
         body.get("culprit_node"),
         body.get("cause", "unknown"),
         str(body.get("evidence", "")),
+        body.get("details") or {},
     )
     return verdict.sentence()

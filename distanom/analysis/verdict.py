@@ -159,7 +159,8 @@ class Verdict:
     def sentence(self) -> str:
         """One line for people: who, why, and the numbers."""
         if self.culprit_node is not None:
-            who = f"node {self.culprit_node} (rank {self.culprit_rank} worst)"
+            ranks = self.details.get("culprit_ranks") or [self.culprit_rank]
+            who = f"node {self.culprit_node} ({_ranks_word(ranks)})"
         elif self.culprit_rank is not None:
             who = f"rank {self.culprit_rank}"
         else:

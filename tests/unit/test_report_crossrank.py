@@ -101,7 +101,7 @@ def test_summary_json_and_text_carry_the_verdict_and_top_changes(run_dir: Path) 
     assert (
         "  verdict: no single rank — global: all 4 ranks: idle grew over reference step 20" in text
     )
-    assert "  verdict: node b (rank" in text
+    assert "  verdict: node b (ranks 2-3) — compute" in text
     block = text.split("step 40 (anomaly)")[1].split("step 60")[0]
     assert "kernels vs reference step 20, rank 3" in block
     assert MATMUL in block and "appeared" in block

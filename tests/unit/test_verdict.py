@@ -95,7 +95,7 @@ def test_two_slow_ranks_making_up_one_node_name_the_node() -> None:
     assert verdict.culprit_node == "b" and verdict.culprit_rank == 3
     assert verdict.cause == "compute"
     assert verdict.evidence.startswith("ranks 2-3 (all of node b): computation 24.0-25.0 ms")
-    assert verdict.sentence().startswith("node b (rank 3 worst)")
+    assert verdict.sentence().startswith("node b (ranks 2-3) — compute: ranks 2-3")
 
 
 def test_one_slow_rank_of_a_two_rank_node_is_not_the_node() -> None:
