@@ -2,8 +2,9 @@
 
     distanom report RUN_DIR [--json] [--html OUT.html]
                                               the run: steps, threshold, captures, per-rank
-                                              tables, verdicts, kernel diffs; --html also
-                                              writes a self-contained page (and its PNGs)
+                                              tables, verdicts, kernel diffs; --html writes
+                                              a self-contained page (and its PNGs) instead
+                                              of the text
     distanom analyze TRACE [--json]           gpu_timeline and kernel_summary of one trace
     distanom status RUN_DIR [--json] [--watch] live state of a running job (or the final one)
     distanom capture RUN_DIR [--steps N] [--ranks 0,3-5]
@@ -23,9 +24,12 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from distanom.errors import DistanomError
+
+if TYPE_CHECKING:
+    from distanom.analysis.run import RunData
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,8 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--html",
         metavar="OUT.html",
-        help="also write one self-contained HTML page (charts as PNG when matplotlib is "
-        "installed, also written beside it as OUT_<chart>.png; else inline SVG)",
+        help="write one self-contained HTML page instead of the text (charts as PNG when "
+        "matplotlib is installed, also written beside it as OUT_<chart>.png; else inline "
+        "SVG); with --json, the JSON still goes to stdout",
     )
 
     analyze = commands.add_parser("analyze", help="tables of one trace file")
@@ -112,15 +117,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_html(data: Any, report: dict[str, Any], out: str, stream: Any) -> None:
+def _write_html(data: RunData, report: dict[str, Any], out: str, stream: TextIO) -> None:
     from pathlib import Path
 
-    from distanom.analysis.html_report import render_html, write_html
-    from distanom.analysis.run import load_steps
+    from distanom.analysis.html_report import page_for_run, write_html
 
-    config = data.info.get("config") if isinstance(data.info.get("config"), dict) else {}
-    detect = config.get("detect") if isinstance(config.get("detect"), dict) else {}
-    page = render_html(report, load_steps(data), detect)
+    page = page_for_run(data, report)
     try:
         written = write_html(page, Path(out))
     except OSError as err:

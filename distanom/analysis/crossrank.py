@@ -201,11 +201,12 @@ def _kernel_diff(
     ranks: dict[str, Any] = {}
     for rank in sorted(set(facts) & set(ref_facts)):
         mine, theirs = facts[rank], ref_facts[rank]
+        if mine.ops_kind != theirs.ops_kind:
+            continue  # kernels cannot be diffed against CPU ops
         idle = (
             stalled[rank] - ref_stalled[rank] if rank in stalled and rank in ref_stalled else None
         )
-        kind = mine.ops_kind if mine.ops_kind == theirs.ops_kind else "gpu"
-        ranks[str(rank)] = diff_ops(rank, kind, mine.ops, theirs.ops, idle).as_json()
+        ranks[str(rank)] = diff_ops(rank, mine.ops_kind, mine.ops, theirs.ops, idle).as_json()
     return {"reference_step": reference_step, "ranks": ranks}
 
 

@@ -28,11 +28,11 @@ from typing import Any
 
 from distanom.analysis.crossrank import breakdown, verdict_line
 from distanom.analysis.kernel_diff import top_changes
-from distanom.analysis.run import StepSeries
+from distanom.analysis.run import RunData, StepSeries, load_steps
 from distanom.analysis.tables_io import BREAKDOWN_ROWS
 from distanom.rundir import write_bytes_atomic
 
-__all__ = ["HtmlPage", "render_html", "rolling_threshold", "write_html"]
+__all__ = ["HtmlPage", "page_for_run", "render_html", "rolling_threshold", "write_html"]
 
 PARTS = BREAKDOWN_ROWS[:4]
 PART_LABELS = {
@@ -525,6 +525,13 @@ def render_html(
         f"<body>{''.join(body)}</body></html>\n"
     )
     return HtmlPage(page, pngs)
+
+
+def page_for_run(data: RunData, report: Mapping[str, Any]) -> HtmlPage:
+    """The page of a loaded run and its report (step series and detect config read here)."""
+    config = data.info.get("config")
+    detect = config.get("detect") if isinstance(config, dict) else None
+    return render_html(report, load_steps(data), detect if isinstance(detect, dict) else {})
 
 
 def write_html(page: HtmlPage, out: Path) -> list[Path]:

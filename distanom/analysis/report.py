@@ -4,8 +4,8 @@ Builds one JSON-ready dict from `RunData` (run facts, step statistics, detector 
 episodes, every capture with its ranks' traces and tables, its cross-rank verdict,
 kernel diff and merged trace from `distanom.analysis.crossrank`, problems found) and
 renders it as text tables. The dict is the contract for machines; the text is for
-people. Each capture's dict, less the per-rank tables, is also written as its
-`summary.json`.
+people. A digest of each capture (per-rank breakdown, verdict, kernel diff, merged
+trace path) is also written as its `summary.json`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from distanom.rundir import write_json_atomic
 
 def build_report(data: RunData, *, engine: str = "auto") -> dict[str, Any]:
     series = load_steps(data)
+    captures = [_capture_json(data, info, engine) for info in data.captures]
+    add_cross_rank(data, captures)
+    for info, capture in zip(data.captures, captures, strict=True):
+        _write_summary(data, info, capture)
     status = data.status or {}
     median = series.median_ms()
     config = data.info.get("config") if isinstance(data.info.get("config"), dict) else {}
@@ -52,15 +56,9 @@ def build_report(data: RunData, *, engine: str = "auto") -> dict[str, Any]:
             "capture_off": status.get("capture_off"),
             "consensus_error": status.get("consensus_error"),
         },
-        "captures": [],
-        "problems": [],
+        "captures": captures,
+        "problems": list(data.problems),
     }
-    captures = [_capture_json(data, info, engine) for info in data.captures]
-    add_cross_rank(data, captures)
-    for info, capture in zip(data.captures, captures, strict=True):
-        _write_summary(data, info, capture)
-    report["captures"] = captures
-    report["problems"] = list(data.problems)
     return report
 
 

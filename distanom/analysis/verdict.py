@@ -42,7 +42,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from distanom.analysis.collectives import MatchedCollective
 
@@ -182,12 +182,21 @@ class Arrival:
     matched: int
 
 
-# (cause, what it is called in evidence, how to read it from a breakdown)
-_PARTS: tuple[tuple[Cause, str, Callable[[Breakdown], float]], ...] = (
-    ("compute", "computation", lambda b: b.computation_ms),
-    ("host_stall", "idle", lambda b: b.stalled_ms),
-    ("memcpy", "exposed memcpy", lambda b: b.exposed_memcpy_ms),
+class _Part(NamedTuple):
+    """A part of a rank's own time that can name the cause."""
+
+    cause: Cause
+    label: str
+    """What it is called in evidence."""
+    read: Callable[[Breakdown], float]
+
+
+_PARTS = (
+    _Part("compute", "computation", lambda b: b.computation_ms),
+    _Part("host_stall", "idle", lambda b: b.stalled_ms),
+    _Part("memcpy", "exposed memcpy", lambda b: b.exposed_memcpy_ms),
 )
+_PART_OF = {part.cause: part for part in _PARTS}
 
 
 def rank_list(ranks: Iterable[int]) -> str:
@@ -321,7 +330,7 @@ def _cause_of(
     current: Mapping[int, RankEvidence],
     reference: Mapping[int, RankEvidence],
     extra_ms: float,
-) -> tuple[Cause | None, str, dict[str, float]]:
+) -> tuple[Cause | None, _Part, dict[str, float]]:
     """The part of `rank`'s time that grew most over the others (and its reference).
 
     With a reference, only the extra time that is new counts: a rank that always
@@ -332,18 +341,15 @@ def _cause_of(
     if before is not None:
         extra_ms = min(extra_ms, mine.own_ms - before.own_ms)
     growth: dict[str, float] = {}
-    best: tuple[float, Cause, str] | None = None
-    for cause, label, part in _PARTS:
-        over_others = part(mine) - _median(part(current[o].breakdown) for o in others)
-        grown = over_others if before is None else min(over_others, part(mine) - part(before))
-        growth[cause] = round(grown, 4)
-        if best is None or grown > best[0]:
-            best = (grown, cause, label)
-    assert best is not None
-    grown, cause, label = best
-    if extra_ms <= 0 or grown < CAUSE_SHARE * extra_ms:
-        return None, label, growth
-    return cause, label, growth
+    for part in _PARTS:
+        over_others = part.read(mine) - _median(part.read(current[o].breakdown) for o in others)
+        if before is not None:
+            over_others = min(over_others, part.read(mine) - part.read(before))
+        growth[part.cause] = round(over_others, 4)
+    best = max(_PARTS, key=lambda part: growth[part.cause])  # first of equals on ties
+    if extra_ms <= 0 or growth[best.cause] < CAUSE_SHARE * extra_ms:
+        return None, best, growth
+    return best.cause, best, growth
 
 
 def _node_of(culprits: Sequence[int], hosts: Mapping[int, str | None]) -> str | None:
@@ -383,14 +389,13 @@ def _culprit_verdict(
     if arrival is not None and arrival.latest_rank in found.culprits:
         culprit = arrival.latest_rank
     node = _node_of(found.culprits, hosts)
-    cause, label, growth = _cause_of(culprit, found.others, current, reference, found.excess_ms)
-    part = next(p for c, lab, p in _PARTS if lab == label)
-    values = [part(current[r].breakdown) for r in found.culprits]
-    others_part = _median(part(current[o].breakdown) for o in found.others)
+    cause, part, growth = _cause_of(culprit, found.others, current, reference, found.excess_ms)
+    values = [part.read(current[r].breakdown) for r in found.culprits]
+    others_part = _median(part.read(current[o].breakdown) for o in found.others)
     who = _ranks_word(found.culprits) + (f" (all of node {node})" if node else "")
-    text = f"{who}: {label} {_span(values)} vs {_ms(others_part)} ms median of the others" + (
-        _reference_note(culprit, part, reference, reference_step) if len(values) == 1 else ""
-    )
+    text = f"{who}: {part.label} {_span(values)} vs {_ms(others_part)} ms median of the others"
+    if len(values) == 1:
+        text += _reference_note(culprit, part.read, reference, reference_step)
     if cause is None:
         text += f" (extra own time {_ms(found.excess_ms)} ms spread over several parts)"
     comm = [current[o].breakdown.exposed_comm_ms for o in found.others]
@@ -489,9 +494,9 @@ def _everyone_verdict(
         details["growth_ms"] = {"exposed_comm": round(_median(comm.values()), 4)}
         return Verdict(None, None, "communication", text, details)
     if own_all:
-        parts = {cause: grown(part) for cause, _, part in _PARTS}
+        parts = {part.cause: grown(part.read) for part in _PARTS}
         cause = max(parts, key=lambda c: _median(parts[c].values()))
-        label = next(lab for c, lab, _ in _PARTS if c == cause)
+        label = _PART_OF[cause].label
         text = (
             f"{everyone}: {label} {verb} {_span(list(parts[cause].values()))}, "
             f"exposed comm {verb} {_span(list(comm.values()))}: every rank slowed together"
