@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,20 +28,25 @@ WITH_REFERENCE = [
 ]
 
 
-def test_stalled_rank_is_named_with_a_host_stall(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    done = torchrun(
-        4,
-        ["--run-dir", "runs", *WITH_REFERENCE],
-        ["--steps", "100", "--stall-rank", "2", "--stall-steps", "40,75", "--stall-s", "0.6"],
-        cwd=tmp_path,
-    )
+def run_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], script: list[str], injected: set[int]
+) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
+    """Run the toy on 4 gloo ranks; the report, its captures by step, and the injected
+    steps that were captured (at least one)."""
+    done = torchrun(4, ["--run-dir", "runs", *WITH_REFERENCE], script, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     report = report_json(tmp_path / "runs", capsys)
     captures = {c["step"]: c for c in report["captures"]}
-    stalled = sorted({40, 75} & set(captures))
-    assert stalled, sorted(captures)
+    hit = sorted(injected & set(captures))
+    assert hit, sorted(captures)
+    return report, captures, hit
+
+
+def test_stalled_rank_is_named_with_a_host_stall(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = ["--steps", "100", "--stall-rank", "2", "--stall-steps", "40,75", "--stall-s", "0.6"]
+    report, captures, stalled = run_job(tmp_path, capsys, script, {40, 75})
     for step in stalled:
         capture = captures[step]
         verdict = capture["verdict"]
@@ -64,17 +70,8 @@ def test_stalled_rank_is_named_with_a_host_stall(
 def test_every_rank_slow_at_once_is_global(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    done = torchrun(
-        4,
-        ["--run-dir", "runs", *WITH_REFERENCE],
-        ["--steps", "70", "--all-slow-steps", "35,55", "--all-slow-s", "0.3"],
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = report_json(tmp_path / "runs", capsys)
-    captures = {c["step"]: c for c in report["captures"]}
-    slow = sorted({35, 55} & set(captures))
-    assert slow, sorted(captures)
+    script = ["--steps", "70", "--all-slow-steps", "35,55", "--all-slow-s", "0.3"]
+    _, captures, slow = run_job(tmp_path, capsys, script, {35, 55})
     for step in slow:
         verdict = captures[step]["verdict"]
         assert (verdict["culprit_rank"], verdict["culprit_node"], verdict["cause"]) == (
