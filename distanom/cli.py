@@ -1,6 +1,10 @@
 """The `distanom` command: look at runs, traces and running jobs.
 
-    distanom report RUN_DIR [--json]          the run: steps, threshold, captures, per-rank tables
+    distanom report RUN_DIR [--json] [--html OUT.html]
+                                              the run: steps, threshold, captures, per-rank
+                                              tables, verdicts, kernel diffs; --html writes
+                                              a self-contained page (and its PNGs) instead
+                                              of the text
     distanom analyze TRACE [--json]           gpu_timeline and kernel_summary of one trace
     distanom status RUN_DIR [--json] [--watch] live state of a running job (or the final one)
     distanom capture RUN_DIR [--steps N] [--ranks 0,3-5]
@@ -20,9 +24,12 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from distanom.errors import DistanomError
+
+if TYPE_CHECKING:
+    from distanom.analysis.run import RunData
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="summarise a run directory")
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.add_argument("--json", action="store_true", help="machine-readable output")
+    report.add_argument(
+        "--html",
+        metavar="OUT.html",
+        help="write one self-contained HTML page instead of the text (charts as PNG when "
+        "matplotlib is installed, also written beside it as OUT_<chart>.png; else inline "
+        "SVG); with --json, the JSON still goes to stdout",
+    )
 
     analyze = commands.add_parser("analyze", help="tables of one trace file")
     analyze.add_argument("trace", metavar="TRACE")
@@ -90,12 +104,30 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from distanom.analysis.report import build_report, render_text
     from distanom.analysis.run import load_run
 
-    report = build_report(load_run(args.run_dir))
+    data = load_run(args.run_dir)
+    report = build_report(data)
+    if args.html:
+        _write_html(data, report, args.html, sys.stderr if args.json else sys.stdout)
+        if not args.json:
+            return 0
     if args.json:
         _print_json(report)
     else:
         sys.stdout.write(render_text(report))
     return 0
+
+
+def _write_html(data: RunData, report: dict[str, Any], out: str, stream: TextIO) -> None:
+    from pathlib import Path
+
+    from distanom.analysis.html_report import page_for_run, write_html
+
+    page = page_for_run(data, report)
+    try:
+        written = write_html(page, Path(out))
+    except OSError as err:
+        raise DistanomError(f"{out}: cannot write the page: {err.strerror or err}") from None
+    print(f"wrote {', '.join(str(p) for p in written)}", file=stream)
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:

@@ -1,8 +1,11 @@
 """The run report: what `distanom report` prints (text) or emits (`--json`).
 
 Builds one JSON-ready dict from `RunData` (run facts, step statistics, detector counts,
-episodes, every capture with its ranks' traces and tables, problems found) and renders
-it as text tables. The dict is the contract for machines; the text is for people.
+episodes, every capture with its ranks' traces and tables, its cross-rank verdict,
+kernel diff and merged trace from `distanom.analysis.crossrank`, problems found) and
+renders it as text tables. The dict is the contract for machines; the text is for
+people. A digest of each capture (per-rank breakdown, verdict, kernel diff, merged
+trace path) is also written as its `summary.json`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import contextlib
 import math
 from typing import Any
 
+from distanom.analysis.crossrank import add_cross_rank, breakdown, verdict_line
+from distanom.analysis.kernel_diff import kernel_diff_lines
 from distanom.analysis.run import CaptureInfo, RunData, load_steps
 from distanom.analysis.tables_io import BREAKDOWN_ROWS, rank_tables, timeline_json
 from distanom.errors import DistanomError
@@ -19,6 +24,10 @@ from distanom.rundir import write_json_atomic
 
 def build_report(data: RunData, *, engine: str = "auto") -> dict[str, Any]:
     series = load_steps(data)
+    captures = [_capture_json(data, info, engine) for info in data.captures]
+    add_cross_rank(data, captures)
+    for info, capture in zip(data.captures, captures, strict=True):
+        _write_summary(data, info, capture)
     status = data.status or {}
     median = series.median_ms()
     config = data.info.get("config") if isinstance(data.info.get("config"), dict) else {}
@@ -49,7 +58,7 @@ def build_report(data: RunData, *, engine: str = "auto") -> dict[str, Any]:
             "capture_off": status.get("capture_off"),
             "consensus_error": status.get("consensus_error"),
         },
-        "captures": [_capture_json(data, info, engine) for info in data.captures],
+        "captures": captures,
         "problems": list(data.problems),
     }
     return report
@@ -88,7 +97,6 @@ def _capture_json(data: RunData, info: CaptureInfo, engine: str) -> dict[str, An
         "missing_ranks": info.missing_ranks,
     }
     _add_tables(data, info, capture, engine)
-    _write_summary(data, info, capture)
     return capture
 
 
@@ -109,14 +117,6 @@ def _add_tables(data: RunData, info: CaptureInfo, capture: dict[str, Any], engin
         entry["timeline_kind"] = tables.kind
 
 
-def breakdown(entry: dict[str, Any]) -> dict[str, float] | None:
-    """A rank's computation / exposed comm / exposed memcpy / idle / total in ms."""
-    timeline = entry.get("gpu_timeline") or entry.get("host_timeline")
-    if not timeline:
-        return None
-    return {row: float(timeline[row]["time_ms"]) for row in BREAKDOWN_ROWS}
-
-
 def _write_summary(data: RunData, info: CaptureInfo, capture: dict[str, Any]) -> None:
     """captures/step_<N>/summary.json: all ranks side by side (refreshed by each report)."""
     summary = {
@@ -129,6 +129,9 @@ def _write_summary(data: RunData, info: CaptureInfo, capture: dict[str, Any]) ->
             rank: {"host": entry.get("host"), "breakdown_ms": breakdown(entry)}
             for rank, entry in capture["ranks"].items()
         },
+        "verdict": capture.get("verdict"),
+        "kernel_diff": capture.get("kernel_diff"),
+        "merged_trace": capture.get("merged_trace"),
     }
     with contextlib.suppress(OSError):  # a read-only run directory still gets its report
         write_json_atomic(data.run.summary_json(info.step), summary)
@@ -175,6 +178,19 @@ def _breakdown_lines(capture: dict[str, Any]) -> list[str]:
     header = ["rank", "host", "compute", "exp.comm", "exp.memcpy", "idle", "total"]
     lines = ["", f"step {capture['step']} ({','.join(capture['kinds'])}): {what}, ms"]
     return lines + ["  " + line for line in table(header, rows)]
+
+
+def _cross_rank_lines(capture: dict[str, Any]) -> list[str]:
+    """The verdict line and the top kernel changes of one capture."""
+    lines = []
+    sentence = verdict_line(capture)
+    if sentence:
+        lines.append(f"  verdict: {sentence}")
+    culprit = (capture.get("verdict") or {}).get("culprit_rank")
+    lines += kernel_diff_lines(capture.get("kernel_diff"), culprit, top=5)
+    if capture.get("merged_trace"):
+        lines.append(f"  all ranks in one trace: {capture['merged_trace']}")
+    return lines
 
 
 def render_text(report: dict[str, Any]) -> str:
@@ -250,6 +266,7 @@ def render_text(report: dict[str, Any]) -> str:
         ]
         for capture in captures:
             lines += _breakdown_lines(capture)
+            lines += _cross_rank_lines(capture)
         for capture in captures:
             if capture["missing_ranks"]:
                 missing = ",".join(str(r) for r in capture["missing_ranks"])

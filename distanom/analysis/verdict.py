@@ -1,0 +1,566 @@
+"""The cross-rank verdict: which rank made a captured step slow, and why.
+
+Owns: one pure function, `decide`, from per-rank evidence of one captured step (each
+rank's time breakdown and host, optionally the same for the healthy reference step, the
+collectives matched across ranks, the step time and the detector's median) to a
+`Verdict` (culprit rank, culprit node, cause, a sentence of evidence with numbers, and
+details for machines). No I/O; `distanom.analysis.crossrank` gathers the evidence from
+the run directory and the report shows the result.
+
+The method. In synchronous training a slow rank makes every rank slow, because the
+others wait for it in the next collective; step times cannot tell them apart, the
+breakdown can. A rank's *own time* is everything but exposed communication
+(computation + exposed memcpy + idle, plus on CPU-only traces the part of its step
+window outside the timeline's span). The culprit is the rank with the most extra own
+time and the least waiting; its victims show the same amount as exposed communication.
+
+1. No slowdown (step below `SLOWDOWN_FRACTION` over its baseline): cause "unknown".
+2. Stand-out: split the ranks' own times at their largest gap; ranks whose own time
+   exceeds the lower group's median by `STANDOUT_FRACTION` of the step are culprits,
+   provided they are at most `MAX_CULPRIT_SHARE` of the ranks and the others waited
+   (their exposed communication exceeds the worst culprit's by `WAIT_SHARE` of its extra
+   time). Among several culprits, the one that arrived last at the slowest matched
+   collective (else the one with most own time) is named; when the culprits are
+   exactly the ranks of one host, that host is `culprit_node`. Cause: the part of the
+   culprit's time (computation → "compute", idle → "host_stall", exposed memcpy →
+   "memcpy") that exceeds both the others' median and the culprit's own reference by
+   at least `CAUSE_SHARE` of its extra time; none → "unknown".
+3. Late arrival: no stand-out, but at a matched collective one rank started
+   `STANDOUT_FRACTION` of the step after the first and waited least: it is the culprit;
+   without extra own time its delay came from its host ("host_stall").
+4. Everyone: every rank's exposed communication grew by `GLOBAL_SHARE` of the slowdown
+   over the reference → "communication" (the collective itself is slow); every rank's
+   own time did → "global". Both with no culprit.
+
+Arrival times compare clocks: ranks on one host share one, so their start times are
+compared directly; across hosts the starts are aligned by the collective's end (all
+ranks leave together), i.e. a rank's wait is its duration minus the shortest.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from distanom.analysis.collectives import MatchedCollective
+
+__all__ = [
+    "CAUSES",
+    "Arrival",
+    "Breakdown",
+    "Cause",
+    "RankEvidence",
+    "Verdict",
+    "arrival_order",
+    "decide",
+    "rank_list",
+]
+
+Cause = Literal["compute", "host_stall", "memcpy", "communication", "global", "unknown"]
+CAUSES: tuple[Cause, ...] = (
+    "compute",
+    "host_stall",
+    "memcpy",
+    "communication",
+    "global",
+    "unknown",
+)
+
+# A culprit's extra own time must be at least this share of the step. An anomaly at the
+# detector's default 1.5 x median adds a third of the step; the spread of own time
+# between healthy ranks stays well below it (under 15 % measured on 4 gloo ranks
+# sharing 2 busy CPU cores, a few % on GPUs).
+STANDOUT_FRACTION = 0.25
+# ...and at least this many ms: below 50 µs differences are launch jitter.
+MIN_STANDOUT_MS = 0.05
+# The others must have waited for at least half the culprit's extra time. Extra work
+# that nobody waited for (overlapped, or on an unsynchronised rank) did not slow the step.
+WAIT_SHARE = 0.5
+# At most half of the ranks can be culprits; when more are slow, the fast ones are the
+# exception and the slowdown is global (or has no single cause).
+MAX_CULPRIT_SHARE = 0.5
+# One part of the time (compute / idle / memcpy) names the cause when it holds at least
+# half of the culprit's extra time; a spread-out excess is left "unknown".
+CAUSE_SHARE = 0.5
+# A step at least 20 % over its baseline has a slowdown worth explaining; a healthy
+# step (e.g. a requested capture) gets "unknown", whatever its ranks look like.
+SLOWDOWN_FRACTION = 0.2
+# "Everyone" verdicts: every rank's growth must reach half the slowdown, so one rank's
+# outlier cannot make the whole job "global".
+GLOBAL_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """One rank's step split as the timeline splits it (ms)."""
+
+    computation_ms: float
+    exposed_comm_ms: float
+    exposed_memcpy_ms: float
+    idle_ms: float
+    total_ms: float
+    outside_ms: float = 0.0
+    """Part of the rank's step window outside the timeline's span (known on CPU-only
+    traces, from the step annotation: a stall before the first op); counted as idle."""
+
+    @property
+    def own_ms(self) -> float:
+        """Everything but waiting in communication."""
+        return self.computation_ms + self.exposed_memcpy_ms + self.idle_ms + self.outside_ms
+
+    @property
+    def stalled_ms(self) -> float:
+        """Idle time, inside the span or outside it."""
+        return self.idle_ms + self.outside_ms
+
+    @property
+    def step_ms(self) -> float:
+        return self.total_ms + self.outside_ms
+
+    @classmethod
+    def from_rows(cls, rows: Mapping[str, float], outside_ms: float = 0.0) -> Breakdown:
+        """From timeline rows in ms (`computation_time`, `exposed_comm_time`, ...)."""
+        return cls(
+            computation_ms=float(rows["computation_time"]),
+            exposed_comm_ms=float(rows["exposed_comm_time"]),
+            exposed_memcpy_ms=float(rows["exposed_memcpy_time"]),
+            idle_ms=float(rows["idle_time"]),
+            total_ms=float(rows["total_time"]),
+            outside_ms=max(0.0, outside_ms),
+        )
+
+
+@dataclass(frozen=True)
+class RankEvidence:
+    rank: int
+    host: str | None
+    breakdown: Breakdown
+
+
+@dataclass(frozen=True)
+class Verdict:
+    culprit_rank: int | None
+    culprit_node: str | None
+    cause: Cause
+    evidence: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "culprit_rank": self.culprit_rank,
+            "culprit_node": self.culprit_node,
+            "cause": self.cause,
+            "evidence": self.evidence,
+            "details": self.details,
+        }
+
+    def sentence(self) -> str:
+        """One line for people: who, why, and the numbers."""
+        if self.culprit_node is not None:
+            ranks = self.details.get("culprit_ranks") or [self.culprit_rank]
+            who = f"node {self.culprit_node} ({_ranks_word(ranks)})"
+        elif self.culprit_rank is not None:
+            who = f"rank {self.culprit_rank}"
+        else:
+            who = "no single rank"
+        return f"{who} — {self.cause.replace('_', ' ')}: {self.evidence}"
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """Who arrived last at the matched collective where the others waited longest."""
+
+    collective: str
+    latest_rank: int
+    wait_ms: float
+    """How long the first rank to arrive waited for the last."""
+    waits_ms: Mapping[int, float]
+    clock: str
+    """"shared host clock" (start times compared) or "end-aligned" (durations)."""
+    matched: int
+
+
+class _Part(NamedTuple):
+    """A part of a rank's own time that can name the cause."""
+
+    cause: Cause
+    label: str
+    """What it is called in evidence."""
+    read: Callable[[Breakdown], float]
+
+
+_PARTS = (
+    _Part("compute", "computation", lambda b: b.computation_ms),
+    _Part("host_stall", "idle", lambda b: b.stalled_ms),
+    _Part("memcpy", "exposed memcpy", lambda b: b.exposed_memcpy_ms),
+)
+_PART_OF = {part.cause: part for part in _PARTS}
+
+
+def rank_list(ranks: Iterable[int]) -> str:
+    """Ranks as "0-2,4,6-7"."""
+    ordered = sorted(set(ranks))
+    parts: list[str] = []
+    start = prev = None
+    for rank in [*ordered, None]:
+        if rank is not None and prev is not None and rank == prev + 1:
+            prev = rank
+            continue
+        if start is not None and prev is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = rank
+    return ",".join(parts)
+
+
+def _ranks_word(ranks: Iterable[int]) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
+
+
+def _span(values: Sequence[float]) -> str:
+    low, high = min(values), max(values)
+    if abs(high - low) < 0.05:
+        return f"{_ms(low)} ms"
+    return f"{_ms(low)} to {_ms(high)} ms" if low < 0 else f"{_ms(low)}-{_ms(high)} ms"
+
+
+def _median(values: Iterable[float]) -> float:
+    return float(statistics.median(list(values)))
+
+
+def arrival_order(
+    collectives: Sequence[MatchedCollective], hosts: Mapping[int, str | None]
+) -> Arrival | None:
+    """The matched collective with the longest wait for its last rank, or None."""
+    best: Arrival | None = None
+    for coll in collectives:
+        ranks = coll.ranks
+        if len(ranks) < 2:
+            continue
+        shared = len({hosts.get(r) for r in ranks}) == 1 and hosts.get(ranks[0]) is not None
+        if shared:
+            latest = max(ranks, key=lambda r: coll.start_us[r])
+            waits = {r: (coll.start_us[latest] - coll.start_us[r]) / 1000 for r in ranks}
+            clock = "shared host clock"
+        else:
+            duration = {r: coll.end_us[r] - coll.start_us[r] for r in ranks}
+            latest = min(ranks, key=lambda r: duration[r])
+            waits = {r: (duration[r] - duration[latest]) / 1000 for r in ranks}
+            clock = "end-aligned"
+        wait = max(waits.values())
+        if best is None or wait > best.wait_ms:
+            best = Arrival(coll.label(), latest, wait, waits, clock, len(collectives))
+    return best
+
+
+@dataclass(frozen=True)
+class _Baseline:
+    slowdown_ms: float
+    baseline_ms: float
+    what: str
+
+
+def _slowdown(
+    current: Mapping[int, RankEvidence],
+    reference: Mapping[int, RankEvidence],
+    reference_step: int | None,
+    step_ms: float | None,
+    expected_ms: float | None,
+) -> _Baseline | None:
+    if step_ms is not None and expected_ms:
+        return _Baseline(step_ms - expected_ms, expected_ms, "the detector's median step")
+    common = [r for r in current if r in reference]
+    if common:
+        now = _median(current[r].breakdown.step_ms for r in common)
+        before = _median(reference[r].breakdown.step_ms for r in common)
+        what = f"reference step {reference_step}" if reference_step is not None else "reference"
+        return _Baseline(now - before, before, what)
+    return None
+
+
+@dataclass(frozen=True)
+class _Standout:
+    culprits: list[int]
+    others: list[int]
+    worst: int
+    excess_ms: float
+    waited_ms: float
+
+
+def _standout(
+    current: Mapping[int, RankEvidence], step: float, notes: dict[str, Any]
+) -> _Standout | None:
+    own = {r: e.breakdown.own_ms for r, e in current.items()}
+    order = sorted(own, key=lambda r: (own[r], r))
+    gap_at = max(range(len(order) - 1), key=lambda i: own[order[i + 1]] - own[order[i]])
+    base = _median(own[r] for r in order[: gap_at + 1])
+    threshold = max(MIN_STANDOUT_MS, STANDOUT_FRACTION * step)
+    culprits = sorted(r for r in own if own[r] - base >= threshold)
+    if not culprits:
+        notes["standout"] = (
+            f"largest extra own time {_ms(max(own.values()) - base)} ms < {_ms(threshold)} ms"
+        )
+        return None
+    if len(culprits) > MAX_CULPRIT_SHARE * len(own):
+        notes["standout"] = f"{len(culprits)} of {len(own)} ranks slow: more than half"
+        return None
+    others = [r for r in own if r not in culprits]
+    worst = max(culprits, key=lambda r: (own[r], -r))
+    excess = own[worst] - _median(own[r] for r in others)
+    comm = {r: e.breakdown.exposed_comm_ms for r, e in current.items()}
+    waited = _median(comm[r] for r in others) - comm[worst]
+    if waited < WAIT_SHARE * excess:
+        notes["standout"] = (
+            f"{_ranks_word(culprits)} had {_ms(excess)} ms extra own time but the others "
+            f"waited only {_ms(waited)} ms more"
+        )
+        return None
+    return _Standout(culprits, others, worst, excess, waited)
+
+
+def _cause_of(
+    rank: int,
+    others: Sequence[int],
+    current: Mapping[int, RankEvidence],
+    reference: Mapping[int, RankEvidence],
+    extra_ms: float,
+) -> tuple[Cause | None, _Part, dict[str, float]]:
+    """The part of `rank`'s time that grew most over the others (and its reference).
+
+    With a reference, only the extra time that is new counts: a rank that always
+    computes more (uneven shards) and now also stalls is a host stall, not compute.
+    """
+    mine = current[rank].breakdown
+    before = reference[rank].breakdown if rank in reference else None
+    if before is not None:
+        extra_ms = min(extra_ms, mine.own_ms - before.own_ms)
+    growth: dict[str, float] = {}
+    for part in _PARTS:
+        over_others = part.read(mine) - _median(part.read(current[o].breakdown) for o in others)
+        if before is not None:
+            over_others = min(over_others, part.read(mine) - part.read(before))
+        growth[part.cause] = round(over_others, 4)
+    best = max(_PARTS, key=lambda part: growth[part.cause])  # first of equals on ties
+    if extra_ms <= 0 or growth[best.cause] < CAUSE_SHARE * extra_ms:
+        return None, best, growth
+    return best.cause, best, growth
+
+
+def _node_of(culprits: Sequence[int], hosts: Mapping[int, str | None]) -> str | None:
+    """The host whose ranks are exactly the culprits, if there is one."""
+    names = {hosts.get(r) for r in culprits}
+    if len(names) != 1:
+        return None
+    host = next(iter(names))
+    if host is None:
+        return None
+    on_host = {r for r, h in hosts.items() if h == host}
+    return host if on_host == set(culprits) else None
+
+
+def _reference_note(
+    rank: int,
+    part: Callable[[Breakdown], float],
+    reference: Mapping[int, RankEvidence],
+    reference_step: int | None,
+) -> str:
+    if rank not in reference:
+        return ""
+    where = f"reference step {reference_step}" if reference_step is not None else "reference"
+    return f", {_ms(part(reference[rank].breakdown))} ms in {where}"
+
+
+def _culprit_verdict(
+    found: _Standout,
+    current: Mapping[int, RankEvidence],
+    reference: Mapping[int, RankEvidence],
+    reference_step: int | None,
+    arrival: Arrival | None,
+    details: dict[str, Any],
+) -> Verdict:
+    hosts = {r: e.host for r, e in current.items()}
+    culprit = found.worst
+    if arrival is not None and arrival.latest_rank in found.culprits:
+        culprit = arrival.latest_rank
+    node = _node_of(found.culprits, hosts)
+    cause, part, growth = _cause_of(culprit, found.others, current, reference, found.excess_ms)
+    values = [part.read(current[r].breakdown) for r in found.culprits]
+    others_part = _median(part.read(current[o].breakdown) for o in found.others)
+    who = _ranks_word(found.culprits) + (f" (all of node {node})" if node else "")
+    text = f"{who}: {part.label} {_span(values)} vs {_ms(others_part)} ms median of the others"
+    if len(values) == 1:
+        text += _reference_note(culprit, part.read, reference, reference_step)
+    if cause is None:
+        text += f" (extra own time {_ms(found.excess_ms)} ms spread over several parts)"
+    comm = [current[o].breakdown.exposed_comm_ms for o in found.others]
+    text += f"; {_ranks_word(found.others)}: exposed comm {_span(comm)}"
+    if arrival is not None:
+        agrees = arrival.latest_rank in found.culprits
+        details["arrival_agrees"] = agrees
+        if agrees and arrival.wait_ms >= MIN_STANDOUT_MS:
+            text += (
+                f"; rank {arrival.latest_rank} arrived last at {arrival.collective}, "
+                f"{_ms(arrival.wait_ms)} ms after the first"
+            )
+    details.update(
+        culprit_ranks=found.culprits,
+        extra_own_ms=round(found.excess_ms, 4),
+        others_waited_ms=round(found.waited_ms, 4),
+        growth_ms=growth,
+    )
+    if culprit in current and current[culprit].host is not None:
+        details["culprit_host"] = current[culprit].host
+    return Verdict(culprit, node, cause or "unknown", text, details)
+
+
+def _late_arrival_verdict(
+    arrival: Arrival,
+    current: Mapping[int, RankEvidence],
+    reference: Mapping[int, RankEvidence],
+    step: float,
+    details: dict[str, Any],
+) -> Verdict | None:
+    if arrival.wait_ms < max(MIN_STANDOUT_MS, STANDOUT_FRACTION * step):
+        return None
+    late = arrival.latest_rank
+    comm = {r: e.breakdown.exposed_comm_ms for r, e in current.items()}
+    if late not in comm or comm[late] > min(comm.values()):
+        return None  # the late starter must also be the one that waited least
+    others = [r for r in current if r != late]
+    cause, _, growth = _cause_of(late, others, current, reference, arrival.wait_ms)
+    text = (
+        f"rank {late} arrived last at {arrival.collective}, {_ms(arrival.wait_ms)} ms after "
+        f"the first ({arrival.clock}); exposed comm {_ms(comm[late])} ms vs "
+        f"{_span([comm[o] for o in others])} on {_ranks_word(others)}"
+    )
+    if cause is None:
+        cause = "host_stall"
+        text += "; no extra work on its timeline: the delay was on its host"
+    details.update(culprit_ranks=[late], growth_ms=growth)
+    return Verdict(late, None, cause, text, details)
+
+
+def _everyone_verdict(
+    current: Mapping[int, RankEvidence],
+    reference: Mapping[int, RankEvidence],
+    reference_step: int | None,
+    base: _Baseline | None,
+    details: dict[str, Any],
+) -> Verdict:
+    common = sorted(r for r in current if r in reference)
+    if common:
+        where = f"reference step {reference_step}" if reference_step is not None else "reference"
+
+        def grown(part: Callable[[Breakdown], float]) -> dict[int, float]:
+            return {r: part(current[r].breakdown) - part(reference[r].breakdown) for r in common}
+
+        slowdown = _median(grown(lambda b: b.step_ms).values())
+        verb = f"grew over {where} by"
+    elif base is not None:
+        common = sorted(current)
+
+        def grown(part: Callable[[Breakdown], float]) -> dict[int, float]:
+            return {r: part(current[r].breakdown) for r in common}
+
+        slowdown = base.slowdown_ms
+        verb = "at"
+    else:
+        return Verdict(
+            None,
+            None,
+            "unknown",
+            "no rank stands out, and there is no reference step or median to compare with",
+            details,
+        )
+    details["slowdown_ms"] = round(slowdown, 4)
+    if slowdown <= 0:
+        return Verdict(None, None, "unknown", "no rank stands out and no slowdown", details)
+    comm = grown(lambda b: b.exposed_comm_ms)
+    own = grown(lambda b: b.own_ms)
+    comm_all = min(comm.values()) >= GLOBAL_SHARE * slowdown
+    own_all = min(own.values()) >= GLOBAL_SHARE * slowdown
+    everyone = f"all {len(common)} ranks" if len(common) > 1 else _ranks_word(common)
+    if comm_all and (not own_all or _median(comm.values()) >= _median(own.values())):
+        text = (
+            f"{everyone}: exposed comm {verb} {_span(list(comm.values()))}, own time "
+            f"{verb} {_span(list(own.values()))}: the collective itself is slow"
+        )
+        details["growth_ms"] = {"exposed_comm": round(_median(comm.values()), 4)}
+        return Verdict(None, None, "communication", text, details)
+    if own_all:
+        parts = {part.cause: grown(part.read) for part in _PARTS}
+        cause = max(parts, key=lambda c: _median(parts[c].values()))
+        label = _PART_OF[cause].label
+        text = (
+            f"{everyone}: {label} {verb} {_span(list(parts[cause].values()))}, "
+            f"exposed comm {verb} {_span(list(comm.values()))}: every rank slowed together"
+        )
+        details["growth_ms"] = {c: round(_median(v.values()), 4) for c, v in parts.items()}
+        details["global_part"] = cause
+        if len(current) == 1:  # one rank: "everyone" is that rank, and the part is the cause
+            return Verdict(common[0], None, cause, text, details)
+        return Verdict(None, None, "global", text, details)
+    text = (
+        f"no rank stands out; own time {verb} {_span(list(own.values()))}, exposed comm "
+        f"{verb} {_span(list(comm.values()))} against a slowdown of {_ms(slowdown)} ms"
+    )
+    return Verdict(None, None, "unknown", text, details)
+
+
+def decide(
+    ranks: Iterable[RankEvidence],
+    *,
+    reference: Iterable[RankEvidence] = (),
+    reference_step: int | None = None,
+    collectives: Sequence[MatchedCollective] = (),
+    step_ms: float | None = None,
+    expected_ms: float | None = None,
+) -> Verdict:
+    """The verdict on one captured step (see the module docstring for the method).
+
+    `ranks`: the step's evidence per rank; `reference`: the same for the healthy
+    reference step (`reference_step` names it in the evidence); `collectives`: matched
+    across the step's ranks (trace clocks, µs); `step_ms` / `expected_ms`: the step's
+    time and the detector's median when known.
+    """
+    current = {e.rank: e for e in ranks}
+    before = {e.rank: e for e in reference}
+    details: dict[str, Any] = {}
+    if not current:
+        return Verdict(None, None, "unknown", "no rank's breakdown could be read", details)
+    step = _median(e.breakdown.step_ms for e in current.values())
+    base = _slowdown(current, before, reference_step, step_ms, expected_ms)
+    if base is not None:
+        details["baseline"] = base.what
+        details["baseline_ms"] = round(base.baseline_ms, 4)
+        if base.slowdown_ms < SLOWDOWN_FRACTION * base.baseline_ms:
+            text = (
+                f"not a slow step: {_ms(base.baseline_ms + base.slowdown_ms)} ms vs "
+                f"{_ms(base.baseline_ms)} ms ({base.what})"
+            )
+            return Verdict(None, None, "unknown", text, details)
+    hosts = {r: e.host for r, e in current.items()}
+    arrival = arrival_order(collectives, hosts)
+    if arrival is not None:
+        details["arrival"] = {
+            "collective": arrival.collective,
+            "latest_rank": arrival.latest_rank,
+            "wait_ms": round(arrival.wait_ms, 4),
+            "clock": arrival.clock,
+            "matched_collectives": arrival.matched,
+        }
+    if len(current) >= 2:
+        found = _standout(current, step, details)
+        if found is not None:
+            return _culprit_verdict(found, current, before, reference_step, arrival, details)
+        if arrival is not None:
+            late = _late_arrival_verdict(arrival, current, before, step, details)
+            if late is not None:
+                return late
+    return _everyone_verdict(current, before, reference_step, base, details)

@@ -1,0 +1,213 @@
+"""`distanom report --html`: one self-contained page, checked by parsing it (always) and by
+rendering it in headless Chromium (where installed)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import struct
+import subprocess
+import zlib
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from distanom.analysis.html_report import render_html, rolling_threshold
+from distanom.analysis.report import build_report
+from distanom.analysis.run import load_run, load_steps
+from distanom.cli import main as cli_main
+from distanom.config import CaptureConfig, DetectConfig
+from distanom.detect import Detector, StepSample
+from tests.unit.rungen import Capture, make_run
+from tests.unit.stepgen import MATMUL, gpu_job
+
+EVIL_HOST = '<script>alert("host")</script>'
+EVIL_KERNEL = "<img src=x onerror=alert(1)>gemm"
+DETECT = {"multiplier": 1.5, "window_steps": 50, "warmup_steps": 5, "min_steps": 10}
+
+
+class Page(HTMLParser):
+    """Text, tags and every URL-bearing attribute of a page."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text: list[str] = []
+        self.tags: list[str] = []
+        self.urls: list[str] = []
+        self.feed(text)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+        self.urls += [v or "" for k, v in attrs if k in ("src", "href")]
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+    @property
+    def all_text(self) -> str:
+        return " ".join(" ".join(self.text).split())
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    slow = gpu_job(extra_compute_us={3: 3000.0})
+    for event in slow[3]["traceEvents"]:
+        if event["name"] == MATMUL:
+            event["name"] = EVIL_KERNEL
+    make_run(
+        tmp_path,
+        [
+            Capture(20, "reference", gpu_job(), 1.1, 1.2),
+            Capture(40, "anomaly", slow, 4.1, 1.2),
+        ],
+        hosts=["a", "a", EVIL_HOST, EVIL_HOST],
+    )
+    return tmp_path
+
+
+def page_of(run_dir: Path, *, use_matplotlib: bool) -> str:
+    data = load_run(str(run_dir))
+    report = build_report(data)
+    return render_html(report, load_steps(data), DETECT, use_matplotlib=use_matplotlib).html
+
+
+def check_content(page: Page) -> None:
+    text = page.all_text
+    assert "Verdict: rank 3 — compute: rank 3: computation" in text
+    for rank in range(4):
+        assert f"rank {rank}" in text
+    assert "Step 40 (anomaly)" in text and "Step 20 (reference)" in text
+    assert "against reference step 20" in text
+    # untrusted strings come through as text, never as markup
+    assert EVIL_HOST in text and EVIL_KERNEL in text
+    assert "script" not in page.tags
+    assert page.tags.count("img") == sum(u.startswith("data:image/png;base64,") for u in page.urls)
+    assert all(u.startswith("data:") for u in page.urls)  # self-contained: nothing fetched
+
+
+def test_page_without_matplotlib_draws_svg(run_dir: Path) -> None:
+    page = Page(page_of(run_dir, use_matplotlib=False))
+    check_content(page)
+    assert "img" not in page.tags
+    assert page.tags.count("svg") == 3  # the step timeline and one bar chart per capture
+    assert page.tags.count("polyline") == 2  # step times and the threshold
+    assert page.tags.count("circle") >= 2  # the two captures marked (plus legend swatches)
+
+
+def test_page_with_matplotlib_embeds_pngs(run_dir: Path) -> None:
+    pytest.importorskip("matplotlib")
+    page = Page(page_of(run_dir, use_matplotlib=True))
+    check_content(page)
+    assert page.tags.count("img") == 3 and "svg" not in page.tags
+
+
+def test_cli_html_writes_the_page_and_pngs_beside_it(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out" / "report.html"
+    out.parent.mkdir()
+    assert cli_main(["report", str(run_dir), "--html", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"wrote {out}")
+    check_content(Page(out.read_text(encoding="utf-8")))
+    pngs = sorted(p.name for p in out.parent.glob("*.png"))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert pngs == []
+    else:
+        assert pngs == ["report_step_20.png", "report_step_40.png", "report_steps.png"]
+        assert all((out.parent / p).read_bytes().startswith(b"\x89PNG") for p in pngs)
+    assert cli_main(["report", str(run_dir), "--html", str(tmp_path / "no" / "x.html")]) == 2
+
+
+def test_rolling_threshold_is_the_detectors() -> None:
+    detect = DetectConfig(multiplier=1.5, window_steps=20, warmup_steps=3, min_steps=8)
+    detector = Detector(detect, CaptureConfig())
+    steps = list(range(60))
+    values = [10.0 + (s * 37 % 11) + (200.0 if s in (30, 45) else 0.0) for s in steps]
+    traced = [s % 4 != 0 for s in steps]
+    ours = rolling_threshold(values, traced, steps, detect.model_dump())
+    judged = 0
+    for step, value, cond, threshold in zip(steps, values, traced, ours, strict=True):
+        detector.observe(StepSample(step, (value,), cond))
+        if cond and not math.isnan(threshold):
+            assert threshold == pytest.approx(detector.threshold_ms)
+            judged += 1
+    assert judged > 30
+    assert all(math.isnan(t) for t in ours[:11])
+
+
+# --------------------------------------------------------------------------- Chromium
+
+CHROMIUM = shutil.which("chromium") or (
+    "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None
+)
+
+
+def chromium(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    assert CHROMIUM is not None
+    profile = tmp_path / "chromium-profile"
+    return subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def png_pixels(path: Path) -> tuple[int, int, bytes]:
+    """Width, height and the unfiltered-or-not pixel rows of an 8-bit PNG (enough to
+    tell a blank page from a drawn one)."""
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    pos, idat, width, height = 8, b"", 0, 0
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind = data[pos + 4 : pos + 8]
+        body = data[pos + 8 : pos + 8 + length]
+        if kind == b"IHDR":
+            width, height = struct.unpack(">II", body[:8])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    return width, height, zlib.decompress(idat)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
+@pytest.mark.parametrize("use_matplotlib", [False, True])
+def test_page_renders_in_headless_chromium(
+    run_dir: Path, tmp_path: Path, use_matplotlib: bool
+) -> None:
+    if use_matplotlib:
+        pytest.importorskip("matplotlib")
+    html_path = tmp_path / "page.html"
+    html_path.write_text(page_of(run_dir, use_matplotlib=use_matplotlib), encoding="utf-8")
+    dom = chromium(["--dump-dom", html_path.as_uri()], tmp_path)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    page = Page(dom.stdout)
+    assert "Verdict: rank 3 — compute" in page.all_text
+    assert all(f"rank {r}" in page.all_text for r in range(4))
+    assert "script" not in page.tags  # the hostile host name stayed text in the live DOM
+    shot = tmp_path / "shot.png"
+    done = chromium(
+        ["--window-size=1200,1600", f"--screenshot={shot}", html_path.as_uri()], tmp_path
+    )
+    assert done.returncode == 0 and shot.exists(), done.stderr[-2000:]
+    width, height, pixels = png_pixels(shot)
+    assert (width, height) == (1200, 1600)
+    assert len(set(pixels)) > 50  # a blank page compresses to a handful of distinct bytes

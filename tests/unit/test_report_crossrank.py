@@ -1,0 +1,134 @@
+"""The report's cross-rank parts on a synthetic run: verdict, kernel diff, merged trace."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distanom.analysis.report import build_report, render_text
+from distanom.analysis.run import load_run
+from distanom.cli import main as cli_main
+from tests.unit.rungen import Capture, make_run
+from tests.unit.stepgen import MATMUL, NCCL, gpu_job
+
+HOSTS = ["a", "a", "b", "b"]
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    make_run(
+        tmp_path,
+        [
+            Capture(20, "reference", gpu_job(), 1.1, 1.2),
+            Capture(40, "anomaly", gpu_job(extra_compute_us={3: 3000.0}), 4.1, 1.2),
+            Capture(60, "anomaly", gpu_job(all_gap_us=3000.0), 4.1, 1.2),
+            Capture(70, "anomaly", gpu_job(extra_compute_us={2: 3000.0, 3: 3000.0}), 4.1, 1.2),
+        ],
+        hosts=HOSTS,
+    )
+    return tmp_path
+
+
+def by_step(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {c["step"]: c for c in report["captures"]}
+
+
+def test_every_capture_gets_a_verdict(run_dir: Path) -> None:
+    captures = by_step(build_report(load_run(str(run_dir))))
+    v40 = captures[40]["verdict"]
+    assert (v40["culprit_rank"], v40["culprit_node"], v40["cause"]) == (3, None, "compute")
+    assert v40["evidence"].startswith("rank 3: computation")
+    v60 = captures[60]["verdict"]
+    assert (v60["culprit_rank"], v60["cause"]) == (None, "global")
+    v70 = captures[70]["verdict"]
+    assert v70["culprit_node"] == "b" and v70["culprit_rank"] in (2, 3)
+    assert captures[20]["verdict"]["cause"] == "unknown"  # the healthy reference itself
+    assert set(v40) >= {"culprit_rank", "culprit_node", "cause", "evidence"}
+
+
+def test_kernel_diff_names_the_extra_matmul_against_the_reference(run_dir: Path) -> None:
+    captures = by_step(build_report(load_run(str(run_dir))))
+    diff = captures[40]["kernel_diff"]
+    assert diff["reference_step"] == 20
+    top = diff["ranks"]["3"]["changes"][0]
+    assert (top["name"], top["status"], top["added_us"]) == (MATMUL, "appeared", 3000.0)
+    victim = diff["ranks"]["0"]["changes"]  # the victims only waited longer in NCCL
+    assert [(c["name"], c["added_us"]) for c in victim] == [(NCCL, 3000.0)]
+    assert captures[20]["kernel_diff"] == {
+        "reference_step": None,
+        "note": "this is the reference step",
+        "ranks": {},
+    }
+
+
+def test_merged_trace_is_written_once_and_holds_every_rank(run_dir: Path) -> None:
+    data = load_run(str(run_dir))
+    capture = by_step(build_report(data))[40]
+    assert capture["merged_trace"] == "captures/step_40/merged.trace.json.gz"
+    path = data.run.path / capture["merged_trace"]
+    merged = json.loads(gzip.decompress(path.read_bytes()))
+    meta = merged["distanom"]
+    assert meta["step"] == 40 and sorted(meta["ranks"]) == ["0", "1", "2", "3"]
+    assert meta["clock_alignment"]["method"] == "collective ends"
+    assert meta["clock_alignment"]["offsets_us"] == {"0": 0.0, "1": 0.0, "2": 0.0, "3": 0.0}
+    names = sorted(
+        e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"
+    )
+    assert "rank 3 (b) GPU 0" in names and len(names) == 8
+    before = path.stat().st_mtime_ns
+    build_report(load_run(str(run_dir)))
+    assert path.stat().st_mtime_ns == before  # up to date: not written again
+    trace = data.run.trace_path(40, 1)
+    os.utime(trace, ns=(before + 10**9, before + 10**9))
+    build_report(load_run(str(run_dir)))
+    assert path.stat().st_mtime_ns > before  # a newer rank trace: merged again
+
+
+def test_summary_json_and_text_carry_the_verdict_and_top_changes(run_dir: Path) -> None:
+    data = load_run(str(run_dir))
+    report = build_report(data)
+    summary = json.loads(data.run.summary_json(40).read_text())
+    assert summary["verdict"]["culprit_rank"] == 3
+    assert summary["kernel_diff"]["reference_step"] == 20
+    assert summary["merged_trace"] == "captures/step_40/merged.trace.json.gz"
+    text = render_text(report)
+    assert "  verdict: rank 3 — compute: rank 3: computation" in text
+    assert (
+        "  verdict: no single rank — global: all 4 ranks: idle grew over reference step 20" in text
+    )
+    assert "  verdict: node b (ranks 2-3) — compute" in text
+    block = text.split("step 40 (anomaly)")[1].split("step 60")[0]
+    assert "kernels vs reference step 20, rank 3" in block
+    assert MATMUL in block and "appeared" in block
+
+
+def test_cli_json_has_the_new_fields(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["report", str(run_dir), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    capture = by_step(report)[40]
+    assert capture["verdict"]["cause"] == "compute"
+    assert capture["kernel_diff"]["ranks"]["3"]["changes"][0]["name"] == MATMUL
+    assert capture["merged_trace"].endswith("merged.trace.json.gz")
+
+
+def test_a_damaged_rank_trace_leaves_a_verdict_on_the_others(tmp_path: Path) -> None:
+    run = make_run(
+        tmp_path,
+        [Capture(40, "anomaly", gpu_job(gap_us={1: 3000.0}), 4.1, 1.2)],
+        hosts=HOSTS,
+    )
+    run.trace_path(40, 2).write_bytes(b"\x1f\x8bnot gzip")
+    data = load_run(str(tmp_path))
+    report = build_report(data)
+    capture = by_step(report)[40]
+    assert (capture["verdict"]["culprit_rank"], capture["verdict"]["cause"]) == (1, "host_stall")
+    assert capture["kernel_diff"]["note"] == "no reference step captured in this run"
+    rank2 = [p for p in report["problems"] if p.startswith("step 40 rank 2")]
+    assert len(rank2) == 1  # reported once, by the tables
+    merged = json.loads(gzip.decompress((run.path / capture["merged_trace"]).read_bytes()))
+    assert sorted(merged["distanom"]["ranks"]) == ["0", "1", "3"]

@@ -1,0 +1,281 @@
+"""The cross-rank verdict: synthetic evidence and synthetic traces with known answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from distanom.analysis.collectives import MatchedCollective
+from distanom.analysis.crossrank import verdict_of_documents
+from distanom.analysis.verdict import (
+    CAUSES,
+    Breakdown,
+    RankEvidence,
+    arrival_order,
+    decide,
+    rank_list,
+)
+from tests.unit.stepgen import MATMUL, cpu_job, gpu_job
+
+
+def ev(
+    rank: int,
+    comp: float,
+    comm: float,
+    idle: float = 0.5,
+    memcpy: float = 0.0,
+    *,
+    host: str | None = "h0",
+    outside: float = 0.0,
+) -> RankEvidence:
+    total = comp + comm + idle + memcpy
+    return RankEvidence(rank, host, Breakdown(comp, comm, memcpy, idle, total, outside))
+
+
+def healthy(world: int, hosts: list[str] | None = None) -> list[RankEvidence]:
+    return [ev(r, 5.2, 1.0, host=(hosts[r] if hosts else "h0")) for r in range(world)]
+
+
+# --------------------------------------------------------------------------- evidence
+
+
+def test_extra_compute_on_one_rank_names_it_with_numbers() -> None:
+    ranks = [ev(r, 5.2, 16.9 + 0.02 * r) for r in range(8) if r != 3] + [ev(3, 22.1, 0.1)]
+    verdict = decide(ranks, reference=healthy(8), reference_step=20, expected_ms=6.7, step_ms=22.7)
+    assert (verdict.culprit_rank, verdict.cause, verdict.culprit_node) == (3, "compute", None)
+    assert verdict.evidence.startswith(
+        "rank 3: computation 22.1 ms vs 5.20 ms median of the others"
+    )
+    assert "5.20 ms in reference step 20" in verdict.evidence
+    assert "ranks 0-2,4-7: exposed comm 16.9-17.0 ms" in verdict.evidence
+    assert verdict.details["culprit_ranks"] == [3]
+    assert verdict.as_json()["cause"] == "compute"
+    assert verdict.sentence().startswith("rank 3 — compute: rank 3: computation")
+
+
+def test_host_gap_on_one_rank_is_a_host_stall() -> None:
+    ranks = [ev(0, 5.0, 20.0), ev(1, 5.1, 0.3, idle=20.4), ev(2, 5.0, 20.1), ev(3, 4.9, 19.8)]
+    verdict = decide(ranks, expected_ms=7.0, step_ms=26.0)
+    assert (verdict.culprit_rank, verdict.cause) == (1, "host_stall")
+    assert "idle 20.4 ms" in verdict.evidence
+
+
+def test_exposed_memcpy_on_one_rank_is_memcpy() -> None:
+    ranks = [ev(0, 5.0, 12.0), ev(1, 5.0, 0.2, memcpy=12.0), ev(2, 5.0, 12.1)]
+    verdict = decide(ranks, expected_ms=7.0, step_ms=18.0)
+    assert (verdict.culprit_rank, verdict.cause) == (1, "memcpy")
+
+
+def test_every_rank_slower_in_idle_is_global() -> None:
+    now = [ev(r, 5.2, 1.0, idle=300.0 + r) for r in range(4)]
+    verdict = decide(now, reference=healthy(4), reference_step=60)
+    assert (verdict.culprit_rank, verdict.culprit_node, verdict.cause) == (None, None, "global")
+    assert "idle grew over reference step 60" in verdict.evidence
+    assert verdict.details["global_part"] == "host_stall"
+
+
+def test_global_without_reference_uses_the_detectors_median() -> None:
+    now = [ev(r, 5.2, 1.0, idle=300.0 + r) for r in range(4)]
+    verdict = decide(now, step_ms=308.0, expected_ms=7.0)
+    assert (verdict.culprit_rank, verdict.cause) == (None, "global")
+    assert verdict.details["baseline"] == "the detector's median step"
+
+
+def test_every_rank_waiting_longer_in_the_collective_is_communication() -> None:
+    now = [ev(r, 5.2, 40.0 + r) for r in range(4)]
+    verdict = decide(now, reference=healthy(4), reference_step=60)
+    assert (verdict.culprit_rank, verdict.cause) == (None, "communication")
+    assert "exposed comm grew over reference step 60 by 39.0-42.0 ms" in verdict.evidence
+
+
+def test_two_slow_ranks_making_up_one_node_name_the_node() -> None:
+    hosts = ["a", "a", "b", "b"]
+    now = [ev(0, 5.0, 20.0, host="a"), ev(1, 5.0, 20.2, host="a")]
+    now += [ev(2, 24.0, 1.0, host="b"), ev(3, 25.0, 0.1, host="b")]
+    verdict = decide(now, reference=healthy(4, hosts), step_ms=26.0, expected_ms=7.0)
+    assert verdict.culprit_node == "b" and verdict.culprit_rank == 3
+    assert verdict.cause == "compute"
+    assert verdict.evidence.startswith("ranks 2-3 (all of node b): computation 24.0-25.0 ms")
+    assert verdict.sentence().startswith("node b (ranks 2-3) — compute: ranks 2-3")
+
+
+def test_one_slow_rank_of_a_two_rank_node_is_not_the_node() -> None:
+    now = [ev(0, 5.0, 20.0, host="a"), ev(1, 5.0, 20.2, host="a")]
+    now += [ev(2, 5.0, 20.1, host="b"), ev(3, 25.0, 0.1, host="b")]
+    verdict = decide(now, step_ms=26.0, expected_ms=7.0)
+    assert (verdict.culprit_rank, verdict.culprit_node) == (3, None)
+    assert verdict.details["culprit_host"] == "b"
+
+
+def test_a_step_that_is_not_slow_gets_no_culprit() -> None:
+    now = [ev(0, 5.0, 1.0), ev(1, 9.0, 0.1)]
+    verdict = decide(now, step_ms=10.0, expected_ms=9.5)
+    assert (verdict.culprit_rank, verdict.cause) == (None, "unknown")
+    assert verdict.evidence.startswith("not a slow step")
+
+
+def test_more_than_half_of_the_ranks_slow_is_no_single_culprit() -> None:
+    now = [ev(0, 5.0, 20.0)] + [ev(r, 25.0, 0.2) for r in (1, 2, 3)]
+    verdict = decide(now, reference=healthy(4), reference_step=9)
+    assert verdict.culprit_rank is None
+    assert "more than half" in verdict.details["standout"]
+
+
+def test_extra_work_that_nobody_waited_for_is_not_the_culprit() -> None:
+    # rank 1 did more, but the others did not wait for it (no synchronisation between them)
+    now = [ev(0, 5.0, 1.0), ev(1, 24.0, 1.0), ev(2, 5.0, 1.2)]
+    verdict = decide(now, step_ms=26.0, expected_ms=7.0)
+    assert verdict.culprit_rank is None
+    assert "waited only" in verdict.details["standout"]
+
+
+def test_extra_time_spread_over_parts_names_the_rank_but_not_a_cause() -> None:
+    now = [ev(r, 5.0, 15.0) for r in (0, 1, 3)] + [ev(2, 10.0, 0.2, idle=5.5, memcpy=5.0)]
+    verdict = decide(now, step_ms=21.0, expected_ms=7.0)
+    assert (verdict.culprit_rank, verdict.cause) == (2, "unknown")
+    assert "spread over several parts" in verdict.evidence
+
+
+def test_the_reference_keeps_a_rank_that_always_computes_more_from_a_compute_verdict() -> None:
+    reference = [ev(r, 5.0, 15.5) for r in range(3)] + [ev(3, 20.0, 0.5)]
+    now = [ev(r, 5.0, 30.0) for r in range(3)] + [ev(3, 20.0, 0.5, idle=15.0)]
+    verdict = decide(now, reference=reference, reference_step=5, step_ms=36.0, expected_ms=21.0)
+    assert (verdict.culprit_rank, verdict.cause) == (3, "host_stall")
+    assert verdict.details["growth_ms"]["compute"] == pytest.approx(0.0)
+
+
+def test_late_arrival_without_extra_work_is_a_host_stall() -> None:
+    # a host stall before the step's first kernel: no idle inside the GPU span
+    now = [ev(0, 5.0, 6.0), ev(1, 5.0, 0.3), ev(2, 5.0, 6.1), ev(3, 5.0, 5.9)]
+    late = MatchedCollective(
+        "pg:0",
+        0,
+        "ncclDevKernel_AllReduce",
+        {0: 1000.0, 1: 6800.0, 2: 1010.0, 3: 990.0},
+        {0: 7000.0, 1: 7000.0, 2: 7000.0, 3: 7000.0},
+    )
+    verdict = decide(now, collectives=[late], step_ms=12.0, expected_ms=6.0)
+    assert (verdict.culprit_rank, verdict.cause) == (1, "host_stall")
+    assert "rank 1 arrived last at ncclDevKernel_AllReduce #1, 5.81 ms after" in verdict.evidence
+
+
+def test_arrival_compares_start_times_on_one_host_and_durations_across_hosts() -> None:
+    coll = MatchedCollective(
+        "pg:0", 0, "nccl", {0: 100.0, 1: 5_000_300.0}, {0: 900.0, 1: 5_000_900.0}
+    )
+    shared = arrival_order([coll], {0: "a", 1: "a"})
+    assert shared is not None and shared.clock == "shared host clock"
+    assert shared.latest_rank == 1  # 5 s later on the shared clock
+    aligned = arrival_order([coll], {0: "a", 1: "b"})
+    assert aligned is not None and aligned.clock == "end-aligned"
+    assert aligned.latest_rank == 1 and aligned.wait_ms == pytest.approx(0.2)
+    assert arrival_order([], {}) is None
+
+
+def test_one_rank_job_names_the_part_that_grew() -> None:
+    verdict = decide([ev(0, 25.0, 0.0)], reference=[ev(0, 5.0, 0.0)], reference_step=3)
+    assert (verdict.culprit_rank, verdict.cause) == (0, "compute")
+
+
+def test_no_evidence_is_unknown() -> None:
+    verdict = decide([])
+    assert verdict.cause == "unknown" and verdict.culprit_rank is None
+    assert set(CAUSES) >= {verdict.cause}
+
+
+def test_rank_list() -> None:
+    assert rank_list([0, 1, 2, 4, 5, 6, 7]) == "0-2,4-7"
+    assert rank_list([3]) == "3"
+    assert rank_list([5, 1, 3, 2]) == "1-3,5"
+    assert rank_list([]) == ""
+
+
+# --------------------------------------------------------------------------- traces
+
+
+HOSTS_ONE = {r: "node0" for r in range(4)}
+
+
+def test_trace_nccl_kernels_one_rank_extra_matmul_is_compute() -> None:
+    verdict = verdict_of_documents(
+        gpu_job(extra_compute_us={3: 3000.0}),
+        HOSTS_ONE,
+        reference=gpu_job(),
+        reference_step=20,
+    )
+    assert (verdict.culprit_rank, verdict.cause) == (3, "compute")
+    arrival = verdict.details["arrival"]
+    assert arrival["latest_rank"] == 3 and arrival["clock"] == "shared host clock"
+    assert arrival["wait_ms"] == pytest.approx(3.0)
+    assert verdict.details["arrival_agrees"] is True
+
+
+def test_trace_host_gap_is_host_stall() -> None:
+    verdict = verdict_of_documents(gpu_job(gap_us={1: 3000.0}), HOSTS_ONE, reference=gpu_job())
+    assert (verdict.culprit_rank, verdict.cause) == (1, "host_stall")
+
+
+def test_trace_all_ranks_slow_together_is_global() -> None:
+    verdict = verdict_of_documents(
+        gpu_job(all_gap_us=3000.0), HOSTS_ONE, reference=gpu_job(), reference_step=20
+    )
+    assert (verdict.culprit_rank, verdict.culprit_node, verdict.cause) == (None, None, "global")
+
+
+def test_trace_slow_collective_is_communication() -> None:
+    verdict = verdict_of_documents(
+        gpu_job(comm_us=4000.0), HOSTS_ONE, reference=gpu_job(), reference_step=20
+    )
+    assert (verdict.culprit_rank, verdict.cause) == (None, "communication")
+
+
+def test_trace_node_of_two_slow_ranks_out_of_four() -> None:
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    verdict = verdict_of_documents(
+        gpu_job(extra_compute_us={2: 3000.0, 3: 3100.0}), hosts, reference=gpu_job()
+    )
+    assert verdict.culprit_node == "b" and verdict.culprit_rank == 3
+    assert verdict.cause == "compute"
+
+
+def test_trace_hosts_with_different_clocks_use_end_aligned_arrival() -> None:
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    shifted = gpu_job(extra_compute_us={1: 3000.0}, clock_shift_us={2: 7e6, 3: 7e6})
+    verdict = verdict_of_documents(shifted, hosts, reference=gpu_job())
+    assert (verdict.culprit_rank, verdict.cause) == (1, "compute")
+    arrival = verdict.details["arrival"]
+    assert arrival["clock"] == "end-aligned" and arrival["latest_rank"] == 1
+
+
+def test_trace_without_process_group_names_matches_by_nccl_stream_order() -> None:
+    docs = gpu_job(
+        extra_compute_us={0: 3000.0}, process_group=None, nccl_stream={0: 20, 1: 24, 2: 20, 3: 28}
+    )
+    verdict = verdict_of_documents(docs, HOSTS_ONE, reference=gpu_job())
+    assert (verdict.culprit_rank, verdict.cause) == (0, "compute")
+    assert verdict.details["arrival"]["latest_rank"] == 0
+
+
+def test_trace_cpu_gloo_stalled_rank_is_host_stall() -> None:
+    verdict = verdict_of_documents(
+        cpu_job(stall_us={2: 600_000.0}), HOSTS_ONE, reference=cpu_job(), reference_step=83
+    )
+    assert (verdict.culprit_rank, verdict.cause) == (2, "host_stall")
+    assert verdict.details["arrival"]["collective"] == "gloo:all_reduce #1"
+
+
+def test_trace_cpu_stall_before_the_first_op_counts_through_the_step_window() -> None:
+    docs = cpu_job(stall_us={1: 50_000.0}, stall_before_first_op=True)
+    verdict = verdict_of_documents(docs, HOSTS_ONE, step_ms=52.0, expected_ms=1.5)
+    assert (verdict.culprit_rank, verdict.cause) == (1, "host_stall")
+
+
+def test_trace_cpu_everyone_slow_is_global() -> None:
+    verdict = verdict_of_documents(
+        cpu_job(all_stall_us=300_000.0), HOSTS_ONE, step_ms=301.5, expected_ms=1.5
+    )
+    assert (verdict.culprit_rank, verdict.cause) == (None, "global")
+
+
+def test_trace_matmul_name_is_what_the_kernel_generator_uses() -> None:
+    names = {e["name"] for e in gpu_job(extra_compute_us={1: 10.0})[1]["traceEvents"]}
+    assert MATMUL in names
