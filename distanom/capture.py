@@ -247,8 +247,7 @@ class CaptureWorker:
         except Exception as err:  # tables can be computed again at report time
             self._analysis_failed = True
             log.warning(
-                "capture: tables of step %d not computed (%s); distanom report will compute "
-                "them",
+                "capture: tables of step %d not computed (%s); distanom report will compute them",
                 step,
                 err,
             )

@@ -168,6 +168,13 @@ class Detector:
             return None
         return statistics.median(same)
 
+    def threshold_before(self, sample: StepSample) -> float:
+        """The threshold `observe(sample)` judges the step by (NaN while not judged)."""
+        if sample.step < self.detect.warmup_steps:
+            return math.nan
+        median = self._baseline(sample.condition)
+        return self.detect.multiplier * median if median else math.nan
+
     def observe(self, sample: StepSample) -> list[CaptureDecision]:
         """Judge one step (steps must arrive in order) and return what to capture."""
         step_ms = sample.step_ms

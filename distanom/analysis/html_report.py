@@ -20,7 +20,6 @@ import html
 import io
 import math
 import statistics
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,8 @@ from distanom.analysis.crossrank import breakdown, verdict_line
 from distanom.analysis.kernel_diff import top_changes
 from distanom.analysis.run import RunData, StepSeries, load_steps
 from distanom.analysis.tables_io import BREAKDOWN_ROWS
+from distanom.config import CaptureConfig, config_from_mapping
+from distanom.detect import Detector
 from distanom.rundir import write_bytes_atomic
 
 __all__ = ["HtmlPage", "page_for_run", "render_html", "rolling_threshold", "write_html"]
@@ -88,27 +89,14 @@ def _fmt(value: Any, digits: int = 2) -> str:
 # --------------------------------------------------------------------------- data
 
 
-def rolling_threshold(
-    step_ms: Sequence[float],
-    traced: Sequence[bool],
-    steps: Sequence[int],
-    detect: Mapping[str, Any],
-) -> list[float]:
-    """The detector's threshold before each step (NaN before it judges): multiplier x
-    median of the last `window_steps` steps under the same condition (traced or not),
-    after `warmup_steps`, once `min_steps` such steps exist (as `detect.Detector`)."""
-    multiplier = float(detect.get("multiplier", 1.5))
-    window: deque[tuple[float, bool]] = deque(maxlen=int(detect.get("window_steps", 200)))
-    warmup = int(detect.get("warmup_steps", 10))
-    min_steps = int(detect.get("min_steps", 20))
+def rolling_threshold(series: StepSeries, detect: Mapping[str, Any]) -> list[float]:
+    """The threshold each step was judged by: the run's own detector, replayed over the
+    recorded steps (so the chart can never disagree with what the job decided)."""
+    detector = Detector(config_from_mapping({"detect": dict(detect)}).detect, CaptureConfig())
     out = []
-    for step, value, cond in zip(steps, step_ms, traced, strict=True):
-        if step < warmup or not math.isfinite(value):
-            out.append(math.nan)
-            continue
-        same = [t for t, c in window if c == cond]
-        out.append(multiplier * statistics.median(same) if len(same) >= min_steps else math.nan)
-        window.append((value, cond))
+    for sample in series.samples():
+        out.append(detector.threshold_before(sample))
+        detector.observe(sample)
     return out
 
 
@@ -204,7 +192,7 @@ def _step_chart(
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return None
-    threshold = rolling_threshold(values, series.traced, series.steps, detect)
+    threshold = rolling_threshold(series, detect)
     position = {step: i for i, step in enumerate(series.steps)}
     marks = []
     for capture in report["captures"]:

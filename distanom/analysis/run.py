@@ -15,6 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from distanom.detect import StepSample
 from distanom.errors import RunDirError
 from distanom.rundir import RunDir, capture_steps_on_disk, read_json
 
@@ -61,7 +62,26 @@ class StepSeries:
 
     steps: list[int]
     per_rank: dict[int, list[float]]
-    traced: list[bool]
+    traced: list[bool]  # on every rank
+    after_flush: list[bool] = field(default_factory=list)  # on any rank
+    self_ms: list[float] = field(default_factory=list)  # the longest on any rank
+
+    def samples(self) -> list[StepSample]:
+        """The steps as the detector saw them (same fields the consensus gathers)."""
+        out = []
+        for position, step in enumerate(self.steps):
+            own = self.self_ms[position] if self.self_ms else 0.0
+            out.append(
+                StepSample(
+                    step,
+                    tuple(values[position] for values in self.per_rank.values()),
+                    self.traced[position],
+                    after_flush=bool(self.after_flush and self.after_flush[position]),
+                    disturbed=own > 0,
+                    self_ms=own,
+                )
+            )
+        return out
 
     def step_ms(self) -> list[float]:
         out = []
@@ -212,34 +232,36 @@ def _request_ranks(data: RunData, number: str) -> list[int] | None:
 
 def load_steps(data: RunData) -> StepSeries:
     """Every rank's steps/rank<R>.csv, aligned by step; damaged rows become problems."""
-    per_rank_rows: dict[int, dict[int, tuple[float, bool]]] = {}
+    per_rank_rows: dict[int, dict[int, tuple[float, bool, bool, float]]] = {}
     for rank in range(data.world_size):
         path = data.run.steps_csv(rank)
         if not path.exists():
             continue
-        rows: dict[int, tuple[float, bool]] = {}
+        rows: dict[int, tuple[float, bool, bool, float]] = {}
         bad = 0
         with open(path, encoding="ascii", errors="replace", newline="") as handle:
             for number, row in enumerate(csv.reader(handle)):
                 if number == 0 or number > MAX_STEP_ROWS:
                     continue
                 try:
-                    rows[int(row[0])] = (float(row[1]), row[2].strip() == "1")
+                    after = len(row) > 3 and row[3].strip() == "1"
+                    spent = float(row[4]) if len(row) > 4 else 0.0
+                    rows[int(row[0])] = (float(row[1]), row[2].strip() == "1", after, spent)
                 except (ValueError, IndexError):
                     bad += 1
         if bad:
             data.problems.append(f"{data.run.relative(path)}: {bad} unreadable row(s) skipped")
         per_rank_rows[rank] = rows
     steps = sorted(set().union(*(rows.keys() for rows in per_rank_rows.values())))
+    missing = (math.nan, True, False, 0.0)
     per_rank = {
-        rank: [rows.get(step, (math.nan, False))[0] for step in steps]
-        for rank, rows in per_rank_rows.items()
+        rank: [rows.get(step, missing)[0] for step in steps] for rank, rows in per_rank_rows.items()
     }
-    traced = [
-        all(rows.get(step, (math.nan, True))[1] for rows in per_rank_rows.values())
-        for step in steps
-    ]
-    return StepSeries(steps, per_rank, traced)
+    every = list(per_rank_rows.values())
+    traced = [all(rows.get(step, missing)[1] for rows in every) for step in steps]
+    flushed = [any(rows.get(step, missing)[2] for rows in every) for step in steps]
+    own = [max((rows.get(step, missing)[3] for rows in every), default=0.0) for step in steps]
+    return StepSeries(steps, per_rank, traced, flushed, own)
 
 
 def _number(value: Any) -> float | None:

@@ -15,10 +15,10 @@ import pytest
 
 from distanom.analysis.html_report import render_html, rolling_threshold
 from distanom.analysis.report import build_report
-from distanom.analysis.run import load_run, load_steps
+from distanom.analysis.run import StepSeries, load_run, load_steps
 from distanom.cli import main as cli_main
 from distanom.config import CaptureConfig, DetectConfig
-from distanom.detect import Detector, StepSample
+from distanom.detect import Detector
 from tests.unit.rungen import Capture, make_run
 from tests.unit.stepgen import MATMUL, gpu_job
 
@@ -128,14 +128,19 @@ def test_rolling_threshold_is_the_detectors() -> None:
     steps = list(range(60))
     values = [10.0 + (s * 37 % 11) + (200.0 if s in (30, 45) else 0.0) for s in steps]
     traced = [s % 4 != 0 for s in steps]
-    ours = rolling_threshold(values, traced, steps, detect.model_dump())
+    flushed = [s % 7 == 0 for s in steps]
+    own = [25.0 if s == 31 else 0.0 for s in steps]
+    series = StepSeries(steps, {0: values}, traced, flushed, own)
+    ours = rolling_threshold(series, detect.model_dump())
     judged = 0
-    for step, value, cond, threshold in zip(steps, values, traced, ours, strict=True):
-        detector.observe(StepSample(step, (value,), cond))
-        if cond and not math.isnan(threshold):
+    for sample, threshold in zip(series.samples(), ours, strict=True):
+        decisions = detector.observe(sample)
+        if sample.condition == (True, False) and not math.isnan(threshold):
             assert threshold == pytest.approx(detector.threshold_ms)
             judged += 1
-    assert judged > 30
+        if decisions and decisions[0].kind == "anomaly":
+            assert decisions[0].threshold_ms == pytest.approx(threshold)
+    assert judged > 20
     assert all(math.isnan(t) for t in ours[:11])
 
 
