@@ -8,10 +8,11 @@ Rules (all thresholds come from `DetectConfig` / `CaptureConfig`):
 - A step's time is the slowest rank's duration (in synchronous training every rank
   waits for the slowest, in asynchronous work the slowest is the anomaly).
 - The baseline is the median of the last `window_steps` steps measured under the same
-  condition, after `warmup_steps`; a step is judged once `min_steps` such steps exist.
-  It is anomalous above `multiplier` x that median. Conditions: traced or not (tracing
-  has a cost), and whether the tracer flushed at the step's start (kineto's per-window
-  flush makes the next step slower every time: judged against its own kind). Each
+  condition, after `warmup_steps`; a step is judged once `min_steps` such steps exist
+  (`RARE_CONDITION_MIN_STEPS` for the rarer conditions). It is anomalous above
+  `multiplier` x that median. Conditions: traced or not (tracing has a cost), and
+  whether the tracer flushed at the step's start (kineto's per-window flush makes the
+  next step slower every time: judged against its own kind). Each
   condition keeps its own window of its own last steps, so rare conditions (a
   duty-cycled tracer's traced steps) still get a baseline.
 - distanom's own capture work (decoding, writing a trace) competes with the training
@@ -51,6 +52,13 @@ ESCALATION = 2.0
 # The most a step's own capture work may explain away, in medians (measured on an H200:
 # captures slowed 11 ms ResNet18 steps by up to 37 ms, 3.4 medians).
 SELF_DISCOUNT_CAP = 4.0
+
+# Traced steps with no flush at their start: most steps, the headline median/threshold.
+MAIN_CONDITION = (True, False)
+# Steps a rarer condition needs before it is judged (after-flush steps come every
+# kineto_window_steps-th step, untraced ones in probe windows): a median of 5 is stable
+# enough and does not leave them unjudged for hundreds of steps.
+RARE_CONDITION_MIN_STEPS = 5
 
 # Per-step flags each rank reports (OR/AND-ed across ranks in `consensus`).
 STEP_TRACED = 1  # the tracer recorded the step
@@ -164,7 +172,10 @@ class Detector:
 
     def _baseline(self, condition: tuple[bool, bool]) -> float | None:
         same = self._windows[condition]
-        if len(same) < self.detect.min_steps:
+        needed = self.detect.min_steps
+        if condition != MAIN_CONDITION:  # rarer conditions fill their window more slowly
+            needed = min(needed, RARE_CONDITION_MIN_STEPS)
+        if len(same) < needed:
             return None
         return statistics.median(same)
 
@@ -187,7 +198,7 @@ class Detector:
         if median is not None and median > 0:
             self.counts.judged += 1
             threshold = self.detect.multiplier * median
-            if sample.condition == (True, False):
+            if sample.condition == MAIN_CONDITION:
                 self.median_ms, self.threshold_ms = median, threshold
             judged = max(0.0, step_ms - min(sample.self_ms, SELF_DISCOUNT_CAP * median))
             if judged > threshold:

@@ -7,7 +7,9 @@ recent traced windows) / median(step times of recent untraced windows) - 1. With
 budget of B percent it traces a fraction f of the windows, f = B / overhead (within a
 hysteresis band, clamped to [min_fraction, 1 - 1/probe_every_windows]), spread evenly by
 an accumulator. Without a budget it traces every window but one in
-`probe_every_windows` (and window 1), so every run can still report what tracing costs.
+`probe_every_windows` (the first one after `first_probe_window` windows, past the
+run's start, when detection is still filling its baselines), so every run can still
+report what tracing costs.
 
 Pure and deterministic: no torch, no clock, no I/O. Every rank feeds it the SAME
 gathered data in step order (per step: the step time, max over ranks, and whether
@@ -40,6 +42,7 @@ class GovernorParams:
     history_windows: int = 8  # traced / untraced windows the overhead is measured over
     min_fraction: float = 1 / 32  # always trace this much, to keep measuring
     probe_every_windows: int = 64  # at least one untraced window in this many
+    first_probe_window: int = 8  # without a budget: the first untraced window
     hysteresis: float = 0.2  # keep the fraction while the target stays within ±20% of it
     min_samples: int = 4  # step times each side needs before an overhead is trusted
     initial_fraction: float = 0.5  # before the first measurement (budgeted runs)
@@ -189,8 +192,8 @@ class OverheadGovernor:
                 self._seen[window.kind].append(window)
 
     def _is_probe(self, window: int) -> bool:
-        p = self.params.probe_every_windows
-        return window == 1 or window % p == p - 1
+        p, first = self.params.probe_every_windows, self.params.first_probe_window
+        return window >= first and (window - first) % p == 0
 
     def _decide(self, window: int) -> bool:
         overhead = self._measure(self._seen["T"], self._seen["U"])
