@@ -25,10 +25,14 @@ timed loop, with one torch.cuda.synchronize() after the loop unless said otherwi
 - cupti_budget1: CuptiTracer driven by the OverheadGovernor with a 1% budget; the
   governor is fed each step's host time (time between two step ends; without a per-step
   synchronize this is the GPU-paced step time in steady state) and switches tracing per
-  window (8 steps for resnet18, 2 for transformer, lag 2 windows' worth of data).
+  window (8 steps for resnet18, 2 for transformer, lag 2 windows' worth of data); its
+  pairs run BUDGET_STEPS_FACTOR times the steps so the duty cycle settles.
 - raw_cupti: control. CUPTI activity buffers registered through distanom's binding,
   KERNEL+MEMCPY+MEMSET enabled, no markers, nothing decoded (records counted after the
   loop, untimed).
+- kineto: distanom's portable backend (KinetoTracer: torch.profiler CUDA-only in cycles
+  of kineto_window_steps=4 steps, each cycle flushed and kept unexported), mark_step
+  after every step.
 - kineto_always: torch.profiler, CUDA activities only, started before the warm-up and
   never flushed nor stopped (the process exits without stopping it: stopping 100k
   events costs seconds and is not part of the steady-state cost).
@@ -61,7 +65,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-VARIANTS = ("cupti", "cupti_budget1", "raw_cupti", "kineto_always", "seed")
+VARIANTS = ("cupti", "cupti_budget1", "raw_cupti", "kineto", "kineto_always", "seed")
+# cupti_budget1 pairs run this many times the steps: the governor settles over windows
+BUDGET_STEPS_FACTOR = 6
 WORKLOADS: dict[str, dict[str, int]] = {
     # steps/warmup sized so both workloads, 5 pairs of all variants, fit in ~8 minutes
     "resnet18": {"steps": 150, "warmup": 20, "governor_window": 8},
@@ -134,6 +140,7 @@ def _tracer_config(budget: float | None) -> Any:
         "history_steps": 16,
         "ring_mb": 256,
         "overhead_budget_pct": budget,
+        "kineto_window_steps": 4,
     }
     try:
         from distanom.config import TracerConfig
@@ -292,6 +299,23 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         result["pool"] = session.pool.stats()
         session.close()
 
+    elif variant == "kineto":
+        from distanom.tracers.kineto import KinetoTracer
+
+        config = _tracer_config(None)
+        tracer = KinetoTracer(config, use_cuda=True)  # distanom's portable backend
+        tracer.mark_step(0, time.time_ns())
+        tracer.start()
+
+        def kineto_step(i: int) -> None:
+            work.step(0)
+            tracer.mark_step(i, time.time_ns())
+
+        for i in range(1, warmup + 1):
+            kineto_step(i)
+        result["wall_ms"] = _timed(kineto_step, warmup + 1, steps)
+        result["window_steps"] = getattr(config, "kineto_window_steps", None)
+
     elif variant == "kineto_always":
         from torch.profiler import ProfilerActivity, profile
 
@@ -431,7 +455,9 @@ def bench_workload(
     for p in range(args.pairs):
         order = list(variants[p % len(variants) :]) + list(variants[: p % len(variants)])
         for variant in order:
-            base = {"workload": workload, "steps": steps, "warmup": warmup,
+            # the governor needs many windows to settle: its pairs run longer
+            n = steps * (BUDGET_STEPS_FACTOR if variant == "cupti_budget1" else 1)
+            base = {"workload": workload, "steps": n, "warmup": warmup,
                     "governor_window": defaults["governor_window"],
                     "transformer_batch": args.transformer_batch}  # fmt: skip
             a = run_once(ctx, {**base, "variant": "none"}, args.child_timeout)
