@@ -66,6 +66,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 VARIANTS = ("cupti", "cupti_budget1", "raw_cupti", "kineto", "kineto_always", "seed")
+# run on request (--variants): the per-step markers alone, without CUPTI
+CONTROL_VARIANTS = ("markers_only",)
 # cupti_budget1 pairs run this many times the steps: the governor settles over windows
 BUDGET_STEPS_FACTOR = 6
 WORKLOADS: dict[str, dict[str, int]] = {
@@ -260,8 +262,11 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         tracer.mark_step(0, time.time_ns())
         state["last"] = time.perf_counter()
 
+        mark_ns: list[int] = []
+
         def traced_step(i: int) -> None:
             work.step(0)
+            t_mark = time.perf_counter_ns()
             if governor is not None:
                 now = time.perf_counter()
                 governor.record(i, now - state["last"], state["on"][i])
@@ -270,10 +275,17 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
                 state["on"][i + 1] = nxt
                 tracer.set_tracing(nxt)  # applies at this boundary: step i+1
             tracer.mark_step(i, time.time_ns())
+            mark_ns.append(time.perf_counter_ns() - t_mark)
 
         for i in range(1, warmup + 1):
             traced_step(i)
         result["wall_ms"] = _timed(traced_step, warmup + 1, steps)
+        timed_marks = sorted(mark_ns[warmup:])
+        result["mark_step_us"] = {
+            "median": timed_marks[len(timed_marks) // 2] / 1000,
+            "mean": sum(timed_marks) / len(timed_marks) / 1000,
+            "max": timed_marks[-1] / 1000,
+        }
         if governor is not None:
             result["governor"] = governor.report()
         else:
@@ -298,6 +310,23 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         result["cupti_dropped_records"] = session.poll_dropped()
         result["pool"] = session.pool.stats()
         session.close()
+
+    elif variant == "markers_only":  # control: the cupti backend's per-step markers alone
+        marker = torch.cuda.jiterator._create_jit_fn(
+            "template <typename T> T distanom_step_marker(T x) { return x + T(1); }"
+        )
+        tensor = torch.zeros(1, device="cuda", dtype=torch.int32)
+        events = [torch.cuda.Event() for _ in range(32)]
+
+        def marked_step(i: int) -> None:
+            work.step(0)
+            marker(tensor)
+            events[i % 32].record()
+            events[(i + 20) % 32].query()
+
+        for i in range(warmup):
+            marked_step(i)
+        result["wall_ms"] = _timed(marked_step, 0, steps)
 
     elif variant == "kineto":
         from distanom.tracers.kineto import KinetoTracer
@@ -517,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--child-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v not in (*VARIANTS, *CONTROL_VARIANTS)]
     if unknown or not variants:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     if args.pairs < 1:

@@ -14,8 +14,11 @@ the capture thread and the step is cut out of it:
 
 Step intervals come from `mark_step`'s host timestamps (`time.time_ns()`, the clock
 Kineto's `baseTimeNanoseconds` + `ts` uses). Costs: Kineto records every runtime call,
-so on kernel-dense GPU steps it is the expensive backend (see reference measurements);
-exporting a window holds the GIL for its duration, once per capture.
+so on kernel-dense GPU steps it is the expensive backend (see reference measurements).
+With CUDA activities a window is written to a private temporary file as soon as its
+cycle ends: exported later, after the next cycle has started, torch 2.11 gave its GPU
+and runtime events timestamps near zero instead of Unix-epoch times (seen on an H200),
+which no cut can use. Without CUDA the export waits until a capture needs it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -61,6 +65,7 @@ class _Window:
     last_step: int
     results: Any  # torch.autograd.profiler.profile, holding unexported kineto results
     document: dict[str, Any] | None = None  # parsed export, kept after the first cut
+    saved: str | None = None  # the window's JSON, written when its cycle ended (CUDA)
 
 
 class KinetoTracer:
@@ -82,6 +87,7 @@ class KinetoTracer:
         self._last_step: int | None = None
         self._closed = False
         self.boundary_flushes = 0  # windows handed over at a step boundary (costly)
+        self._scratch_dir: str | None = None
 
     # -- training thread -------------------------------------------------------------
 
@@ -133,6 +139,9 @@ class KinetoTracer:
         self.boundary_flushes += 1
         window = _Window(self._window_first, self._last_step, prof.profiler)
         self._window_first = self._last_step + 1
+        if self._use_cuda:
+            window.saved = _save(prof.profiler, self._scratch())
+            window.results = None  # the file is the window now
         with self._lock:
             if window.last_step >= window.first_step:
                 self._windows.append(window)
@@ -159,7 +168,7 @@ class KinetoTracer:
             return
         oldest = self._last_step - self._config.history_steps
         while self._windows and self._windows[0].last_step < oldest:
-            self._windows.pop(0)
+            _discard(self._windows.pop(0))
         for step in [s for s in self._boundaries if s < oldest - 1]:
             del self._boundaries[step]
         self._traced_steps = {s for s in self._traced_steps if s >= oldest}
@@ -204,12 +213,18 @@ class KinetoTracer:
             end_ns = start_ns + mono_ns
         documents = []
         for window in windows:
-            window.document = window.document or _export(window.results)
+            window.document = window.document or _load(window)
             documents.append(window.document)  # kept: a second cut from it is cheap
         trace = cut_step(documents, step, start_ns, end_ns)
         if jumped:
             trace.stats["clock_jump"] = 1
         return trace
+
+    def _scratch(self) -> str:
+        """A private folder for window files, removed at close."""
+        if self._scratch_dir is None:
+            self._scratch_dir = tempfile.mkdtemp(prefix="distanom-kineto-")
+        return self._scratch_dir
 
     def close(self) -> None:
         if self._closed:
@@ -218,21 +233,41 @@ class KinetoTracer:
             self._stop_profiler()
         with self._lock:
             self._closed = True
+            for window in self._windows:
+                _discard(window)
             self._windows.clear()
+        if self._scratch_dir is not None:
+            shutil.rmtree(self._scratch_dir, ignore_errors=True)
 
 
-def _export(results: Any) -> dict[str, Any]:
-    """Export one window's Kineto results through torch's own JSON writer."""
-    fd, path = tempfile.mkstemp(prefix="distanom-kineto-", suffix=".json")
+def _save(results: Any, folder: str) -> str:
+    """Write one window's Kineto results with torch's own JSON writer; returns the path."""
+    fd, path = tempfile.mkstemp(prefix="window-", suffix=".json", dir=folder)
     os.close(fd)
+    results.kineto_results.save(path)
+    return path
+
+
+def _load(window: _Window) -> dict[str, Any]:
+    """The parsed export of a window (written now if its cycle did not write it)."""
+    path = window.saved
+    temporary = path is None
+    if path is None:
+        path = _save(window.results, tempfile.gettempdir())
     try:
-        results.kineto_results.save(path)
         with open(path, encoding="utf-8") as handle:
             document: dict[str, Any] = json.load(handle)
         return document
     finally:
+        if temporary:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _discard(window: _Window) -> None:
+    if window.saved is not None:
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            os.unlink(window.saved)
 
 
 def cut_step(documents: list[dict[str, Any]], step: int, start_ns: int, end_ns: int) -> StepTrace:

@@ -62,8 +62,8 @@ SCRIPT = textwrap.dedent(
     for w in tracer._windows:
         doc = w.document
         if doc is None:
-            from distanom.tracers.kineto import _export
-            doc = _export(w.results)
+            from distanom.tracers.kineto import _load
+            doc = _load(w)
         base = doc.get("baseTimeNanoseconds", 0)
         def span(cat):
             ts = [base + e["ts"] * 1000 for e in doc["traceEvents"] if e.get("cat") == cat]
