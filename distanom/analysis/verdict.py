@@ -497,15 +497,15 @@ def _everyone_verdict(
         parts = {part.cause: grown(part.read) for part in _PARTS}
         cause = max(parts, key=lambda c: _median(parts[c].values()))
         label = _PART_OF[cause].label
-        text = (
+        growth = (
             f"{everyone}: {label} {verb} {_span(list(parts[cause].values()))}, "
-            f"exposed comm {verb} {_span(list(comm.values()))}: every rank slowed together"
+            f"exposed comm {verb} {_span(list(comm.values()))}"
         )
         details["growth_ms"] = {c: round(_median(v.values()), 4) for c, v in parts.items()}
         details["global_part"] = cause
         if len(current) == 1:  # one rank: "everyone" is that rank, and the part is the cause
-            return Verdict(common[0], None, cause, text, details)
-        return Verdict(None, None, "global", text, details)
+            return Verdict(common[0], None, cause, growth, details)
+        return Verdict(None, None, "global", f"{growth}: every rank slowed together", details)
     text = (
         f"no rank stands out; own time {verb} {_span(list(own.values()))}, exposed comm "
         f"{verb} {_span(list(comm.values()))} against a slowdown of {_ms(slowdown)} ms"
