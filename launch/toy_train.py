@@ -1,8 +1,8 @@
 """A tiny DDP training script with injectable slow steps, for the demo and the tests.
 
 It knows nothing of distanom: run it under `torchrun ... -m distanom.launch toy_train.py`.
-On a machine without a GPU it trains on CPU over gloo; with GPUs, over NCCL, one GPU
-per rank. Injections happen on known steps (0-based optimizer steps):
+With a GPU for every local rank it trains over NCCL, one GPU per rank; otherwise on
+CPU over gloo. Injections happen on known steps (0-based optimizer steps):
 
   --stall-rank R --stall-steps 30,60 --stall-s 0.5   host stall (time.sleep) before the
                                                       forward pass, on rank R only
@@ -49,7 +49,8 @@ def main() -> None:
     parser.add_argument("--exit-code", type=int, default=0, help="exit with this status")
     args = parser.parse_args()
 
-    use_cuda = torch.cuda.is_available()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
