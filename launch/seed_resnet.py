@@ -6,6 +6,7 @@ on known, 0-based optimizer steps:
 
   --sleep-steps 100,200 --sleep-cycles 20000000   GPU delay (torch.cuda._sleep, ~10 ms
                                                   on an H200 at 1.98 GHz), on --sleep-rank
+  --all-sleep-steps 150                           the same delay on every rank at once
   --matmul-steps 120 --matmul-count 2             the seed's anomaly: extra 8192^3 bf16
                                                   matmuls, on --matmul-rank
   --stall-steps 150 --stall-s 0.05                host stall before the forward pass
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--matmul-steps", type=steps, default=set())
     parser.add_argument("--matmul-rank", type=int, default=0)
     parser.add_argument("--matmul-count", type=int, default=2)
+    parser.add_argument("--all-sleep-steps", type=steps, default=set(), help="every rank")
     parser.add_argument("--stall-steps", type=steps, default=set())
     parser.add_argument("--stall-rank", type=int, default=0)
     parser.add_argument("--stall-s", type=float, default=0.05)
@@ -67,7 +69,7 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(model(inputs), target)
         loss.backward()
         # injections go before optimizer.step(): its return ends the step distanom counts
-        if rank == args.sleep_rank and step in args.sleep_steps:
+        if (rank == args.sleep_rank and step in args.sleep_steps) or step in args.all_sleep_steps:
             torch.cuda._sleep(args.sleep_cycles)
         if rank == args.matmul_rank and step in args.matmul_steps:
             x = extra_a

@@ -1,0 +1,170 @@
+"""Validate distanom on one multi-GPU host with NCCL (run it where several GPUs exist).
+
+    python3 bench/multigpu_validate.py --nproc 8 --out bench/results/multigpu_h200x8.json
+
+Runs `torchrun --nproc-per-node N -m distanom.launch` over launch/seed_resnet.py (DDP,
+NCCL, one GPU per rank) with three kinds of injected slow steps on known steps:
+
+  (a) extra GPU compute on one rank (torch.cuda._sleep on rank --compute-rank),
+  (b) a host stall on one rank (time.sleep before the forward pass on --stall-rank),
+  (c) a slowdown on every rank at once (torch.cuda._sleep on all ranks),
+
+then reads the run back through the report code and checks: every injected step was
+captured on every rank; the verdict names the right rank and cause for (a) and (b)
+(compute, host_stall) and no culprit with cause global for (c); NCCL kernels are classed
+as communication in every rank's gpu_timeline and the victims' wait shows as exposed
+communication; and which NCCL metadata a CUDA-only trace carries (kernel args). Then it
+measures the always-on overhead against the same job without tracing
+(`tracer.backend=none`), as interleaved pairs. NVLink multicast stays off
+(NCCL_NVLS_ENABLE=0, as the device notes require).
+
+Writes one JSON: device, world_size, backend, all_injected_captured, culprit_correct,
+per-case details, overhead pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 260
+CASES = {
+    "compute": {"steps": [100, 190], "expect_cause": "compute"},
+    "host_stall": {"steps": [130, 220], "expect_cause": "host_stall"},
+    "global": {"steps": [160], "expect_cause": "global"},
+}
+
+
+def run_job(nproc: int, runs: Path, backend: str, compute_rank: int, stall_rank: int) -> None:
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", "-m", "distanom.launch", "--run-dir", str(runs),
+        "--set", f"tracer.backend={backend}", "--set", "detect.warmup_steps=20",
+        "--set", "detect.min_steps=30", "--set", "detect.merge_gap_steps=2",
+        "--set", "capture.reference_every_steps=50",
+        str(REPO / "launch" / "seed_resnet.py"), "--steps", str(STEPS),
+        "--sleep-rank", str(compute_rank),
+        "--sleep-steps", ",".join(map(str, CASES["compute"]["steps"])),
+        "--stall-rank", str(stall_rank), "--stall-s", "0.02",
+        "--stall-steps", ",".join(map(str, CASES["host_stall"]["steps"])),
+        "--all-sleep-steps", ",".join(map(str, CASES["global"]["steps"])),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"job failed ({backend}):\n{done.stderr[-4000:]}")
+
+
+def median_step_ms(runs: Path) -> float:
+    """Median step time of rank 0 after warm-up (distanom times steps with backend none too)."""
+    rows = (runs / "latest" / "steps" / "rank0.csv").read_text().splitlines()[1:]
+    times = [float(r.split(",")[1]) for r in rows if int(r.split(",")[0]) >= 30]
+    return statistics.median(times)
+
+
+def nccl_metadata(trace: Path) -> dict[str, Any]:
+    document = json.loads(gzip.decompress(trace.read_bytes()))
+    nccl = [
+        e for e in document["traceEvents"]
+        if e.get("cat") == "kernel" and "nccl" in str(e.get("name", "")).lower()
+    ]  # fmt: skip
+    keys = sorted({k for e in nccl for k in (e.get("args") or {})})
+    return {"nccl_kernels": len(nccl), "arg_keys": keys, "example": nccl[0] if nccl else None}
+
+
+def check(runs: Path, nproc: int, compute_rank: int, stall_rank: int) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO))
+    from distanom.analysis.report import build_report
+    from distanom.analysis.run import load_run
+
+    report = build_report(load_run(str(runs)))
+    captures = {c["step"]: c for c in report["captures"]}
+    expected_rank = {"compute": compute_rank, "host_stall": stall_rank, "global": None}
+    cases: dict[str, Any] = {}
+    all_captured = culprit_ok = True
+    for case, spec in CASES.items():
+        for step in spec["steps"]:
+            capture = captures.get(step)
+            entry: dict[str, Any] = {"captured": capture is not None}
+            if capture is None:
+                all_captured = culprit_ok = False
+                cases[f"{case}@{step}"] = entry
+                continue
+            ranks = sorted(int(r) for r in capture["ranks"])
+            verdict = capture.get("verdict") or {}
+            right = (
+                verdict.get("culprit_rank") == expected_rank[case]
+                and verdict.get("cause") == spec["expect_cause"]
+            )
+            timelines = {r: (e.get("gpu_timeline") or {}) for r, e in capture["ranks"].items()}
+            comm = {r: t.get("total_comm_time", {}).get("time_ms") for r, t in timelines.items()}
+            exposed = {
+                r: t.get("exposed_comm_time", {}).get("time_ms") for r, t in timelines.items()
+            }
+            entry.update(
+                ranks_captured=len(ranks),
+                verdict=verdict,
+                verdict_correct=right,
+                total_comm_ms=comm,
+                exposed_comm_ms=exposed,
+                nccl=nccl_metadata(Path(report["run_dir"]) / capture["ranks"]["0"]["trace"]),
+            )
+            all_captured &= len(ranks) == nproc
+            culprit_ok &= right
+            cases[f"{case}@{step}"] = entry
+    return {
+        "all_injected_captured": all_captured,
+        "culprit_correct": culprit_ok,
+        "cases": cases,
+        "detector": report.get("detector"),
+        "tracer": report.get("tracer"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nproc", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "multigpu.json")
+    parser.add_argument("--backend", default="cupti")
+    parser.add_argument("--pairs", type=int, default=3, help="overhead pairs (none, backend)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/distanom_multigpu"))
+    args = parser.parse_args()
+    import torch
+
+    compute_rank, stall_rank = min(3, args.nproc - 1), min(5, args.nproc - 1) - 1
+    runs = args.work / "runs"
+    run_job(args.nproc, runs, args.backend, compute_rank, stall_rank)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "world_size": args.nproc,
+        "backend": args.backend,
+        "compute_rank": compute_rank,
+        "stall_rank": stall_rank,
+        **check(runs, args.nproc, compute_rank, stall_rank),
+    }
+    pairs = []
+    for index in range(args.pairs):  # interleaved: untraced job, then traced job
+        plain, traced = args.work / f"plain{index}", args.work / f"traced{index}"
+        run_job(args.nproc, plain, "none", compute_rank, stall_rank)
+        run_job(args.nproc, traced, args.backend, compute_rank, stall_rank)
+        pairs.append([round(median_step_ms(plain), 4), round(median_step_ms(traced), 4)])
+    result["overhead_pairs_ms"] = pairs  # median step time of rank 0, untraced vs traced
+    result["median_ratio"] = round(statistics.median(t / p for p, t in pairs), 4) if pairs else None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps({k: v for k, v in result.items() if k != "cases"}, indent=1))
+    return 0 if result["all_injected_captured"] and result["culprit_correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
