@@ -121,3 +121,11 @@ def test_any_mapping_either_loads_or_fails_with_a_config_error(data: dict) -> No
         assert "\n" not in str(err) and str(err).startswith("prop.yaml")
     else:
         assert isinstance(config, Config)
+
+
+def test_readme_lists_every_config_key() -> None:
+    readme = (REPO / "README.md").read_text()
+    for section, fields in Config.model_fields.items():
+        model = fields.annotation
+        for key in model.model_fields:  # type: ignore[union-attr]
+            assert f"`{section}.{key}`" in readme, f"README lacks {section}.{key}"
