@@ -35,6 +35,7 @@ Rules (all thresholds come from `DetectConfig` / `CaptureConfig`):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -264,18 +265,8 @@ class Detector:
         self._last_capture_step = sample.step
         episode.captured_step, episode.captured_ratio = sample.step, ratio
         self.counts.captured += 1
-        return [
-            CaptureDecision(
-                step=sample.step,
-                kind="anomaly",
-                step_ms=judged,
-                median_ms=median,
-                threshold_ms=threshold,
-                slowest_rank=sample.slowest_rank,
-                replaces=replaces,
-                episode=episode.index,
-            )
-        ]
+        decision = _decision(sample, "anomaly", judged, median, threshold, replaces)
+        return [dataclasses.replace(decision, episode=episode.index)]
 
     def _maybe_reference(
         self, sample: StepSample, judged: float, median: float, threshold: float
@@ -289,17 +280,7 @@ class Detector:
         previous = self._reference_step
         self._reference_step = self._last_reference_at = sample.step
         self.counts.references += 1
-        return [
-            CaptureDecision(
-                step=sample.step,
-                kind="reference",
-                step_ms=judged,
-                median_ms=median,
-                threshold_ms=threshold,
-                slowest_rank=sample.slowest_rank,
-                replaces=previous,
-            )
-        ]
+        return [_decision(sample, "reference", judged, median, threshold, previous)]
 
     def episode_summaries(self) -> list[dict[str, float | int | None]]:
         return [
@@ -314,3 +295,22 @@ class Detector:
             }
             for e in self.episodes
         ]
+
+
+def _decision(
+    sample: StepSample,
+    kind: CaptureKind,
+    judged: float,
+    median: float,
+    threshold: float,
+    replaces: int | None,
+) -> CaptureDecision:
+    return CaptureDecision(
+        step=sample.step,
+        kind=kind,
+        step_ms=judged,
+        median_ms=median,
+        threshold_ms=threshold,
+        slowest_rank=sample.slowest_rank,
+        replaces=replaces,
+    )
