@@ -3,8 +3,10 @@
 The consensus thread hands over `CaptureDecision`s; this worker waits until the tracer
 holds the step's events (decisions can arrive before a step's window closes, or for
 requested steps still in the future), writes this rank's Kineto chrome trace of the step
-atomically into the run directory, records it in the index, and, if configured, computes
-the trace's TraceLens-compatible tables beside it. A decision that replaces an older
+atomically into the run directory and records it in the index. The TraceLens-compatible
+tables are computed beside each trace when `analysis.on_capture` says: right away, once
+training has ended (default: that work would compete with training for the GIL), or
+by `distanom report`. A decision that replaces an older
 capture (budget, newer reference) deletes this rank's files of the old one.
 
 Budgets enforced here are per rank: bytes written (`capture.max_disk_mb`). Any failure

@@ -8,8 +8,9 @@
   captures/step_<N>/
       rank<R>.trace.json.gz        rank R's Kineto chrome trace of step N
       rank<R>.gpu_timeline.csv     TraceLens-compatible tables of that trace
-      rank<R>.kernel_summary.csv
-      summary.json                 all ranks side by side, verdict (written by report/analysis)
+      rank<R>.kernel_summary.csv   (rank<R>.cpu_timeline.csv for a CPU-only trace)
+      summary.json                 all ranks side by side, verdict, kernel diff (report)
+      merged.trace.json.gz         every rank in one Perfetto trace (report)
   index.jsonl                      one line per written or dropped capture file, any rank
   requests/<id>.json               on-demand capture requests (distanom capture)
   requests/<id>.response.json      the job's answer

@@ -193,6 +193,25 @@ def _cross_rank_lines(capture: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _overhead_lines(tracer: dict[str, Any]) -> list[str]:
+    """The run's own measure of what tracing cost (traced vs untraced windows)."""
+    duty = tracer.get("duty_cycle") or {}
+    overhead = duty.get("measured_overhead_pct")
+    fraction = duty.get("traced_fraction")
+    if not isinstance(fraction, (int, float)):
+        return []
+    budget = duty.get("budget_pct")
+    measured = (
+        f"measured overhead {overhead:.1f}% of step time while tracing"
+        if isinstance(overhead, (int, float))
+        else "overhead not measured yet (no untraced window so far)"
+    )
+    return [
+        f"  tracing: {measured}, {100 * fraction:.1f}% of steps traced"
+        + (f" (budget {budget:g}%)" if isinstance(budget, (int, float)) else "")
+    ]
+
+
 def render_text(report: dict[str, Any]) -> str:
     steps = report["steps"]
     hosts = report["hosts"]
@@ -208,6 +227,7 @@ def render_text(report: dict[str, Any]) -> str:
     tracer = report.get("tracer") or {}
     if tracer.get("note"):
         lines.append(f"  {tracer['note']}")
+    lines += _overhead_lines(tracer)
     detector = report.get("detector") or {}
     if detector:
         lines.append(

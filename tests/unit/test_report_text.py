@@ -1,0 +1,49 @@
+"""The text report's run-level lines: tracing cost and capture state from status.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distanom.analysis.report import build_report, render_text
+from distanom.analysis.run import load_run
+from distanom.rundir import write_json_atomic
+from tests.unit.rungen import make_run
+
+
+def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> None:
+    run = make_run(tmp_path, [], hosts=["a", "a"])
+    write_json_atomic(
+        run.status_json,
+        {
+            "state": "finished",
+            "world_size": 2,
+            "tracer": {
+                "backend": "cupti",
+                "note": "tracer: cupti (auto)",
+                "duty_cycle": {
+                    "budget_pct": 1.0,
+                    "traced_fraction": 0.0775,
+                    "measured_overhead_pct": 12.9,
+                },
+            },
+            "captures": {"written": 3, "skipped_disk": 2, "missed": 1},
+            "detector": {"judged": 90, "anomalous": 5, "captured": 3, "skipped_budget": 2},
+        },
+    )
+    text = render_text(build_report(load_run(str(run.path))))
+    assert "tracer: cupti (auto)" in text
+    assert "measured overhead 12.9% of step time while tracing, 7.8% of steps traced" in text
+    assert "(budget 1%)" in text
+    assert "disk budget (capture.max_disk_mb) reached: 2 capture(s)" in text
+    assert "1 capture(s) decided after the tracer had dropped the step" in text
+    assert "2 over budget" in text
+
+
+def test_no_overhead_line_before_any_untraced_window(tmp_path: Path) -> None:
+    run = make_run(tmp_path, [], hosts=["a"])
+    write_json_atomic(
+        run.status_json,
+        {"state": "finished", "world_size": 1, "tracer": {"duty_cycle": {"traced_fraction": 1.0}}},
+    )
+    text = render_text(build_report(load_run(str(run.path))))
+    assert "overhead not measured yet" in text
