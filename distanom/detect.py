@@ -54,11 +54,11 @@ ESCALATION = 2.0
 # captures slowed 11 ms ResNet18 steps by up to 37 ms, 3.4 medians).
 SELF_DISCOUNT_CAP = 4.0
 
-# Traced steps with no flush at their start: most steps, the headline median/threshold.
-MAIN_CONDITION = (True, False)
 # Steps a rarer condition needs before it is judged (after-flush steps come every
 # kineto_window_steps-th step, untraced ones in probe windows): a median of 5 is stable
-# enough and does not leave them unjudged for hundreds of steps.
+# enough and does not leave them unjudged for hundreds of steps. The main condition (the
+# one most steps are measured under: traced, or untraced without a tracer) needs
+# min_steps and gives the headline median and threshold.
 RARE_CONDITION_MIN_STEPS = 5
 
 # Per-step flags each rank reports (OR/AND-ed across ranks in `consensus`).
@@ -174,11 +174,15 @@ class Detector:
     def _baseline(self, condition: tuple[bool, bool]) -> float | None:
         same = self._windows[condition]
         needed = self.detect.min_steps
-        if condition != MAIN_CONDITION:  # rarer conditions fill their window more slowly
+        if condition != self._main_condition():  # rarer ones fill their window more slowly
             needed = min(needed, RARE_CONDITION_MIN_STEPS)
         if len(same) < needed:
             return None
         return statistics.median(same)
+
+    def _main_condition(self) -> tuple[bool, bool]:
+        """The condition most steps so far were measured under (traced, no flush first)."""
+        return max(self._windows, key=lambda c: (len(self._windows[c]), c == (True, False)))
 
     def threshold_before(self, sample: StepSample) -> float:
         """The threshold `observe(sample)` judges the step by (NaN while not judged)."""
@@ -199,7 +203,7 @@ class Detector:
         if median is not None and median > 0:
             self.counts.judged += 1
             threshold = self.detect.multiplier * median
-            if sample.condition == MAIN_CONDITION:
+            if sample.condition == self._main_condition():
                 self.median_ms, self.threshold_ms = median, threshold
             judged = max(0.0, step_ms - min(sample.self_ms, SELF_DISCOUNT_CAP * median))
             if judged > threshold:

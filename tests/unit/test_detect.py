@@ -161,3 +161,11 @@ def test_steps_after_a_flush_have_their_own_baseline() -> None:
     assert decisions == []
     decisions = detector.observe(StepSample(60, (61.0, 61.0), True, after_flush=True))
     assert decisions and decisions[0].median_ms == 30.0
+
+
+def test_without_a_tracer_the_untraced_steps_are_the_main_condition() -> None:
+    detector = make()
+    decisions = feed(detector, [10.0] * 20 + [30.0], traced=False)
+    assert decisions == []  # nothing was recorded, so nothing to capture
+    assert detector.counts.anomalous == detector.counts.anomalous_untraced == 1
+    assert detector.median_ms == 10.0 and detector.threshold_ms == 15.0
