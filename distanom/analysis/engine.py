@@ -3,7 +3,9 @@
 Owns: choosing the engine (`analysis.engine` in the config: auto | builtin | tracelens),
 calling TraceLens safely (CSV output into a private temporary directory, so it never
 writes beside the trace and never asks on stdin; its progress prints kept out of the
-user's stdout), converting its DataFrames into distanom's types, and the CPU-only
+user's stdout and the Python warnings it raises (dozens per call, some with whole
+events pretty-printed) kept out of the user's stderr: both go to this module's DEBUG
+log), converting its DataFrames into distanom's types, and the CPU-only
 fallback (`host_timeline`) for traces without GPU events.
 
 Reads: one trace file. Hands on: a `TraceTables` (timeline + kernel_summary rows +
@@ -24,7 +26,8 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
@@ -194,6 +197,39 @@ class _ThreadStdout(io.TextIOBase):
         return True
 
 
+@contextlib.contextmanager
+def _thread_warnings_to(sink: list[str]) -> Iterator[None]:
+    """Warnings shown by this thread while inside are appended to `sink` as text instead
+    of being printed to stderr; other threads' warnings are shown as before.
+
+    Replaces `warnings.showwarning` (what `warnings.warn` calls once the filters let a
+    warning through) rather than using `warnings.catch_warnings`, which would change the
+    filters of every thread while TraceLens runs in a background worker.
+    """
+    original = warnings.showwarning
+    thread = threading.get_ident()
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if threading.get_ident() == thread:
+            sink.append(f"{filename}:{lineno}: {category.__name__}: {message}")
+        else:
+            original(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        if warnings.showwarning is show:  # unless someone replaced it meanwhile
+            warnings.showwarning = original
+
+
 def _tracelens_input(path: Path, workdir: Path) -> Path:
     """A path TraceLens accepts: it picks the format by suffix (.json / .json.gz)."""
     with path.open("rb") as handle:
@@ -211,13 +247,14 @@ def _tracelens_input(path: Path, workdir: Path) -> Path:
 
 def _run_tracelens(generate: Callable[..., Any], path: Path) -> TraceTables:
     captured = io.StringIO()
+    shown: list[str] = []
     with tempfile.TemporaryDirectory(prefix="distanom-tracelens-") as tmp:
         workdir = Path(tmp)
         source = _tracelens_input(path, workdir)
         out_dir = workdir / "csv"
         out_dir.mkdir()
         proxy = _ThreadStdout(sys.stdout, captured)
-        with contextlib.redirect_stdout(proxy):
+        with contextlib.redirect_stdout(proxy), _thread_warnings_to(shown):
             result = generate(
                 profile_json_path=str(source),
                 include_unlinked_kernels=True,
@@ -226,6 +263,8 @@ def _run_tracelens(generate: Callable[..., Any], path: Path) -> TraceTables:
             )
     if captured.getvalue():
         logger.debug("TraceLens output for %s:\n%s", path, captured.getvalue().rstrip())
+    if shown:
+        logger.debug("TraceLens warnings for %s:\n%s", path, "\n".join(shown))
     if not isinstance(result, Mapping) or result.get("gpu_timeline") is None:
         raise ValueError(f"unexpected TraceLens result {type(result).__name__}")
     timeline = _timeline_from_records(_records(result["gpu_timeline"]))
