@@ -30,13 +30,10 @@ import datetime
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import filelock
 
 from distanom.errors import RunDirError
 
@@ -100,6 +97,8 @@ def update_latest(base: Path, run_dir: Path) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
+    import tempfile  # here, not at the top: `distanom analyze` starts faster without it
+
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -212,6 +211,8 @@ class RunDir:
         return candidate
 
     def append_index(self, record: dict[str, Any]) -> None:
+        import filelock  # only writers need it; readers (the report) start faster
+
         line = json.dumps(record, sort_keys=True, allow_nan=False)
         lock = filelock.FileLock(str(self.index_path) + ".lock", timeout=LOCK_TIMEOUT_S)
         with lock:

@@ -36,6 +36,12 @@ from typing import Any, NamedTuple
 
 from distanom.errors import TraceFormatError
 
+_orjson: Any
+try:
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - orjson is a declared dependency
+    _orjson = None
+
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "GPU_CATEGORIES",
@@ -173,6 +179,19 @@ def _reject_constant(token: str) -> Any:
     raise ValueError(f"non-standard JSON constant {token}")
 
 
+def _parse_json(text: bytes) -> Any:
+    """orjson (a dependency: ~4x faster on traces), else the standard library. What
+    orjson refuses is parsed again by the standard library, whose message says what is
+    wrong (e.g. a NaN constant) and which also reads valid JSON orjson cannot (integers
+    beyond 64 bits)."""
+    if _orjson is not None:
+        try:
+            return _orjson.loads(text)
+        except _orjson.JSONDecodeError:
+            pass
+    return json.loads(text, parse_constant=_reject_constant)
+
+
 def read_trace_document(
     path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES
 ) -> dict[str, Any]:
@@ -189,7 +208,7 @@ def read_trace_document(
     text, is_gzip = _read_capped(p, max_bytes)
     try:
         with _gc_paused():
-            doc = json.loads(text, parse_constant=_reject_constant)
+            doc = _parse_json(text)
     except RecursionError:
         raise _fail(p, "not a trace: JSON nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as err:
