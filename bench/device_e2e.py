@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -147,7 +148,7 @@ def main() -> int:
         "matmul_steps": MATMUL_STEPS,
         "backends": {},
     }
-    work = Path("/tmp/distanom_device_e2e")
+    work = Path(tempfile.gettempdir()) / "distanom_device_e2e"
     for backend in args.backends.split(","):
         runs = work / f"runs_{backend}"
         job = run_job(backend, args.nproc, runs)

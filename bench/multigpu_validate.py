@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "multigpu.json")
     parser.add_argument("--backend", default="cupti")
     parser.add_argument("--pairs", type=int, default=3, help="overhead pairs (none, backend)")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/distanom_multigpu"))
+    parser.add_argument(
+        "--work", type=Path, default=Path(tempfile.gettempdir()) / "distanom_multigpu"
+    )
     args = parser.parse_args()
     import torch
 
