@@ -63,7 +63,7 @@ from distanom.detect import (
 )
 from distanom.errors import CaptureRequestError, RunDirError
 from distanom.governor import GovernorNotReadyError, OverheadGovernor
-from distanom.rundir import RunDir, create_run, update_latest, write_json_atomic
+from distanom.rundir import RunDir, create_run, json_number, update_latest, write_json_atomic
 from distanom.tracers import Tracer, create_tracer
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
 
@@ -624,8 +624,8 @@ class Agent:
             "world_size": self.world.world_size,
             "step": self.current_step,
             "gathered_step": self._gathered_step,
-            "median_ms": _rounded(self.detector.median_ms),
-            "threshold_ms": _rounded(self.detector.threshold_ms),
+            "median_ms": json_number(self.detector.median_ms),
+            "threshold_ms": json_number(self.detector.threshold_ms),
             "recent_ms": {str(rank): times for rank, times in recent.items()},
             "slowest_ranks": slowest[:8],
             "detector": vars(counts).copy(),
@@ -692,7 +692,3 @@ class Agent:
             if self._steps_file is not None:
                 self._steps_file.close()
         sys.stderr.flush()
-
-
-def _rounded(value: float) -> float | None:
-    return round(value, 4) if value == value and abs(value) != float("inf") else None

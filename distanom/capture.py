@@ -30,7 +30,7 @@ from typing import Any
 from distanom.config import Config
 from distanom.detect import CaptureDecision
 from distanom.errors import RunDirError
-from distanom.rundir import RunDir, write_bytes_atomic
+from distanom.rundir import RunDir, json_number, write_bytes_atomic
 from distanom.tracers.base import Availability, StepTrace, Tracer
 from distanom.world import WorldInfo
 
@@ -195,9 +195,9 @@ class CaptureWorker:
             "rank": world.rank,
             "host": world.host,
             "kind": decision.kind,
-            "step_ms": _finite(decision.step_ms),
-            "median_ms": _finite(decision.median_ms),
-            "threshold_ms": _finite(decision.threshold_ms),
+            "step_ms": json_number(decision.step_ms),
+            "median_ms": json_number(decision.median_ms),
+            "threshold_ms": json_number(decision.threshold_ms),
             "tracer": self._tracer_name,
             "tracer_stats": trace.stats,
         }
@@ -301,9 +301,9 @@ class CaptureWorker:
                 "kind": decision.kind,
                 "trace": self._run.relative(path),
                 "bytes": size,
-                "step_ms": _finite(decision.step_ms),
-                "median_ms": _finite(decision.median_ms),
-                "threshold_ms": _finite(decision.threshold_ms),
+                "step_ms": json_number(decision.step_ms),
+                "median_ms": json_number(decision.median_ms),
+                "threshold_ms": json_number(decision.threshold_ms),
                 "slowest_rank": decision.slowest_rank,
                 "episode": decision.episode,
                 "request": decision.request_id,
@@ -317,7 +317,3 @@ class CaptureWorker:
         if self.stats.failed is None:
             self.stats.failed = reason
             log.warning("capture: %s; capture steps aside for the rest of the run", reason)
-
-
-def _finite(value: float) -> float | None:
-    return round(value, 4) if math.isfinite(value) else None

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -94,6 +95,13 @@ def update_latest(base: Path, run_dir: Path) -> None:
         temp.unlink()
     os.symlink(run_dir.name, temp)
     os.replace(temp, link)
+
+
+def json_number(value: float | None, digits: int = 4) -> float | None:
+    """A number for a run file: rounded, or None where JSON has no value (NaN, inf)."""
+    if value is None or not math.isfinite(value):
+        return None
+    return round(value, digits)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:

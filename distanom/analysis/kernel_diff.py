@@ -16,7 +16,9 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeGuard
+from typing import Any, Literal
+
+from distanom.analysis.trace_io import is_finite_number
 
 __all__ = [
     "TOP_CHANGES",
@@ -79,10 +81,6 @@ def _launch_shape(value: Any) -> Shape:
     return None
 
 
-def _finite(value: Any) -> TypeGuard[float]:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def op_table(events: Iterable[Mapping[str, Any]]) -> tuple[OpKind, dict[OpKey, OpStats]]:
     """Count and total µs per kernel (name, grid, block); per CPU op name when the trace
     has no kernel at all (kind "cpu"). Host spans nest, so CPU totals are inclusive."""
@@ -90,7 +88,7 @@ def op_table(events: Iterable[Mapping[str, Any]]) -> tuple[OpKind, dict[OpKey, O
     host: dict[OpKey, list[float]] = {}
     for event in events:
         dur, name, cat = event.get("dur"), event.get("name"), event.get("cat")
-        if not _finite(dur) or not isinstance(name, str):
+        if not is_finite_number(dur) or not isinstance(name, str):
             continue
         if cat == "kernel":
             args = event.get("args")

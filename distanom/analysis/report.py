@@ -11,7 +11,6 @@ trace path) is also written as its `summary.json`.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any
 
 from distanom.analysis.crossrank import add_cross_rank, breakdown, verdict_line
@@ -19,7 +18,7 @@ from distanom.analysis.kernel_diff import kernel_diff_lines
 from distanom.analysis.run import CaptureInfo, RunData, load_steps
 from distanom.analysis.tables_io import BREAKDOWN_ROWS, rank_tables, timeline_json
 from distanom.errors import DistanomError
-from distanom.rundir import write_json_atomic
+from distanom.rundir import json_number, write_json_atomic
 
 
 def build_report(data: RunData, *, engine: str = "auto") -> dict[str, Any]:
@@ -44,7 +43,7 @@ def build_report(data: RunData, *, engine: str = "auto") -> dict[str, Any]:
         "steps": {
             "count": len(series.steps),
             "last": series.steps[-1] if series.steps else None,
-            "median_ms": _round(median),
+            "median_ms": json_number(median),
             "threshold_ms": status.get("threshold_ms"),
             "multiplier": multiplier,
         },
@@ -81,7 +80,7 @@ def _capture_json(data: RunData, info: CaptureInfo, engine: str) -> dict[str, An
         "step_ms": info.step_ms,
         "median_ms": info.median_ms,
         "threshold_ms": info.threshold_ms,
-        "ratio": _round(info.ratio),
+        "ratio": json_number(info.ratio),
         "slowest_rank": info.slowest_rank,
         "request": info.request,
         "ranks": {
@@ -135,12 +134,6 @@ def _write_summary(data: RunData, info: CaptureInfo, capture: dict[str, Any]) ->
     }
     with contextlib.suppress(OSError):  # a read-only run directory still gets its report
         write_json_atomic(data.run.summary_json(info.step), summary)
-
-
-def _round(value: float | None, digits: int = 4) -> float | None:
-    if value is None or not math.isfinite(value):
-        return None
-    return round(value, digits)
 
 
 def _fmt(value: Any, digits: int = 1) -> str:

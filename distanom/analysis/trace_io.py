@@ -32,7 +32,7 @@ import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from distanom.errors import TraceFormatError
 
@@ -294,7 +294,7 @@ def _place(value: Any) -> int | str:
     return "" if value is None else str(value)
 
 
-def _number(value: Any) -> bool:
+def is_finite_number(value: Any) -> TypeGuard[float]:
     """A finite JSON number (bool excluded)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -346,7 +346,7 @@ def trace_from_document(doc: Mapping[str, Any], source: str) -> Trace:
             _place(e.get("tid")),
         )
         for e in host
-        if _number(e.get("ts")) and _number(e.get("dur"))
+        if is_finite_number(e.get("ts")) and is_finite_number(e.get("dur"))
     )
     info = doc.get("distributedInfo")
     props = doc.get("deviceProperties")

@@ -18,7 +18,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,6 +26,7 @@ torch = pytest.importorskip("torch")
 
 from distanom.tracers.base import Availability, StepTrace  # noqa: E402
 from distanom.tracers.cupti import CuptiTracer, probe_cupti  # noqa: E402
+from tests.gpu.cupti_gpu_helper import tracer_config  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,17 +36,6 @@ pytestmark = [
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SPIN = "spin_kernel"
-
-
-def tracer_config(**kw: Any) -> Any:
-    fields = {"backend": "cupti", "history_steps": 16, "ring_mb": 256, "overhead_budget_pct": None}
-    fields.update(kw)
-    try:
-        from distanom.config import TracerConfig
-
-        return TracerConfig(**fields)
-    except ImportError:  # no pydantic on the device image
-        return SimpleNamespace(**fields)
 
 
 class Work:
