@@ -22,6 +22,11 @@ timed loop, with one torch.cuda.synchronize() after the loop unless said otherwi
   kernel), records kept raw. After the timed loop, untimed, 20 more steps with
   torch.cuda._sleep(20_000_000) injected into 3 known steps; each injected step and its
   neighbours are fetched with step_trace to check the sleep landed in its own step only.
+  Then, also untimed by the pair, an in-process A/B: AB_PAIRS pairs of windows
+  (governor_window steps each) with tracing on and off (CUPTI detached), in alternating
+  order; each switch happens on one untimed step before its window, and each window is
+  timed between two synchronizes. Free of the process-to-process spread that dominates
+  the pairs on a noisy machine, its median on/off ratio is reported as `ab_ratio`.
 - cupti_budget1: CuptiTracer driven by the OverheadGovernor with a 1% budget; the
   governor is fed each step's host time (time between two step ends; without a per-step
   synchronize this is the GPU-paced step time in steady state) and switches tracing per
@@ -78,6 +83,7 @@ WORKLOADS: dict[str, dict[str, int]] = {
 INJECT_CYCLES = 20_000_000
 INJECT_OFFSETS = (5, 10, 15)
 INJECT_PHASE_STEPS = 20
+AB_PAIRS = 12
 
 
 def log(msg: str) -> None:
@@ -217,6 +223,36 @@ def _check_injected(tracer: Any, work: Workload, first: int) -> dict[str, Any]:
     }
 
 
+def _ab_windows(tracer: Any, work: Workload, first: int, window: int) -> dict[str, Any]:
+    """Untimed by the pair: tracing on vs off (detached) in alternating windows."""
+    on_ms: list[float] = []
+    off_ms: list[float] = []
+    ratios: list[float] = []
+    step = first
+
+    def traced_step(i: int) -> None:
+        work.step(0)
+        tracer.mark_step(i, time.time_ns())
+
+    for p in range(AB_PAIRS):
+        got: dict[bool, float] = {}
+        for on in (True, False) if p % 2 == 0 else (False, True):
+            tracer.set_tracing(on)
+            traced_step(step)  # the switch (attach, or synchronize + detach) happens here
+            step += 1
+            got[on] = _timed(traced_step, step, window)
+            step += window
+        on_ms.append(got[True])
+        off_ms.append(got[False])
+        ratios.append(got[True] / got[False])
+    tracer.set_tracing(True)
+    return {
+        "pairs": AB_PAIRS, "window_steps": window,
+        "on_ms": [round(x, 4) for x in on_ms], "off_ms": [round(x, 4) for x in off_ms],
+        "ratios": [round(x, 4) for x in ratios], "ab_ratio": round(statistics.median(ratios), 4),
+    }  # fmt: skip
+
+
 def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -289,7 +325,10 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         if governor is not None:
             result["governor"] = governor.report()
         else:
-            result["injection"] = _check_injected(tracer, work, warmup + steps + 1)
+            first = warmup + steps + 1
+            result["injection"] = _check_injected(tracer, work, first)
+            first += INJECT_PHASE_STEPS
+            result["ab"] = _ab_windows(tracer, work, first, spec["governor_window"])
         tracer.close()
         result["tracer_stats"] = tracer.stats()
 
@@ -453,6 +492,10 @@ def _summary(
             entry["tracer_stats"] = [b.get("tracer_stats") for b in traced]
             entry["calibration"] = next((b.get("calibration") for b in traced), None)
             entry["start_ms"] = [round(b.get("start_ms", 0), 1) for b in traced]
+            ab = [b["ab"]["ab_ratio"] for b in traced if "ab" in b]
+            entry["ab_ratios"] = ab  # per process: in-process on/off window ratio
+            entry["ab_ratio_median"] = round(statistics.median(ab), 4) if ab else None
+            entry["ab"] = [b.get("ab") for b in traced]
             out["injected"] = entry["injected"]
             out["captured_injected"] = entry["captured_injected"]
         if variant == "cupti_budget1":
@@ -497,6 +540,8 @@ def bench_workload(
                 if "injection" in b:
                     inj = b["injection"]
                     extra = f"  injected captured {inj['captured_injected']}/{inj['injected']}"
+                    if "ab" in b:
+                        extra += f"  in-process on/off {b['ab']['ab_ratio']}"
                 if "governor" in b:
                     g = b["governor"]
                     extra = (

@@ -240,7 +240,7 @@ class StepResolver:
         try:
             offsets = self._iterate(buf.address, buf.valid_size)
             view = buffer_view(buf.address, buf.valid_size)
-            idx = index_buffer(view, offsets, buf.seq, self.names, is_marker_name)
+            idx = index_buffer(view, offsets, buf.seq, self.names, is_marker_name, buf.epoch)
         except Exception as err:  # a malformed buffer costs that buffer, not the tracer
             self.counters["index_errors"] += 1
             log.warning("cannot index CUPTI buffer %d (%d bytes): %s", buf.seq, buf.valid_size, err)
@@ -498,6 +498,7 @@ class CuptiTracer:
         marker_codes: int = MARKER_CODES,
         force_flush_after_s: float = 2.0,
         buffer_kb: int = cupti_lib.DEFAULT_BUFFER_BYTES >> 10,
+        detach_when_off: bool = True,
     ) -> None:
         # Duck-typed on purpose: only these three fields are read, so device scripts can
         # pass a plain namespace where pydantic is not installed.
@@ -508,6 +509,7 @@ class CuptiTracer:
         self._codes = int(marker_codes)
         self._force_after_ns = int(force_flush_after_s * 1e9)
         self._buffer_bytes = int(buffer_kb) << 10
+        self._detach_when_off = detach_when_off
         self._state = "new"  # new | running | failed | closed
         self._want_tracing = True
         self._tracing = False
@@ -537,6 +539,8 @@ class CuptiTracer:
             "mark_errors": 0,
             "enables": 0,
             "disables": 0,
+            "detaches": 0,
+            "detach_failures": 0,
             "toggle_ns_max": 0,
             "toggle_ns_total": 0,
             "lag_alarms": 0,
@@ -818,18 +822,41 @@ class CuptiTracer:
             return True
 
     def _toggle(self, on: bool) -> None:
-        assert self._session is not None
+        session = self._session
+        assert session is not None
         t0 = time.perf_counter_ns()
         if on:
-            self._session.enable()
+            session.attach()  # re-attaches if detached; refuses if another client came
             self.counters["enables"] += 1
+        elif self._detach_when_off and session.lib.can_detach:
+            self._detach(session)
         else:
-            self._session.disable()
+            session.disable()
             self.counters["disables"] += 1
         self._tracing = on
         took = time.perf_counter_ns() - t0
         self.counters["toggle_ns_total"] += took
         self.counters["toggle_ns_max"] = max(self.counters["toggle_ns_max"], took)
+
+    def _detach(self, session: cupti_lib.ActivitySession) -> None:
+        """Tracing goes off: detach CUPTI, since its per-launch cost outlives a mere
+        disable. The synchronize is CUPTI's condition for detaching (every launch it
+        instrumented has finished); it costs one drain of the GPU queue per off switch."""
+        self._torch.cuda.synchronize()
+        try:
+            session.detach()
+        except cupti_lib.CuptiError as err:
+            # Kinds are disabled and buffers flushed; only the detach failed: go on
+            # disabling instead, at the attached cost, and say so once.
+            self._detach_when_off = False
+            self.counters["detach_failures"] += 1
+            log.warning(
+                "cannot detach CUPTI (%s): off windows keep it attached, which keeps part of "
+                "its per-kernel cost", err,
+            )  # fmt: skip
+            self.counters["disables"] += 1
+            return
+        self.counters["detaches"] += 1
 
     def _fail(self, reason: str) -> None:
         self.failure = reason

@@ -300,17 +300,24 @@ def _gather(view: U8Array, positions: I64Array, dtype: npt.DTypeLike) -> npt.NDA
     return out
 
 
+# CUPTI's correlation ids are 32-bit and only known to increase within one attachment of
+# CUPTI: indexes order records by epoch * EPOCH_CORRELATION_STRIDE + correlation.
+EPOCH_CORRELATION_STRIDE = 1 << 32
+
+
 def index_buffer(
     view: U8Array,
     offsets: Sequence[int],
     seq: int,
     names: NameTable,
     is_marker: Callable[[str], bool],
+    epoch: int = 0,
 ) -> BufferIndex:
     """Index a buffer: kind and correlation id of every record, and its marker kernels.
 
     Records of other kinds are counted and skipped; so is a record that would run past
-    the valid end of the buffer (it cannot be read whole)."""
+    the valid end of the buffer (it cannot be read whole). Correlation ids are offset by
+    the buffer's attachment `epoch` (see EPOCH_CORRELATION_STRIDE)."""
     offs = np.asarray(offsets, dtype=np.int64)
     if len(offs) and (int(offs.min()) < 0 or int(offs.max()) + 4 > len(view)):
         raise ValueError("record offset outside the buffer")
@@ -323,6 +330,7 @@ def index_buffer(
     offs, kinds = offs[usable], kinds[usable]
     corr_off = np.where(kinds == KIND_CONCURRENT_KERNEL, 92, 44).astype(np.int64)
     corr = _gather(view, offs + corr_off, np.uint32).astype(np.int64)
+    corr += int(epoch) * EPOCH_CORRELATION_STRIDE
 
     markers: list[MarkerRecord] = []
     kern = np.nonzero(kinds == KIND_CONCURRENT_KERNEL)[0]

@@ -165,15 +165,15 @@ def test_tracing_off_and_on_at_step_boundaries(make_tracer: Any) -> None:
     tracer = make_tracer()
     work = Work()
     run_steps(tracer, work, 0, 7)
-    tracer.set_tracing(False)  # applied at boundary 8: marker 8 launched, then disabled
+    tracer.set_tracing(False)  # applied at boundary 8: marker 8 launched, then detached
     run_steps(tracer, work, 8, 11)
-    tracer.set_tracing(True)  # applied at boundary 12: enabled, then marker 12 launched
+    tracer.set_tracing(True)  # applied at boundary 12: attached, then marker 12 launched
     run_steps(tracer, work, 12, 17)
     torch.cuda.synchronize()
     states = {s: tracer.explain(s) for s in range(2, 18)}
     print("\n" + "\n".join(f"step {s}: {st.value} ({why})" for s, (st, why) in states.items()))
-    # Step 8 being READY checks that a kernel launched before cuptiActivityDisable is
-    # still recorded (the disable comes right after marker 8 is launched).
+    # Step 8 being READY checks that a kernel launched before the detach is still
+    # recorded (synchronize + detach come right after marker 8 is launched).
     expected_ready = set(range(2, 9)) | set(range(13, 18))
     for s in range(2, 18):
         want = Availability.READY if s in expected_ready else Availability.GONE
@@ -186,9 +186,103 @@ def test_tracing_off_and_on_at_step_boundaries(make_tracer: Any) -> None:
     assert len(n) == 1, n
     st = tracer.stats()
     print(
-        f"toggles: {st['enables']} enables, {st['disables']} disables, max {st['toggle_ns_max']} ns"
+        f"toggles: {st['enables']} enables, {st['detaches']} detaches, {st['disables']} "
+        f"disables, max {st['toggle_ns_max']} ns"
     )
-    assert st["enables"] == 1 and st["disables"] == 1
+    assert st["enables"] == 1 and st["detaches"] == 1 and st["disables"] == 0
+
+
+def test_many_detach_attach_cycles_under_a_concurrent_reader(make_tracer: Any) -> None:
+    # The governor's duty cycle: 2 steps on, 2 off, 60 times, while a capture thread
+    # reads and flushes (a flush racing a detach is what CUPTI warns about).
+    import resource
+
+    tracer = make_tracer(history_steps=64)
+    work = Work(kernels=20)
+    served: dict[int, StepTrace] = {}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    # Cycle c runs steps 4c..4c+3: on at boundary 4c (attach, then marker 4c), off at
+    # boundary 4c+2 (marker 4c+2, then detach): steps 4c+1 and 4c+2 are traced.
+    traced = {4 * c + k for c in range(60) for k in (1, 2)}
+
+    def capture() -> None:
+        try:
+            while not stop.is_set():
+                with lock:
+                    todo = sorted(traced - set(served))
+                for s in todo:
+                    if tracer.explain(s)[0] is Availability.READY:
+                        trace = tracer.step_trace(s)
+                        with lock:
+                            served[s] = trace
+                time.sleep(0.001)
+        except BaseException as err:
+            errors.append(err)
+
+    faulthandler.dump_traceback_later(150, exit=True)
+    reader = threading.Thread(target=capture, daemon=True)
+    reader.start()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step = 0
+    for _ in range(60):
+        for on in (True, True, False, False):
+            tracer.set_tracing(on)
+            work.step()
+            tracer.mark_step(step, time.time_ns())
+            step += 1
+    tracer.set_tracing(True)
+    work.step()
+    tracer.mark_step(step, time.time_ns())
+    torch.cuda.synchronize()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not errors:
+        with lock:
+            if set(served) == traced:
+                break
+        time.sleep(0.01)
+    stop.set()
+    reader.join(30)
+    faulthandler.cancel_dump_traceback_later()
+    rss_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    st = tracer.stats()
+    first_ids = sorted(
+        (t.metadata["distanom"]["marker_correlation"][0] >> 32,
+         min(e["args"]["correlation"] for e in t.events if e.get("cat") == "kernel"))
+        for t in served.values()
+    )  # fmt: skip
+    print(
+        f"\n{len(served)}/{len(traced)} traced steps served; {st['detaches']} detaches, "
+        f"{st['enables']} attaches, max switch {st['toggle_ns_max'] / 1e6:.2f} ms, "
+        f"mean {st['toggle_ns_total'] / max(1, st['detaches'] + st['enables']) / 1e6:.3f} ms; "
+        f"max RSS +{rss_mb:.1f} MB; (epoch, first raw correlation) of the first steps "
+        f"{first_ids[:4]}; buffers abandoned {st.get('buffers_abandoned')}"
+    )
+    assert not reader.is_alive() and not errors, errors
+    assert set(served) == traced, sorted(traced - set(served))
+    counts = {len(kernels(t)) for t in served.values()}
+    assert len(counts) == 1, counts
+    for t in served.values():
+        assert_clean(t)
+        assert t.stats["outside_bounds"] == 0
+    assert st["detaches"] == 60 and st["detach_failures"] == 0
+    assert st["mark_errors"] == 0 and st["callback_errors"] == 0
+    assert st.get("buffers_abandoned", 0) == 0
+
+
+def test_closing_while_detached_then_starting_again(make_tracer: Any) -> None:
+    first = make_tracer()
+    work = Work()
+    run_steps(first, work, 0, 2)
+    first.set_tracing(False)
+    run_steps(first, work, 3, 4)
+    assert first.stats()["detaches"] == 1
+    first.close()
+    second = make_tracer()
+    run_steps(second, work, 0, 3)
+    torch.cuda.synchronize()
+    assert_clean(wait_ready(second, 3))
 
 
 def test_pending_while_the_gpu_has_not_reached_the_marker(make_tracer: Any) -> None:

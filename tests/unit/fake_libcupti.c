@@ -19,6 +19,7 @@ static int g_busy, g_subscribed, g_fail_enable = -1;
 static uint8_t *g_buf;
 static size_t g_size, g_used, g_dropped;
 static uint32_t g_corr = 100;
+static int g_finalized, g_fail_finalize;
 
 int cuptiGetResultString(int result, const char **str) {
     if (!str) return 1;
@@ -77,12 +78,24 @@ int cuptiSubscribe(void **handle, void *callback, void *userdata) {
     g_subscribed = 1; *handle = (void *)0x1; return 0;
 }
 int cuptiUnsubscribe(void *handle) { (void)handle; g_subscribed = 0; return 0; }
+/* Detach: CUPTI forgets its callbacks, kinds and any buffer it still holds; correlation
+ * ids start again (the worst case distanom must handle). */
+int cuptiFinalize(void) {
+    if (g_fail_finalize) return 7;
+    g_request = NULL; g_complete = NULL; g_buf = NULL;
+    memset(g_enabled, 0, sizeof g_enabled);
+    g_corr = 100;
+    g_finalized++;
+    return 0;
+}
 
 /* -- test hooks ---------------------------------------------------------------------- */
 void fake_set_busy(int busy) { g_busy = busy; }
 void fake_fail_enable(int kind) { g_fail_enable = kind; }
 int fake_enabled(int kind) { return g_enabled[kind]; }
 int fake_subscribed(void) { return g_subscribed; }
+int fake_finalized(void) { return g_finalized; }
+void fake_fail_finalize(int fail) { g_fail_finalize = fail; }
 
 /* Emit a kernel record; returns its correlation id, -1 if kernels are not enabled,
  * -2 if no buffer could be had (the record is dropped, as CUPTI would). */

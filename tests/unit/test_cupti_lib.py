@@ -175,6 +175,7 @@ def session(fake_lib: CuptiLib) -> Iterator[ActivitySession]:
     dll: Any = fake_lib._dll
     dll.fake_set_busy(0)
     dll.fake_fail_enable(-1)
+    dll.fake_fail_finalize(0)
     s = ActivitySession(fake_lib, BufferPool(4096, 4, clock=Clock()))
     try:
         yield s
@@ -252,3 +253,67 @@ def test_only_one_session_per_process_and_close_is_idempotent(session: ActivityS
     session.close()
     session.close()
     assert cupti_lib._active_pool is None
+
+
+def test_detach_hands_every_buffer_back_and_attach_starts_a_new_epoch(
+    session: ActivitySession,
+) -> None:
+    dll: Any = session.lib._dll
+    session.open()
+    assert session.lib.can_detach
+    first = [dll.fake_emit_kernel(T0 + i, T0 + i + 1, b"before", 1) for i in range(3)]
+    finalized = dll.fake_finalized()
+    session.detach()
+    assert dll.fake_finalized() == finalized + 1 and not session.attached
+    assert not any(dll.fake_enabled(k) for k in cupti_lib.TRACED_KINDS)
+    done = session.pool.completed()
+    assert [(b.valid_size, b.epoch) for b in done] == [(3 * 216, 0)]  # flushed before detaching
+    assert session.pool.epoch == 1 and session.detaches == 1
+    # Detached, a flush must not call CUPTI (the fake would fail: no callbacks registered).
+    session.flush(forced=True)
+    session.detach()  # idempotent
+    assert dll.fake_emit_kernel(T0, T0 + 1, b"off", 1) == -1
+    session.attach()
+    assert session.attached and all(dll.fake_enabled(k) for k in cupti_lib.TRACED_KINDS)
+    assert dll.fake_subscribed() == 0  # the subscriber check ran and unsubscribed
+    again = [dll.fake_emit_kernel(T0 + 9, T0 + 10, b"after", 1) for _ in range(2)]
+    assert again[0] <= first[-1]  # the fake restarts correlation ids, as CUPTI may
+    session.flush()
+    newest = session.pool.completed()[-1]
+    assert (newest.valid_size, newest.epoch) == (2 * 216, 1)
+
+
+def test_attach_refuses_when_another_client_took_cupti_meanwhile(
+    session: ActivitySession,
+) -> None:
+    dll: Any = session.lib._dll
+    session.open()
+    session.detach()
+    dll.fake_set_busy(1)
+    with pytest.raises(TracerUnavailableError, match="already has a subscriber"):
+        session.attach()
+    assert not session.attached
+    dll.fake_set_busy(0)
+
+
+def test_failed_detach_leaves_the_session_attached_and_disabled(
+    session: ActivitySession,
+) -> None:
+    dll: Any = session.lib._dll
+    session.open()
+    dll.fake_fail_finalize(1)
+    with pytest.raises(CuptiError, match="cuptiFinalize"):
+        session.detach()
+    assert session.attached and not session.enabled and session.pool.epoch == 0
+    session.flush()  # still attached: flushes go to CUPTI
+    assert session.flushes >= 2
+
+
+def test_pool_begin_epoch_abandons_buffers_cupti_still_holds() -> None:
+    pool = BufferPool(4096, 4, clock=Clock())
+    held = pool.request()
+    assert held is not None
+    assert pool.begin_epoch() == 1
+    assert pool.stats()["buffers_abandoned"] == 1
+    pool.complete(held[0], 100)  # a late hand-back of an abandoned buffer is ignored
+    assert pool.completed() == [] and pool.counters["unknown_buffers_completed"] == 1

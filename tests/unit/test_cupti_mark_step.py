@@ -1,7 +1,8 @@
 """CuptiTracer.mark_step, the training-thread path, with torch and CUPTI faked.
 
-Checks the order of enable / marker launch / disable at a boundary (which decides
-which steps are traced), the marker codes, the lag probe, and that nothing raises.
+Checks the order of attach / marker launch / synchronize + detach at a boundary (which
+decides which steps are traced), the fallback to disabling when CUPTI cannot detach, the
+marker codes, the lag probe, and that nothing raises.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from distanom.tracers.cupti import (
     CuptiTracer,
     StepResolver,
 )
-from distanom.tracers.cupti_lib import BufferPool
+from distanom.tracers.cupti_lib import BufferPool, CuptiError
 from distanom.tracers.cupti_records import NameTable
 
 
@@ -32,28 +33,38 @@ class FakeEvent:
 
 
 class FakeSession:
-    def __init__(self, log: list[str]) -> None:
+    def __init__(self, log: list[str], can_detach: bool = True) -> None:
         self.log = log
+        self.lib = SimpleNamespace(can_detach=can_detach)
+        self.fail_detach = False
 
-    def enable(self) -> None:
-        self.log.append("enable")
+    def attach(self) -> None:
+        self.log.append("attach")
 
     def disable(self) -> None:
         self.log.append("disable")
 
+    def detach(self) -> None:
+        if self.fail_detach:
+            raise CuptiError("cuptiFinalize", 7, "CUPTI_ERROR_INVALID_OPERATION")
+        self.log.append("detach")
 
-def running_tracer(history: int = 16) -> tuple[CuptiTracer, list[str]]:
+
+def running_tracer(history: int = 16, can_detach: bool = True) -> tuple[CuptiTracer, list[str]]:
     log: list[str] = []
     cfg = SimpleNamespace(history_steps=history, ring_mb=8, overhead_budget_pct=None)
     t = CuptiTracer(cfg, rank=0)  # type: ignore[arg-type]
     capturing = {"on": False}
     t._torch = SimpleNamespace(
-        cuda=SimpleNamespace(is_current_stream_capturing=lambda: capturing["on"])
+        cuda=SimpleNamespace(
+            is_current_stream_capturing=lambda: capturing["on"],
+            synchronize=lambda: log.append("sync"),
+        )
     )
     t._capturing = capturing  # type: ignore[attr-defined]
     t._marker_inputs = list(range(MARKER_CODES))
     t._marker_fn = lambda code: log.append(f"marker{code}")
-    t._session = FakeSession(log)  # type: ignore[assignment]
+    t._session = FakeSession(log, can_detach)  # type: ignore[assignment]
     t._resolver = StepResolver(
         BufferPool(4096, 2),
         lambda a, s: [],
@@ -79,19 +90,50 @@ def test_boundary_order_for_switching_off_and_on() -> None:
     t.set_tracing(False)
     log.clear()
     t.mark_step(2, 200)
-    assert [x for x in log if x != "event"] == ["marker2", "disable"]  # marker, then off
+    # marker, then off: drain the GPU (CUPTI's condition), then detach
+    assert [x for x in log if x != "event"] == ["marker2", "sync", "detach"]
     log.clear()
     t.mark_step(3, 300)
     assert log == []  # tracing off: no marker
     t.set_tracing(True)
     t.mark_step(4, 400)
-    assert [x for x in log if x != "event"] == ["enable", "marker4"]  # on, then marker
+    assert [x for x in log if x != "event"] == ["attach", "marker4"]  # on, then marker
     m = {x.step: x for x in marks(t)}
     assert (m[2].marker_launched, m[2].traced_after) == (True, False)
     assert (m[3].marker_launched, m[3].traced_after) == (False, False)
     assert (m[4].marker_launched, m[4].traced_after) == (True, True)
     assert m[4].code == 4 and m[2].host_end_ns == 200
-    assert t.counters["enables"] == 1 and t.counters["disables"] == 1
+    assert t.counters["enables"] == 1 and t.counters["detaches"] == 1
+    assert t.counters["disables"] == 0
+
+
+def test_without_detach_off_windows_only_disable() -> None:
+    t, log = running_tracer(can_detach=False)
+    t.mark_step(1, 100)
+    t.set_tracing(False)
+    log.clear()
+    t.mark_step(2, 200)
+    assert [x for x in log if x != "event"] == ["marker2", "disable"]  # no synchronize
+    assert t.counters["disables"] == 1 and t.counters["detaches"] == 0
+
+
+def test_a_failed_detach_falls_back_to_disabling_for_good(caplog: Any) -> None:
+    t, log = running_tracer()
+    assert t._session is not None
+    t._session.fail_detach = True  # type: ignore[attr-defined]
+    t.mark_step(1, 100)
+    t.set_tracing(False)
+    t.mark_step(2, 200)
+    assert t._state == "running" and not t._tracing  # training and the tracer go on
+    assert t.counters["detach_failures"] == 1 and t.counters["disables"] == 1
+    t.set_tracing(True)
+    t.mark_step(3, 300)
+    t.set_tracing(False)
+    log.clear()
+    t.mark_step(4, 400)
+    assert [x for x in log if x != "event"] == ["marker4", "disable"]  # no second try
+    assert t.counters["detach_failures"] == 1
+    assert sum("cannot detach CUPTI" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_codes_wrap_and_steps_must_increase() -> None:

@@ -179,6 +179,14 @@ class FakeCupti:
             self.pool.complete(self.cur[0], self.used)
             self.cur = None
 
+    def detach(self) -> None:
+        """CuptiTracer switching off: the GPU is drained, every buffer handed back, CUPTI
+        detached; correlation ids start again on re-attach (the worst case)."""
+        self.run_gpu()
+        self.flush(True)
+        self.pool.begin_epoch()
+        self.corr = 1000
+
     # -- reading -----------------------------------------------------------------------
 
     def trace(self, step: int) -> StepTrace:
@@ -278,6 +286,26 @@ def test_first_old_and_untraced_steps_are_gone() -> None:
     assert f.state(5) is Availability.READY
     assert f.state(6) is Availability.READY
     assert f.resolver.locate(3)[2] == "tracing was off for this step"
+
+
+def test_steps_on_both_sides_of_a_detach_with_restarted_correlation_ids() -> None:
+    # Off at boundary 3 (marker 3, then detach), on at boundary 6 (attach, then marker 6);
+    # the ids after re-attaching repeat those before: only (epoch, id) orders them.
+    f = FakeCupti(history=16)
+    for s in range(4):
+        f.step(s, traced_after=(s != 3))
+    f.detach()
+    f.mark(4, launched=False, traced_after=False)
+    f.mark(5, launched=False, traced_after=False)
+    f.mark(6)
+    for s in range(7, 10):
+        f.step(s)
+    assert f.corr < 1000 + 4 * 4  # ids were reused
+    for s in (1, 2, 3, 7, 8, 9):
+        assert kernel_names(f.trace(s)) == [f"k{i}_s{s}" for i in range(3)], s
+    for s in (4, 5, 6):
+        assert f.state(s) is Availability.GONE, s
+    assert f.resolver.counters["inconsistent_markers"] == 0
 
 
 def test_lost_marker_loses_its_two_steps_and_shifts_nothing() -> None:
