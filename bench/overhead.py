@@ -294,8 +294,8 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             params = GovernorParams(window_steps=spec["governor_window"], lag_steps=2)
             governor = OverheadGovernor(budget, params, first_step=1)
             state["on"][1] = governor.tracing_on(1)
-            tracer.set_tracing(state["on"][1])
         tracer.mark_step(0, time.time_ns())
+        tracer.set_tracing(state["on"][1])
         state["last"] = time.perf_counter()
 
         mark_ns: list[int] = []
@@ -303,14 +303,14 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         def traced_step(i: int) -> None:
             work.step(0)
             t_mark = time.perf_counter_ns()
+            tracer.mark_step(i, time.time_ns())
             if governor is not None:
                 now = time.perf_counter()
                 governor.record(i, now - state["last"], state["on"][i])
                 state["last"] = now
                 nxt = governor.tracing_on(i + 1)
                 state["on"][i + 1] = nxt
-                tracer.set_tracing(nxt)  # applies at this boundary: step i+1
-            tracer.mark_step(i, time.time_ns())
+                tracer.set_tracing(nxt)  # at this boundary, as the agent does: step i+1
             mark_ns.append(time.perf_counter_ns() - t_mark)
 
         for i in range(1, warmup + 1):

@@ -1,9 +1,13 @@
 """The overhead governor: which steps are traced, so that tracing costs at most a budget.
 
 Owns the tracing duty cycle. Tracing is switched in windows of `window_steps` steps
-(switching per step would put CUPTI's enable/disable on every boundary). The governor
+(switching per step would put CUPTI's attach/detach on every boundary). The governor
 measures the tracer's cost live, from the run itself: overhead = median(step times of
-recent traced windows) / median(step times of recent untraced windows) - 1. With a
+recent traced windows) / median(step times of recent untraced windows) - 1, plus the
+cost of switching off. That switch (the cupti backend drains the GPU and detaches CUPTI)
+lands in the first untraced step after a traced one: such a step is kept out of the
+untraced samples, and its excess over the untraced median, times the switches per
+traced window seen so far, is charged to tracing (per traced step). With a
 budget of B percent it traces a fraction f of the windows, f = B / overhead (within a
 hysteresis band, clamped to [min_fraction, 1 - 1/probe_every_windows]), spread evenly by
 an accumulator. Without a budget it traces every window but one in
@@ -62,6 +66,7 @@ class GovernorParams:
 class _Window:
     kind: str  # "T" traced, "U" untraced, "M" mixed (not used to measure)
     times: tuple[float, ...]
+    switch_times: tuple[float, ...] = ()  # untraced steps right after a traced one
 
 
 class OverheadGovernor:
@@ -90,6 +95,8 @@ class OverheadGovernor:
         self._steps_traced = 0
         self._pending_times: list[float | None] = []  # the window being filled
         self._pending_flags: list[bool] = []
+        self._pending_switches: list[float] = []
+        self._previous_traced: bool | None = None
         # complete windows not yet seen by a decision, then the last history_windows
         # traced ("T") and untraced ("U") windows among those a decision has seen
         self._unconsumed: collections.deque[_Window] = collections.deque()
@@ -97,6 +104,11 @@ class OverheadGovernor:
         self._seen: dict[str, collections.deque[_Window]] = {
             kind: collections.deque(maxlen=self.params.history_windows) for kind in ("T", "U")
         }
+        self._seen_switches: collections.deque[float] = collections.deque(
+            maxlen=self.params.history_windows
+        )
+        self._switches_consumed = 0
+        self._traced_windows_consumed = 0
         self._n_windows = 0
         # decisions per window; _decisions[i] is window number _decisions_base + i
         self._decisions: collections.deque[bool] = collections.deque(maxlen=self.KEPT_DECISIONS)
@@ -131,6 +143,13 @@ class OverheadGovernor:
             raise ValueError(f"step time must be >= 0 or None, got {step_time_s!r}")
         self._recorded += 1
         self._steps_traced += bool(traced)
+        switch = not traced and self._previous_traced is True
+        self._previous_traced = bool(traced)
+        if switch:
+            # tracing's cost, not an untraced sample: kept apart (see the module docstring)
+            if step_time_s is not None:
+                self._pending_switches.append(step_time_s)
+            step_time_s = None
         self._pending_times.append(step_time_s)
         self._pending_flags.append(bool(traced))
         if step_time_s is not None:
@@ -139,11 +158,11 @@ class OverheadGovernor:
             flags = self._pending_flags
             kind = "T" if all(flags) else ("U" if not any(flags) else "M")
             times = tuple(t for t in self._pending_times if t is not None)
-            self._unconsumed.append(_Window(kind, times))
+            self._unconsumed.append(_Window(kind, times, tuple(self._pending_switches)))
             self._n_windows += 1
             if len(self._unconsumed) > self.MAX_UNCONSUMED_WINDOWS:
                 self._consume(1)  # nobody asks for decisions: fold instead of growing
-            self._pending_times, self._pending_flags = [], []
+            self._pending_times, self._pending_flags, self._pending_switches = [], [], []
 
     # -- decisions -------------------------------------------------------------------
 
@@ -190,13 +209,18 @@ class OverheadGovernor:
             self._consumed += 1
             if window.kind in self._seen:
                 self._seen[window.kind].append(window)
+            self._seen_switches.extend(window.switch_times)
+            self._switches_consumed += len(window.switch_times)
+            self._traced_windows_consumed += window.kind == "T"
 
     def _is_probe(self, window: int) -> bool:
         p, first = self.params.probe_every_windows, self.params.first_probe_window
         return window >= first and (window - first) % p == 0
 
     def _decide(self, window: int) -> bool:
-        overhead = self._measure(self._seen["T"], self._seen["U"])
+        overhead = self._measure(
+            self._seen["T"], self._seen["U"], self._seen_switches, self._switch_rate()
+        )
         self._last_overhead = overhead
         if self.budget_pct is None:
             return not self._is_probe(window)
@@ -217,8 +241,20 @@ class OverheadGovernor:
             return True
         return False
 
-    def _measure(self, traced: Iterable[_Window], untraced: Iterable[_Window]) -> float | None:
-        """Overhead (0.13 = 13%) from the given traced and untraced windows."""
+    def _switch_rate(self) -> float:
+        """Switches off per traced window, over everything decisions have seen."""
+        return self._switches_consumed / max(1, self._traced_windows_consumed)
+
+    def _measure(
+        self,
+        traced: Iterable[_Window],
+        untraced: Iterable[_Window],
+        switches: Iterable[float] = (),
+        switch_rate: float = 0.0,
+    ) -> float | None:
+        """Overhead (0.13 = 13%) from the given traced and untraced windows, plus the
+        median switch step's excess over the untraced median, `switch_rate` times per
+        traced window."""
         t = [x for w in traced for x in w.times]
         u = [x for w in untraced for x in w.times]
         if len(t) < self.params.min_samples or len(u) < self.params.min_samples:
@@ -226,7 +262,19 @@ class OverheadGovernor:
         mu = statistics.median(u)
         if mu <= 0:
             return None
-        return statistics.median(t) / mu - 1.0
+        return statistics.median(t) / mu - 1.0 + self._switch_share(switches, switch_rate, mu)
+
+    def _switch_share(self, switches: Iterable[float], switch_rate: float, mu: float) -> float:
+        s = list(switches)
+        if not s or mu <= 0:
+            return 0.0
+        excess = max(0.0, statistics.median(s) - mu)
+        return excess * switch_rate / (self.params.window_steps * mu)
+
+    @staticmethod
+    def _measure_median(windows: Iterable[_Window]) -> float | None:
+        times = [x for w in windows for x in w.times]
+        return statistics.median(times) if times else None
 
     def report(self) -> dict[str, Any]:
         """Measured overhead, traced fraction and counts, for logs and the status file."""
@@ -235,7 +283,18 @@ class OverheadGovernor:
             kind: [*self._seen[kind], *(w for w in self._unconsumed if w.kind == kind)][-h:]
             for kind in ("T", "U")
         }
-        recent = self._measure(newest["T"], newest["U"])
+        pending_switches = [x for w in self._unconsumed for x in w.switch_times]
+        switches = [*self._seen_switches, *pending_switches][-h:]
+        consumed_t = self._traced_windows_consumed + sum(w.kind == "T" for w in self._unconsumed)
+        consumed_s = self._switches_consumed + sum(len(w.switch_times) for w in self._unconsumed)
+        rate = consumed_s / max(1, consumed_t)
+        recent = self._measure(newest["T"], newest["U"], switches, rate)
+        untraced_median = self._measure_median(newest["U"])
+        switch_excess_ms = (
+            None
+            if not switches or untraced_median is None
+            else 1000.0 * max(0.0, statistics.median(switches) - untraced_median)
+        )
         recorded = self._recorded
         fraction_steps = self._steps_traced / recorded if recorded else None
         return {
@@ -254,6 +313,8 @@ class OverheadGovernor:
                 if recent is None or fraction_steps is None
                 else 100.0 * recent * fraction_steps
             ),
+            "switches_off": consumed_s,
+            "switch_excess_ms": switch_excess_ms,
             "steps_recorded": recorded,
             "steps_traced": self._steps_traced,
             "steps_untraced": recorded - self._steps_traced,

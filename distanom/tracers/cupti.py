@@ -38,6 +38,7 @@ writes it; nothing here touches disk.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import math
 import threading
@@ -213,6 +214,13 @@ class StepResolver:
         with self._marks_lock:
             self._marks.append(mark)
 
+    def amend_last_mark(self, mark: StepMark) -> None:
+        """Replace the newest mark (same step): tracing was switched right after it."""
+        with self._marks_lock:
+            if not self._marks or self._marks[-1].step != mark.step:
+                raise ValueError(f"no mark of step {mark.step} to amend")
+            self._marks[-1] = mark
+
     def flag_ambiguous(self, first_step: int, last_step: int) -> None:
         """Steps in [first_step, last_step] ran while the GPU lagged too far behind the
         host for marker codes to be unambiguous: never serve them."""
@@ -227,6 +235,10 @@ class StepResolver:
     def last_step(self) -> int | None:
         with self._marks_lock:
             return self._marks[-1].step if self._marks else None
+
+    def last_mark(self) -> StepMark | None:
+        with self._marks_lock:
+            return self._marks[-1] if self._marks else None
 
     def _snapshot(self) -> list[StepMark]:
         with self._marks_lock:
@@ -746,7 +758,34 @@ class CuptiTracer:
         return self._last_step
 
     def set_tracing(self, on: bool) -> None:
-        self._want_tracing = bool(on)  # applied at the next step boundary
+        """Switch at the boundary `mark_step` just recorded: the next step is (not)
+        traced. Off: CUPTI is detached now (the closing marker is already launched). On:
+        CUPTI is attached and the boundary's marker launched now, opening the next step.
+        Before the first mark it is remembered and applied there."""
+        self._want_tracing = bool(on)
+        if self._state != "running" or self._last_step is None or on == self._tracing:
+            return
+        if self._torch.cuda.is_current_stream_capturing():
+            return  # no marker or synchronize inside a CUDA graph: the next mark applies it
+        step = self._last_step
+        try:
+            if on:
+                self._toggle(True)
+                mark = self._launch_marker(step, host_end_ns=None)
+            else:
+                self._toggle(False)
+                mark = None
+            assert self._resolver is not None
+            last = self._resolver.last_mark()
+            if last is not None and last.step == step:
+                if mark is None:
+                    mark = dataclasses.replace(last, traced_after=False)
+                else:
+                    mark = dataclasses.replace(mark, host_end_ns=last.host_end_ns)
+                self._resolver.amend_last_mark(mark)
+        except Exception as err:  # never into the training loop
+            self.counters["mark_errors"] += 1
+            self._fail(f"set_tracing({on}) after step {step}: {type(err).__name__}: {err}")
 
     def mark_step(self, step: int, host_end_ns: int) -> None:
         if self._state != "running":
@@ -766,25 +805,32 @@ class CuptiTracer:
             want = self._want_tracing
             if want and not self._tracing:
                 self._toggle(True)  # before the marker: it bounds the first traced step
-            code = step % self._codes
-            launched = False
-            launch_wall, launch_mono = time.time_ns(), time.monotonic_ns()
             if self._tracing:
-                self._marker_fn(self._marker_inputs[code])
-                launched = True
-                self.counters["markers_launched"] += 1
-                self._probe_lag(step)
+                mark = self._launch_marker(step, host_end_ns)
             else:
                 self.counters["marks_untraced"] += 1
+                mark = StepMark(
+                    step, host_end_ns, time.time_ns(), time.monotonic_ns(), step % self._codes,
+                    marker_launched=False, traced_after=False,
+                )  # fmt: skip
             if not want and self._tracing:
                 self._toggle(False)  # after the marker: it closes the last traced step
+                mark = dataclasses.replace(mark, traced_after=False)
             assert self._resolver is not None
-            self._resolver.record_mark(
-                StepMark(step, host_end_ns, launch_wall, launch_mono, code, launched, self._tracing)
-            )
+            self._resolver.record_mark(mark)
         except Exception as err:  # never into the training loop
             self.counters["mark_errors"] += 1
             self._fail(f"mark_step({step}): {type(err).__name__}: {err}")
+
+    def _launch_marker(self, step: int, host_end_ns: int | None) -> StepMark:
+        """Launch the marker of boundary `step` (tracing is on) and describe it."""
+        code = step % self._codes
+        launch_wall, launch_mono = time.time_ns(), time.monotonic_ns()
+        self._marker_fn(self._marker_inputs[code])
+        self.counters["markers_launched"] += 1
+        self._probe_lag(step)
+        end = launch_wall if host_end_ns is None else host_end_ns
+        return StepMark(step, end, launch_wall, launch_mono, code, True, True)
 
     def _probe_lag(self, step: int) -> None:
         """Record an event after this step's marker; alarm if the one LAG_PROBE_AGE

@@ -165,16 +165,17 @@ def test_tracing_off_and_on_at_step_boundaries(make_tracer: Any) -> None:
     tracer = make_tracer()
     work = Work()
     run_steps(tracer, work, 0, 7)
-    tracer.set_tracing(False)  # applied at boundary 8: marker 8 launched, then detached
+    tracer.set_tracing(False)  # after boundary 7 (marker 7 launched): detached now
     run_steps(tracer, work, 8, 11)
-    tracer.set_tracing(True)  # applied at boundary 12: attached, then marker 12 launched
+    tracer.set_tracing(True)  # after boundary 11: attached, then marker 11 launched now
     run_steps(tracer, work, 12, 17)
     torch.cuda.synchronize()
     states = {s: tracer.explain(s) for s in range(2, 18)}
     print("\n" + "\n".join(f"step {s}: {st.value} ({why})" for s, (st, why) in states.items()))
-    # Step 8 being READY checks that a kernel launched before the detach is still
-    # recorded (synchronize + detach come right after marker 8 is launched).
-    expected_ready = set(range(2, 9)) | set(range(13, 18))
+    # Step 7 being READY checks that a kernel launched just before the detach is still
+    # recorded (synchronize + detach come right after marker 7); step 12 that the marker
+    # launched by set_tracing(True) opens it.
+    expected_ready = set(range(2, 8)) | set(range(12, 18))
     for s in range(2, 18):
         want = Availability.READY if s in expected_ready else Availability.GONE
         got = wait_ready(tracer, s).step if want is Availability.READY else None
@@ -203,9 +204,10 @@ def test_many_detach_attach_cycles_under_a_concurrent_reader(make_tracer: Any) -
     lock = threading.Lock()
     errors: list[BaseException] = []
     stop = threading.Event()
-    # Cycle c runs steps 4c..4c+3: on at boundary 4c (attach, then marker 4c), off at
-    # boundary 4c+2 (marker 4c+2, then detach): steps 4c+1 and 4c+2 are traced.
-    traced = {4 * c + k for c in range(60) for k in (1, 2)}
+    # Cycle c runs steps 4c..4c+3, traced, traced, untraced, untraced: switched on after
+    # boundary 4c-1 (attach, marker 4c-1), off after boundary 4c+1 (detach). Step 0 has
+    # no marker before it.
+    traced = {4 * c + k for c in range(60) for k in (0, 1)} - {0}
 
     def capture() -> None:
         try:

@@ -84,36 +84,62 @@ def marks(t: CuptiTracer) -> list[Any]:
     return t._resolver._snapshot()
 
 
-def test_boundary_order_for_switching_off_and_on() -> None:
+def calls(log: list[str]) -> list[str]:
+    return [x for x in log if x != "event"]
+
+
+def test_switching_applies_at_the_boundary_just_marked() -> None:
     t, log = running_tracer()
     t.mark_step(1, 100)
-    t.set_tracing(False)
+    log.clear()
+    t.set_tracing(False)  # after boundary 1: marker 1 closed step 1; step 2 is untraced
+    assert calls(log) == ["sync", "detach"]  # drain the GPU (CUPTI's condition), detach
     log.clear()
     t.mark_step(2, 200)
-    # marker, then off: drain the GPU (CUPTI's condition), then detach
-    assert [x for x in log if x != "event"] == ["marker2", "sync", "detach"]
-    log.clear()
     t.mark_step(3, 300)
     assert log == []  # tracing off: no marker
-    t.set_tracing(True)
+    t.set_tracing(True)  # after boundary 3: attach, then marker 3 opens step 4
+    assert calls(log) == ["attach", "marker3"]
+    t.set_tracing(True)  # already on: nothing
+    assert calls(log) == ["attach", "marker3"]
     t.mark_step(4, 400)
-    assert [x for x in log if x != "event"] == ["attach", "marker4"]  # on, then marker
     m = {x.step: x for x in marks(t)}
-    assert (m[2].marker_launched, m[2].traced_after) == (True, False)
-    assert (m[3].marker_launched, m[3].traced_after) == (False, False)
+    assert (m[1].marker_launched, m[1].traced_after) == (True, False)
+    assert (m[2].marker_launched, m[2].traced_after) == (False, False)
+    assert (m[3].marker_launched, m[3].traced_after) == (True, True)
     assert (m[4].marker_launched, m[4].traced_after) == (True, True)
-    assert m[4].code == 4 and m[2].host_end_ns == 200
+    assert m[3].code == 3 and m[3].host_end_ns == 300  # the boundary's own end time
     assert t.counters["enables"] == 1 and t.counters["detaches"] == 1
     assert t.counters["disables"] == 0
+
+
+def test_a_switch_asked_before_the_first_mark_applies_there() -> None:
+    t, log = running_tracer()
+    t.set_tracing(False)
+    assert log == []
+    t.mark_step(1, 100)
+    assert calls(log) == ["marker1", "sync", "detach"]  # marker first: it closes step 1
+    assert (marks(t)[-1].marker_launched, marks(t)[-1].traced_after) == (True, False)
+
+
+def test_no_switch_inside_a_cuda_graph_capture() -> None:
+    t, log = running_tracer()
+    t.mark_step(1, 100)
+    log.clear()
+    t._capturing["on"] = True  # type: ignore[attr-defined]
+    t.set_tracing(False)
+    assert log == []  # deferred: no synchronize while capturing
+    t._capturing["on"] = False  # type: ignore[attr-defined]
+    t.mark_step(2, 200)
+    assert calls(log) == ["marker2", "sync", "detach"]
 
 
 def test_without_detach_off_windows_only_disable() -> None:
     t, log = running_tracer(can_detach=False)
     t.mark_step(1, 100)
-    t.set_tracing(False)
     log.clear()
-    t.mark_step(2, 200)
-    assert [x for x in log if x != "event"] == ["marker2", "disable"]  # no synchronize
+    t.set_tracing(False)
+    assert calls(log) == ["disable"]  # no synchronize
     assert t.counters["disables"] == 1 and t.counters["detaches"] == 0
 
 
@@ -123,15 +149,14 @@ def test_a_failed_detach_falls_back_to_disabling_for_good(caplog: Any) -> None:
     t._session.fail_detach = True  # type: ignore[attr-defined]
     t.mark_step(1, 100)
     t.set_tracing(False)
-    t.mark_step(2, 200)
     assert t._state == "running" and not t._tracing  # training and the tracer go on
     assert t.counters["detach_failures"] == 1 and t.counters["disables"] == 1
+    t.mark_step(2, 200)
     t.set_tracing(True)
     t.mark_step(3, 300)
-    t.set_tracing(False)
     log.clear()
-    t.mark_step(4, 400)
-    assert [x for x in log if x != "event"] == ["marker4", "disable"]  # no second try
+    t.set_tracing(False)
+    assert calls(log) == ["disable"]  # no second try
     assert t.counters["detach_failures"] == 1
     assert sum("cannot detach CUPTI" in r.getMessage() for r in caplog.records) == 1
 

@@ -181,3 +181,33 @@ def test_memory_stays_bounded_over_a_long_run() -> None:
     report = governor.report()
     assert report["steps_recorded"] == 200_000
     assert abs(report["measured_overhead_pct"] - 13.0) < 0.5
+
+
+def test_switching_off_is_charged_to_tracing() -> None:
+    # Traced steps cost +10%; the first untraced step after a traced one carries the
+    # detach (5 ms on a 10 ms step). Medians alone would not see it: a budget of 1%
+    # would then be overspent by a third. The governor charges it to tracing.
+    def step_time(s: int, on: bool) -> float:
+        return BASE * (1.10 if on else 1.0) + (0.005 if was_on[0] and not on else 0.0)
+
+    was_on = [False]
+
+    def timed(s: int, on: bool) -> float:
+        t = step_time(s, on)
+        was_on[0] = on
+        return t
+
+    gov = OverheadGovernor(1.0)
+    k = gov.params.window_steps
+    sched = simulate(gov, 64 * 400, step_time=timed)
+    rep = gov.report()
+    switches = sum(1 for a, b in itertools.pairwise(sched) if a and not b)
+    true_cost = (sum(sched) * 0.10 * BASE + switches * 0.005) / (len(sched) * BASE)
+    assert rep["switch_excess_ms"] == pytest.approx(5.0, abs=0.01)
+    assert rep["switches_off"] > 0
+    # per traced window: 10% + 5 ms / (16 x 10 ms) = 13.1% (isolated traced windows)
+    assert rep["measured_overhead_pct"] == pytest.approx(13.1, abs=0.5)
+    assert rep["untraced_median_s"] == pytest.approx(BASE)  # switch steps kept out
+    assert true_cost * 100 == pytest.approx(1.0, abs=0.15)
+    steady = windows(sched, k)[100:]
+    assert sum(steady) / len(steady) == pytest.approx(1 / 13.1, abs=0.01)
