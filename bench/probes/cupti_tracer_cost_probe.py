@@ -93,6 +93,31 @@ def main() -> int:
         print(json.dumps(out), flush=True)
         return out
 
+    def per_call_us(fn: Any, n: int = 2000) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        took = (time.perf_counter_ns() - t0) / n / 1000
+        torch.cuda.synchronize()
+        return round(took, 2)
+
+    from distanom.tracers.step_marker import DriverMarker, JiteratorMarker
+
+    driver, jit = DriverMarker(torch, 16), JiteratorMarker(torch, 16)
+    event = torch.cuda.Event()
+    ops_us = {
+        "driver_marker_launch": per_call_us(lambda: driver.launch(3)),
+        "jiterator_marker_launch": per_call_us(lambda: jit.launch(3)),
+        "event_record": per_call_us(event.record),
+        "event_query": per_call_us(event.query),
+        "current_stream_handle": per_call_us(lambda: torch.cuda.current_stream().cuda_stream),
+        "time_ns_x2": per_call_us(lambda: (time.time_ns(), time.monotonic_ns())),
+    }
+    print(json.dumps({"ops_us_cupti_attached": ops_us}), flush=True)
+    driver.close()
+    jit.close()
+
     phases: list[dict[str, Any]] = []
     phases.append(ab("tracer", tracer.set_tracing, marked, marked))
     tracer.set_tracing(False)
@@ -113,7 +138,8 @@ def main() -> int:
         step_fn()
         t0 = time.perf_counter_ns()
         code = counter["step"] % 16
-        tracer._marker_fn(tracer._marker_inputs[code])
+        assert tracer._marker is not None
+        tracer._marker.launch(code)
         tracer._events[counter["step"] % len(tracer._events)].record()
         tracer._events[(counter["step"] + 20) % len(tracer._events)].query()
         mark_ns.append(time.perf_counter_ns() - t0)
@@ -133,6 +159,8 @@ def main() -> int:
         "torch": torch.__version__,
         "pairs": PAIRS,
         "window_steps": WINDOW,
+        "ops_us_cupti_attached": ops_us,
+        "marker": tracer.calibration.marker if tracer.calibration else None,
         "phases": phases,
         "tracer_stats": tracer.stats(),
     }

@@ -2,7 +2,9 @@
 
 Owns the step bookkeeping of the backend. On the training thread, `mark_step` launches
 one tiny marker kernel on the current stream and remembers (step, host times); nothing
-else happens there. CUPTI (see `cupti_lib`) collects kernel, memcpy and memset records
+else happens there, except when the duty cycle switches tracing (`set_tracing`): off
+drains the GPU and detaches CUPTI, whose per-launch cost outlives a mere disable; on
+re-attaches it. CUPTI (see `cupti_lib`) collects kernel, memcpy and memset records
 into a bounded ring of raw buffers. When the capture worker asks for a step, on its own
 thread, `StepResolver` flushes CUPTI if needed, indexes only the buffers that can hold
 the step, finds the step's two marker kernels, takes every record whose correlation id
@@ -12,18 +14,18 @@ How records are numbered to steps (the part that must never be silently wrong):
 - Correlation ids are process-wide and increase in launch order, so the records of step
   N are exactly those launched between marker N-1 and marker N, whatever the stream and
   however far the GPU lags the host.
-- Each marker encodes `step % K` (K = 16) in its launch shape: the marker's input has
-  1 + code * 4096 elements, so its grid size differs per code. `start()` launches the K
-  shapes once and reads CUPTI's records back to learn grid → code (this also checks the
-  record layout, the marker name and the clock against the host), and refuses to run if
-  the K grids are not distinct.
+- Each marker encodes `step % K` (K = 16) in its grid size (see `step_marker`: code + 1
+  blocks for the driver-launched marker, an input of 1 + code * 4096 elements for the
+  jiterator fallback). `start()` launches the K shapes once and reads CUPTI's records
+  back to learn grid → code (this also checks the record layout, the marker name and the
+  clock against the host), and refuses to run if the K grids are not distinct.
 - A marker record is matched to the newest marked step with its code whose host launch
   time is not after the marker's GPU start (a kernel never starts before it is
   launched), walking markers from the newest down, steps strictly decreasing. A lost
   marker or a dropped buffer therefore cannot shift the numbering: the next marker still
   carries its own code. Only a GPU lagging the host by K steps or more could fool it, so
-  `mark_step` records a CUDA event after each marker (~1-2 µs) and queries the one
-  recorded 12 markers earlier: if it has not completed, the GPU lags at least 12 steps
+  `mark_step` records a CUDA event after each marker and, every 4th marker, queries the
+  one recorded 12 markers earlier: if it has not completed, the GPU lags at least 12 steps
   and the steps around it are flagged ambiguous (GONE, counted as `lag_alarms`). The
   same events tell the reader whether the GPU has passed a step's closing marker, the
   condition for a forced CUPTI flush (see `StepResolver.locate`).
@@ -66,24 +68,26 @@ from distanom.tracers.cupti_records import (
     index_buffer,
     kineto_events,
 )
+from distanom.tracers.step_marker import (
+    MARKER_LENGTH_STRIDE,
+    MARKER_NAME,
+    JiteratorMarker,
+    StepMarker,
+    create_marker,
+    marker_length,
+)
 
 if TYPE_CHECKING:
     from distanom.config import TracerConfig
 
 log = logging.getLogger(__name__)
 
-MARKER_PREFIX = "distanom_step_marker"
-MARKER_SOURCE = "template <typename T> T distanom_step_marker(T x) { return x + T(1); }"
+MARKER_PREFIX = MARKER_NAME
 MARKER_CODES = 16  # K: markers encode step % K
-MARKER_LENGTH_STRIDE = 4096  # elements between two codes' marker lengths (> any block's work)
 CLOCK_TOLERANCE_NS = 200_000  # CUPTI vs time.time_ns(): measured within ~3 µs
 LAG_PROBE_AGE = 12  # markers after which a marker's event must have completed (< K)
+LAG_PROBE_EVERY = 4  # markers between two lag checks (each check is an event query)
 STEP_EVENTS = 64  # CUDA events kept, one per recent marker
-
-
-def marker_length(code: int) -> int:
-    """Elements of the marker input for a code: the grid size grows with it."""
-    return 1 + code * MARKER_LENGTH_STRIDE
 
 
 def is_marker_name(name: str) -> bool:
@@ -460,14 +464,15 @@ class Calibration:
     """What `start()` learned from launching each marker shape once."""
 
     grid_to_code: dict[int, int]
-    lengths: list[int]
+    lengths: list[int]  # jiterator marker: input length per code (else empty)
     grids: list[int]
-    block_work_size: int | None  # elements per block if grid == ceil(length / it) for all codes
+    block_work_size: int | None  # jiterator: elements per block if grid == ceil(length / it)
     correlation_floor: int
     clock_offset_ns: int  # CUPTI timestamp - time.time_ns()
     memcpy_checked: bool
     cupti_version: int
     library: str
+    marker: str = "driver"  # which StepMarker launched the markers
 
 
 def _device_properties(torch: Any) -> list[dict[str, Any]]:
@@ -531,8 +536,7 @@ class CuptiTracer:
         self._pool: cupti_lib.BufferPool | None = None
         self._resolver: StepResolver | None = None
         self._names: NameTable | None = None
-        self._marker_fn: Any = None
-        self._marker_inputs: list[Any] = []
+        self._marker: StepMarker | None = None
         self._torch: Any = None
         self._device_properties: list[dict[str, Any]] = []
         self.calibration: Calibration | None = None
@@ -575,16 +579,10 @@ class CuptiTracer:
         self._device_properties = _device_properties(torch)
         num_sms = self._device_properties[device]["numSms"]
 
-        # Build and JIT-compile the marker before CUPTI sees anything.
-        from torch.cuda import jiterator
-
-        self._marker_fn = jiterator._create_jit_fn(MARKER_SOURCE)
-        self._marker_inputs = [
-            torch.zeros(marker_length(c), dtype=torch.int32, device=f"cuda:{device}")
-            for c in range(self._codes)
-        ]
-        for x in self._marker_inputs:
-            self._marker_fn(x)
+        # Load and warm the marker before CUPTI sees anything.
+        self._marker = create_marker(torch, self._codes)
+        for code in range(self._codes):
+            self._marker.launch(code)
         cuda: Any = torch.cuda
         self._events = [cuda.Event() for _ in range(STEP_EVENTS)]
         torch.cuda.synchronize()
@@ -622,10 +620,10 @@ class CuptiTracer:
         self._tracing = True
         self._state = "running"
         log.info(
-            "cupti tracer on (rank %d): %s, CUPTI version %d, ring %d x %d KB, marker grids %s "
-            "(grid = ceil(length / %s)), clock offset %d ns, memcpy layout checked: %s",
+            "cupti tracer on (rank %d): %s, CUPTI version %d, ring %d x %d KB, %s marker grids "
+            "%s, clock offset %d ns, memcpy layout checked: %s",
             self.rank, calibration.library, version, pool.max_buffers, pool.buffer_bytes >> 10,
-            calibration.grids, calibration.block_work_size, calibration.clock_offset_ns,
+            calibration.marker, calibration.grids, calibration.clock_offset_ns,
             calibration.memcpy_checked,
         )  # fmt: skip
 
@@ -645,8 +643,9 @@ class CuptiTracer:
             offsets.append(lib.timestamp() - time.time_ns())
         clock_offset = sorted(offsets)[1]
         before = time.time_ns()
-        for x in self._marker_inputs:
-            self._marker_fn(x)
+        assert self._marker is not None
+        for code in range(self._codes):
+            self._marker.launch(code)
         host = torch.arange(4, dtype=torch.int32)
         copied = host.to(f"cuda:{device}")
         torch.cuda.synchronize()
@@ -691,19 +690,22 @@ class CuptiTracer:
             raise TracerUnavailableError("CUPTI marker calibration failed: " + "; ".join(problems))
         floor = max((idx.max_correlation for idx in indexes), default=0)
         memcpy_checked = self._check_memcpy(indexes, pool, names, markers[-1].correlation)
-        lengths = [marker_length(c) for c in range(self._codes)]
-        # Report torch's launch formula as observed: grid = ceil(length / block work size),
-        # with the block work size a multiple of the 128-thread block.
+        lengths: list[int] = []
         block_work: int | None = None
-        for bw in range(128, 16 * MARKER_LENGTH_STRIDE + 1, 128):
-            if all(math.ceil(length / bw) == g for length, g in zip(lengths, grids, strict=True)):
-                block_work = bw
-                break
+        if isinstance(self._marker, JiteratorMarker):
+            # Report torch's launch formula as observed: grid = ceil(length / block work
+            # size), the block work size a multiple of the 128-thread block.
+            lengths = [marker_length(c) for c in range(self._codes)]
+            for bw in range(128, 16 * MARKER_LENGTH_STRIDE + 1, 128):
+                if all(math.ceil(n / bw) == g for n, g in zip(lengths, grids, strict=True)):
+                    block_work = bw
+                    break
         return Calibration(
             grid_to_code={g: c for c, g in enumerate(grids)},
             lengths=lengths,
             grids=grids,
             block_work_size=block_work,
+            marker=self._marker.kind,
             correlation_floor=floor,
             clock_offset_ns=clock_offset,
             memcpy_checked=memcpy_checked,
@@ -745,8 +747,9 @@ class CuptiTracer:
                 self._session.close()
             if self._names is not None:
                 self._names.close()
-            self._marker_inputs = []
-            self._marker_fn = None
+            if self._marker is not None:
+                self._marker.close()
+                self._marker = None
             if was != "new":
                 log.info("cupti tracer closed (rank %d): %s", self.rank, self.stats())
 
@@ -826,15 +829,18 @@ class CuptiTracer:
         """Launch the marker of boundary `step` (tracing is on) and describe it."""
         code = step % self._codes
         launch_wall, launch_mono = time.time_ns(), time.monotonic_ns()
-        self._marker_fn(self._marker_inputs[code])
+        assert self._marker is not None
+        self._marker.launch(code)
         self.counters["markers_launched"] += 1
         self._probe_lag(step)
         end = launch_wall if host_end_ns is None else host_end_ns
         return StepMark(step, end, launch_wall, launch_mono, code, True, True)
 
     def _probe_lag(self, step: int) -> None:
-        """Record an event after this step's marker; alarm if the one LAG_PROBE_AGE
-        markers back has not completed yet (the GPU lags that far behind the host)."""
+        """Record an event after this step's marker; every LAG_PROBE_EVERY markers, alarm
+        if the one LAG_PROBE_AGE markers back has not completed yet (the GPU lags that far
+        behind the host). The lag grows by at most one step per marker, so a check every
+        4 markers still catches it below 12 + 3 < K steps."""
         event = self._events[self._markers_launched % STEP_EVENTS]
         self._markers_launched += 1
         with self._events_lock:
@@ -843,6 +849,7 @@ class CuptiTracer:
             old = (
                 self._step_events[-1 - LAG_PROBE_AGE]
                 if len(self._step_events) > LAG_PROBE_AGE
+                and self._markers_launched % LAG_PROBE_EVERY == 0
                 else None
             )
         if old is not None and not old[1].query():

@@ -25,12 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
 from distanom.errors import TracerUnavailableError
-from distanom.tracers.cupti import (
-    MARKER_SOURCE,
-    CuptiTracer,
-    marker_length,
-    probe_cupti,
-)
+from distanom.tracers.cupti import CuptiTracer, probe_cupti
+from distanom.tracers.step_marker import MARKER_SOURCE, marker_length
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 

@@ -113,10 +113,31 @@ def test_calibration_learned_distinct_marker_grids(make_tracer: Any) -> None:
     print(f"\ncalibration: {cal}")
     assert cal is not None
     assert len(set(cal.grids)) == len(cal.grids) == 16
-    assert cal.block_work_size is not None, f"grid != ceil(length / bw) for any bw: {cal.grids}"
-    print(f"grid formula verified: grid = ceil(length / {cal.block_work_size})")
+    assert cal.marker == "driver", "the driver-launched marker should load on NVIDIA"
+    assert cal.grids == [c + 1 for c in range(16)]
     assert cal.memcpy_checked
     assert abs(cal.clock_offset_ns) < 1_000_000
+
+
+def test_jiterator_fallback_marker_serves_steps(
+    make_tracer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import distanom.tracers.cupti as cupti_mod
+    from distanom.tracers.step_marker import JiteratorMarker
+
+    monkeypatch.setattr(cupti_mod, "create_marker", JiteratorMarker)
+    tracer = make_tracer()
+    cal = tracer.calibration
+    assert cal is not None and cal.marker == "jiterator"
+    assert cal.block_work_size is not None, f"grid != ceil(length / bw) for any bw: {cal.grids}"
+    print(f"\njiterator grid formula verified: grid = ceil(length / {cal.block_work_size})")
+    work = Work()
+    run_steps(tracer, work, 0, 6, **{"4": {"sleep_cycles": 10_000_000}})
+    torch.cuda.synchronize()
+    for s in range(1, 7):
+        t = wait_ready(tracer, s)
+        assert_clean(t)
+        assert any("spin_kernel" in k for k in kernels(t)) == (s == 4), s
 
 
 def test_injected_sleep_is_in_its_step_and_no_other(make_tracer: Any) -> None:

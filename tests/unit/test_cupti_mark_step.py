@@ -62,8 +62,9 @@ def running_tracer(history: int = 16, can_detach: bool = True) -> tuple[CuptiTra
         )
     )
     t._capturing = capturing  # type: ignore[attr-defined]
-    t._marker_inputs = list(range(MARKER_CODES))
-    t._marker_fn = lambda code: log.append(f"marker{code}")
+    t._marker = SimpleNamespace(  # type: ignore[assignment]
+        kind="fake", launch=lambda code: log.append(f"marker{code}"), close=lambda: None
+    )
     t._session = FakeSession(log, can_detach)  # type: ignore[assignment]
     t._resolver = StepResolver(
         BufferPool(4096, 2),
@@ -203,7 +204,7 @@ def test_a_failing_launch_disables_the_tracer_and_never_raises() -> None:
     def boom(_: Any) -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    t._marker_fn = boom
+    t._marker = SimpleNamespace(kind="fake", launch=boom, close=lambda: None)  # type: ignore[assignment]
     t.mark_step(1, 0)  # must not raise
     assert t.failure is not None and "illegal memory access" in t.failure
     assert "disable" in log

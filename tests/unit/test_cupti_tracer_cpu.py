@@ -9,7 +9,8 @@ import pytest
 from distanom.config import TracerConfig
 from distanom.errors import TracerUnavailableError
 from distanom.tracers.base import Availability, Tracer
-from distanom.tracers.cupti import CuptiTracer, marker_length, probe_cupti
+from distanom.tracers.cupti import CuptiTracer, probe_cupti
+from distanom.tracers.step_marker import MARKER_PTX, marker_length
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU paths")
@@ -52,3 +53,24 @@ def test_marker_lengths_give_distinct_grids_for_any_block_work_up_to_the_stride(
     for bw in (128, 256, 512, 1024, 2048, 4096):
         grids = [math.ceil(marker_length(c) / bw) for c in range(16)]
         assert len(set(grids)) == 16, bw
+
+
+def test_marker_ptx_declares_the_marker_entry() -> None:
+    assert MARKER_PTX.lstrip().startswith(".version")
+    assert ".visible .entry distanom_step_marker()" in MARKER_PTX
+
+
+def test_driver_marker_without_libcuda_is_unavailable_not_a_crash() -> None:
+    import ctypes
+
+    from distanom.errors import TracerUnavailableError
+    from distanom.tracers.step_marker import DriverMarker
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        pass
+    else:
+        pytest.skip("this machine has libcuda")
+    with pytest.raises(TracerUnavailableError, match="libcuda not loadable"):
+        DriverMarker(object(), 16)
