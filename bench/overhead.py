@@ -22,7 +22,7 @@ timed loop, with one torch.cuda.synchronize() after the loop unless said otherwi
   kernel), records kept raw. After the timed loop, untimed, 20 more steps with
   torch.cuda._sleep(20_000_000) injected into 3 known steps; each injected step and its
   neighbours are fetched with step_trace to check the sleep landed in its own step only.
-  Then, also untimed by the pair, an in-process A/B: AB_PAIRS pairs of windows
+  Then, also untimed by the pair, an in-process A/B: ab_pairs pairs of windows
   (governor_window steps each) with tracing on and off (CUPTI detached), in alternating
   order; each switch happens on one untimed step before its window, and each window is
   timed between two synchronizes. Free of the process-to-process spread that dominates
@@ -77,13 +77,12 @@ CONTROL_VARIANTS = ("markers_only",)
 BUDGET_STEPS_FACTOR = 6
 WORKLOADS: dict[str, dict[str, int]] = {
     # steps/warmup sized so both workloads, 5 pairs of all variants, fit in ~8 minutes
-    "resnet18": {"steps": 150, "warmup": 20, "governor_window": 8},
-    "transformer": {"steps": 12, "warmup": 3, "governor_window": 2},
+    "resnet18": {"steps": 150, "warmup": 20, "governor_window": 8, "ab_pairs": 12},
+    "transformer": {"steps": 12, "warmup": 3, "governor_window": 2, "ab_pairs": 6},
 }
 INJECT_CYCLES = 20_000_000
 INJECT_OFFSETS = (5, 10, 15)
 INJECT_PHASE_STEPS = 20
-AB_PAIRS = 12
 
 
 def log(msg: str) -> None:
@@ -223,7 +222,7 @@ def _check_injected(tracer: Any, work: Workload, first: int) -> dict[str, Any]:
     }
 
 
-def _ab_windows(tracer: Any, work: Workload, first: int, window: int) -> dict[str, Any]:
+def _ab_windows(tracer: Any, work: Workload, first: int, window: int, pairs: int) -> dict[str, Any]:
     """Untimed by the pair: tracing on vs off (detached) in alternating windows."""
     on_ms: list[float] = []
     off_ms: list[float] = []
@@ -234,7 +233,7 @@ def _ab_windows(tracer: Any, work: Workload, first: int, window: int) -> dict[st
         work.step(0)
         tracer.mark_step(i, time.time_ns())
 
-    for p in range(AB_PAIRS):
+    for p in range(pairs):
         got: dict[bool, float] = {}
         for on in (True, False) if p % 2 == 0 else (False, True):
             tracer.set_tracing(on)
@@ -247,7 +246,7 @@ def _ab_windows(tracer: Any, work: Workload, first: int, window: int) -> dict[st
         ratios.append(got[True] / got[False])
     tracer.set_tracing(True)
     return {
-        "pairs": AB_PAIRS, "window_steps": window,
+        "pairs": pairs, "window_steps": window,
         "on_ms": [round(x, 4) for x in on_ms], "off_ms": [round(x, 4) for x in off_ms],
         "ratios": [round(x, 4) for x in ratios], "ab_ratio": round(statistics.median(ratios), 4),
     }  # fmt: skip
@@ -328,7 +327,9 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             first = warmup + steps + 1
             result["injection"] = _check_injected(tracer, work, first)
             first += INJECT_PHASE_STEPS
-            result["ab"] = _ab_windows(tracer, work, first, spec["governor_window"])
+            result["ab"] = _ab_windows(
+                tracer, work, first, spec["governor_window"], spec["ab_pairs"]
+            )
         tracer.close()
         result["tracer_stats"] = tracer.stats()
 
@@ -531,6 +532,7 @@ def bench_workload(
             n = steps * (BUDGET_STEPS_FACTOR if variant == "cupti_budget1" else 1)
             base = {"workload": workload, "steps": n, "warmup": warmup,
                     "governor_window": defaults["governor_window"],
+                    "ab_pairs": defaults["ab_pairs"],
                     "transformer_batch": args.transformer_batch}  # fmt: skip
             a = run_once(ctx, {**base, "variant": "none"}, args.child_timeout)
             b = run_once(ctx, {**base, "variant": variant}, args.child_timeout)

@@ -429,7 +429,9 @@ def test_capture_thread_reads_while_the_training_thread_launches(make_tracer: An
     print(f"\n300 steps in {took:.2f} s with a reader; {len(served)} traces served")
     assert not reader.is_alive(), "capture thread hung"
     assert not errors, errors
-    assert len(served) > 10
+    # The reader flushes CUPTI at most every 50 ms (StepResolver.MIN_FLUSH_INTERVAL_NS),
+    # so ~0.4 s of training serves about 8-12 steps: enough to prove concurrent reads.
+    assert len(served) >= 5
     for t in served:
         assert_clean(t)
         assert t.stats["kernels"] == served[0].stats["kernels"]
