@@ -8,12 +8,13 @@ cost of switching off. That switch (the cupti backend drains the GPU and detache
 lands in the first untraced step after a traced one: such a step is kept out of the
 untraced samples, and its excess over the untraced median, times the switches per
 traced window seen so far, is charged to tracing (per traced step). With a
-budget of B percent it traces a fraction f of the windows, f = B / overhead (within a
-hysteresis band, clamped to [min_fraction, 1 - 1/probe_every_windows]), spread evenly by
-an accumulator. Without a budget it traces every window but one in
-`probe_every_windows` (the first one after `first_probe_window` windows, past the
-run's start, when detection is still filling its baselines), so every run can still
-report what tracing costs.
+budget of B percent it traces a fraction f of the windows, f = B / overhead, clamped to
+[min_fraction, 1 - 1/probe_every_windows] and spread evenly by an accumulator. The
+hysteresis is one-sided, so the budget holds: f is set to target / (1 + band / 2) and
+kept while the target stays within [f, f * (1 + band)]. Without a budget it traces
+every window but one in `probe_every_windows` (the first one after `first_probe_window`
+windows, past the run's start, when detection is still filling its baselines), so every
+run can still report what tracing costs.
 
 Pure and deterministic: no torch, no clock, no I/O. Every rank feeds it the SAME
 gathered data in step order (per step: the step time, max over ranks, and whether
@@ -26,6 +27,7 @@ given and hands decisions (`tracing_on`) and a summary (`report`) back to the ag
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,10 +46,12 @@ class GovernorParams:
     window_steps: int = 16  # steps per duty-cycle window
     lag_steps: int = 4  # data of the last `lag_steps` steps before a window are not used
     history_windows: int = 8  # traced / untraced windows the overhead is measured over
-    min_fraction: float = 1 / 32  # always trace this much, to keep measuring
+    # always trace this much, to keep measuring; low, since it overrides the budget when
+    # tracing costs more than budget / min_fraction (2.56x the step at a 1% budget)
+    min_fraction: float = 1 / 256
     probe_every_windows: int = 64  # at least one untraced window in this many
     first_probe_window: int = 8  # without a budget: the first untraced window
-    hysteresis: float = 0.2  # keep the fraction while the target stays within ±20% of it
+    hysteresis: float = 0.2  # keep the fraction while the target is at most 20% above it
     min_samples: int = 4  # step times each side needs before an overhead is trusted
     initial_fraction: float = 0.5  # before the first measurement (budgeted runs)
 
@@ -229,11 +233,14 @@ class OverheadGovernor:
         prm = self.params
         if overhead is not None:
             budget = self.budget_pct / 100.0
-            target = 1.0 if overhead <= 0 else budget / overhead
-            target = min(max(target, prm.min_fraction), 1.0 - 1.0 / prm.probe_every_windows)
+            raw = math.inf if overhead <= 0 else budget / overhead
+            ceiling = 1.0 - 1.0 / prm.probe_every_windows
+            target = min(max(raw, prm.min_fraction), ceiling)
             f = self._fraction
-            if f is None or not (f * (1 - prm.hysteresis) <= target <= f * (1 + prm.hysteresis)):
-                self._fraction = target
+            if f is None or not (f <= target <= f * (1 + prm.hysteresis)):
+                # re-centre below the target, so noise around it does not switch again
+                centred = raw / (1 + prm.hysteresis / 2)
+                self._fraction = min(max(centred, prm.min_fraction), ceiling)
         fraction = self._fraction if self._fraction is not None else prm.initial_fraction
         self._credit += fraction
         if self._credit >= 1.0 - 1e-9:
