@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeGuard
+from typing import Any, Literal
 
 from distanom.analysis.tables import _GPU_COMM  # one rule for "is this kernel communication"
+from distanom.analysis.trace_io import is_finite_number
 
 __all__ = [
     "CollectiveCall",
@@ -81,15 +82,11 @@ class MatchResult:
     """One note per group that could not be matched (counts differ between ranks)."""
 
 
-def _number(value: Any) -> TypeGuard[float]:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def collective_calls(events: Iterable[Mapping[str, Any]]) -> tuple[CallKind, list[CollectiveCall]]:
     """The rank's collectives in start order, and whether they are GPU kernels or CPU spans.
 
     A trace with any NCCL-like kernel gives "gpu" calls; otherwise the gloo spans, or
-    failing those the c10d calls, give "cpu" calls. Events without a numeric ts/dur are
+    failing those the c10d calls, give "cpu" calls. Events without a finite ts/dur are
     skipped.
     """
     kernels: list[CollectiveCall] = []
@@ -97,7 +94,7 @@ def collective_calls(events: Iterable[Mapping[str, Any]]) -> tuple[CallKind, lis
     c10d: list[CollectiveCall] = []
     for event in events:
         ts, dur, name = event.get("ts"), event.get("dur"), event.get("name")
-        if not (_number(ts) and _number(dur) and isinstance(name, str)):
+        if not (is_finite_number(ts) and is_finite_number(dur) and isinstance(name, str)):
             continue
         cat = event.get("cat")
         if cat == "kernel":

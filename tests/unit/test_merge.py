@@ -35,6 +35,14 @@ def test_cpu_collectives_are_gloo_spans_else_c10d_calls() -> None:
     assert [c.name for c in collective_calls(no_gloo)[1]] == ["c10d::allreduce_"]
 
 
+def test_collectives_with_non_finite_times_are_skipped() -> None:
+    events = cpu_job()[0]["traceEvents"]
+    gloo = next(e for e in events if str(e.get("name")).startswith("gloo:"))
+    for bad in (float("inf"), float("nan"), "12", True):
+        broken = [dict(e, ts=bad) if e is gloo else e for e in events]
+        assert [c.name for c in collective_calls(broken)[1]] == ["c10d::allreduce_"], bad
+
+
 def test_matching_pairs_by_order_within_a_group() -> None:
     per_rank = {
         0: [CollectiveCall("pg:0", "ar", 10.0, 5.0), CollectiveCall("pg:0", "ar", 30.0, 5.0)],
