@@ -279,7 +279,8 @@ class Agent:
                     return
         if want != self._tracing_during:
             tracer.set_tracing(want)
-            self._tracing_during = want
+            # what is in force: a backend may defer a switch or fail to make it
+            self._tracing_during = bool(getattr(tracer, "tracing", want))
 
     def _first_boundary(self) -> None:
         try:
@@ -668,7 +669,7 @@ class Agent:
         tracer = self.tracer
         if tracer is not None:
             with contextlib.suppress(Exception):
-                tracer.set_tracing(False)  # kineto hands over its last partial window
+                tracer.end_of_training()  # kineto hands over its last partial window
         if self.clock is not None:
             try:
                 for step, duration in self.clock.drain():

@@ -101,6 +101,7 @@ class OverheadGovernor:
         self._pending_flags: list[bool] = []
         self._pending_switches: list[float] = []
         self._previous_traced: bool | None = None
+        self._last_window_kind: str | None = None
         # complete windows not yet seen by a decision, then the last history_windows
         # traced ("T") and untraced ("U") windows among those a decision has seen
         self._unconsumed: collections.deque[_Window] = collections.deque()
@@ -147,7 +148,14 @@ class OverheadGovernor:
             raise ValueError(f"step time must be >= 0 or None, got {step_time_s!r}")
         self._recorded += 1
         self._steps_traced += bool(traced)
-        switch = not traced and self._previous_traced is True
+        # a duty-cycle switch: the first step of a window, after a fully traced window
+        # (a requested capture inside an untraced window is not the duty cycle's cost)
+        switch = (
+            not traced
+            and self._previous_traced is True
+            and not self._pending_times
+            and self._last_window_kind == "T"
+        )
         self._previous_traced = bool(traced)
         if switch:
             # tracing's cost, not an untraced sample: kept apart (see the module docstring)
@@ -163,6 +171,7 @@ class OverheadGovernor:
             kind = "T" if all(flags) else ("U" if not any(flags) else "M")
             times = tuple(t for t in self._pending_times if t is not None)
             self._unconsumed.append(_Window(kind, times, tuple(self._pending_switches)))
+            self._last_window_kind = kind
             self._n_windows += 1
             if len(self._unconsumed) > self.MAX_UNCONSUMED_WINDOWS:
                 self._consume(1)  # nobody asks for decisions: fold instead of growing

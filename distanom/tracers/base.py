@@ -58,7 +58,17 @@ class Tracer(Protocol):
 
     def set_tracing(self, on: bool) -> None:
         """Duty cycle: stop or resume recording from the next step on (the overhead
-        governor uses it; detection keeps running either way)."""
+        governor uses it; detection keeps running either way). Called right after
+        `mark_step`. A backend may defer the switch (e.g. during CUDA graph capture) or
+        fail to make it: `tracing` says what is in force."""
+
+    @property
+    def tracing(self) -> bool:
+        """Whether the step after the last boundary is being recorded."""
+
+    def end_of_training(self) -> None:
+        """Training ended: stop recording without blocking (never wait on the GPU); the
+        steps already ended stay readable."""
 
     def availability(self, step: int) -> Availability:
         """Whether `step_trace(step)` can answer now."""

@@ -11,9 +11,10 @@ the step, finds the step's two marker kernels, takes every record whose correlat
 lies between them, and hands Kineto-shaped events on as a `StepTrace`.
 
 How records are numbered to steps (the part that must never be silently wrong):
-- Correlation ids are process-wide and increase in launch order, so the records of step
-  N are exactly those launched between marker N-1 and marker N, whatever the stream and
-  however far the GPU lags the host.
+- Correlation ids are process-wide and increase in launch order while CUPTI stays
+  attached (after a detach they start again: records are ordered by attachment epoch,
+  then id), so the records of step N are exactly those launched between marker N-1 and
+  marker N, whatever the stream and however far the GPU lags the host.
 - Each marker encodes `step % K` (K = 16) in its grid size (see `step_marker`: code + 1
   blocks for the driver-launched marker, an input of 1 + code * 4096 elements for the
   jiterator fallback). `start()` launches the K shapes once and reads CUPTI's records
@@ -66,6 +67,7 @@ from distanom.tracers.cupti_records import (
     buffer_view,
     decode_records,
     index_buffer,
+    iterate_by_size,
     kineto_events,
 )
 from distanom.tracers.step_marker import (
@@ -87,6 +89,7 @@ MARKER_CODES = 16  # K: markers encode step % K
 CLOCK_TOLERANCE_NS = 200_000  # CUPTI vs time.time_ns(): measured within ~3 µs
 LAG_PROBE_AGE = 12  # markers after which a marker's event must have completed (< K)
 LAG_PROBE_EVERY = 4  # markers between two lag checks (each check is an event query)
+MAX_ABANDONED_BUFFERS = 8  # buffers CUPTI may keep through detaches before we stop detaching
 STEP_EVENTS = 64  # CUDA events kept, one per recent marker
 
 
@@ -153,7 +156,8 @@ class _Located:
 
 class StepResolver:
     """Finds one step's records in the pool's retained buffers. No torch, no CUPTI calls
-    except through the injected `flush`; runs on the reader's thread."""
+    except through the injected `flush` and record walker (both refuse to call CUPTI
+    while it is detached); runs on the reader's thread."""
 
     # Each flush hands back a partly filled buffer that then takes a whole ring slot, so
     # a capture worker polling a PENDING step must not flush on every poll.
@@ -473,6 +477,7 @@ class Calibration:
     cupti_version: int
     library: str
     marker: str = "driver"  # which StepMarker launched the markers
+    size_walk_checked: bool = False  # record sizes agree with cuptiActivityGetNextRecord
 
 
 def _device_properties(torch: Any) -> list[dict[str, Any]]:
@@ -527,6 +532,7 @@ class CuptiTracer:
         self._force_after_ns = int(force_flush_after_s * 1e9)
         self._buffer_bytes = int(buffer_kb) << 10
         self._detach_when_off = detach_when_off
+        self.boundary_flushes = 0  # detaches at a boundary: the next step carries their cost
         self._state = "new"  # new | running | failed | closed
         self._want_tracing = True
         self._tracing = False
@@ -557,6 +563,7 @@ class CuptiTracer:
             "disables": 0,
             "detaches": 0,
             "detach_failures": 0,
+            "cupti_walks": 0,
             "toggle_ns_max": 0,
             "toggle_ns_total": 0,
             "lag_alarms": 0,
@@ -601,9 +608,15 @@ class CuptiTracer:
             raise
         self._lib, self._session, self._pool, self._names = lib, session, pool, names
         self.calibration = calibration
+        if not calibration.size_walk_checked and self._detach_when_off:
+            self._detach_when_off = False
+            log.warning(
+                "cupti tracer: CUPTI's record sizes differ from distanom's; records are "
+                "walked with CUPTI, which must stay attached (off windows keep its cost)"
+            )
         self._resolver = StepResolver(
             pool,
-            lib.record_offsets,
+            self._walk,
             names,
             grid_to_code=calibration.grid_to_code,
             num_codes=self._codes,
@@ -690,6 +703,7 @@ class CuptiTracer:
             raise TracerUnavailableError("CUPTI marker calibration failed: " + "; ".join(problems))
         floor = max((idx.max_correlation for idx in indexes), default=0)
         memcpy_checked = self._check_memcpy(indexes, pool, names, markers[-1].correlation)
+        size_walk_checked = self._check_size_walk(pool, lib)
         lengths: list[int] = []
         block_work: int | None = None
         if isinstance(self._marker, JiteratorMarker):
@@ -706,12 +720,37 @@ class CuptiTracer:
             grids=grids,
             block_work_size=block_work,
             marker=self._marker.kind,
+            size_walk_checked=size_walk_checked,
             correlation_floor=floor,
             clock_offset_ns=clock_offset,
             memcpy_checked=memcpy_checked,
             cupti_version=lib.version(),
             library=lib.path,
         )
+
+    @staticmethod
+    def _check_size_walk(pool: cupti_lib.BufferPool, lib: cupti_lib.CuptiLib) -> bool:
+        """Whether walking by distanom's record sizes finds exactly the records CUPTI's
+        own walker finds, in the calibration buffers (kernels and a memcpy)."""
+        buffers = pool.completed()
+        for buf in buffers:
+            try:
+                ours = iterate_by_size(buffer_view(buf.address, buf.valid_size))
+            except ValueError:
+                return False
+            if ours != lib.record_offsets(buf.address, buf.valid_size):
+                return False
+        return bool(buffers)
+
+    def _walk(self, address: int, valid_size: int) -> list[int]:
+        """Record offsets in a completed buffer, for the reader thread: by record size
+        (no CUPTI call, safe while CUPTI is detached), else CUPTI's walker if attached."""
+        try:
+            return iterate_by_size(buffer_view(address, valid_size))
+        except ValueError:
+            self.counters["cupti_walks"] += 1
+            assert self._session is not None
+            return self._session.record_offsets(address, valid_size)
 
     @staticmethod
     def _check_memcpy(
@@ -760,6 +799,23 @@ class CuptiTracer:
         """The last step `mark_step` recorded (None before the first)."""
         return self._last_step
 
+    @property
+    def tracing(self) -> bool:
+        """Whether the step after the last boundary is being traced."""
+        return self._tracing
+
+    def end_of_training(self) -> None:
+        """Training ended: stop recording, without the drain and detach of `set_tracing`
+        (a stuck kernel must not hang the exit). The steps already ended stay readable."""
+        if self._state != "running" or not self._tracing:
+            return
+        try:
+            assert self._session is not None
+            self._session.disable()
+        except Exception as err:
+            log.warning("cupti tracer: disabling at the end of training: %s", err)
+        self._tracing = False
+
     def set_tracing(self, on: bool) -> None:
         """Switch at the boundary `mark_step` just recorded: the next step is (not)
         traced. Off: CUPTI is detached now (the closing marker is already launched). On:
@@ -768,23 +824,29 @@ class CuptiTracer:
         self._want_tracing = bool(on)
         if self._state != "running" or self._last_step is None or on == self._tracing:
             return
-        if self._torch.cuda.is_current_stream_capturing():
-            return  # no marker or synchronize inside a CUDA graph: the next mark applies it
         step = self._last_step
         try:
-            if on:
-                self._toggle(True)
-                mark = self._launch_marker(step, host_end_ns=None)
-            else:
-                self._toggle(False)
-                mark = None
+            if self._torch.cuda.is_current_stream_capturing():
+                return  # no marker or synchronize inside a CUDA graph: the next mark applies it
             assert self._resolver is not None
             last = self._resolver.last_mark()
-            if last is not None and last.step == step:
-                if mark is None:
-                    mark = dataclasses.replace(last, traced_after=False)
-                else:
-                    mark = dataclasses.replace(mark, host_end_ns=last.host_end_ns)
+            if last is not None and last.step != step:
+                last = None
+            if not on:
+                self._toggle(False)
+                if last is not None:
+                    self._resolver.amend_last_mark(dataclasses.replace(last, traced_after=False))
+                return
+            self._toggle(True)
+            if last is not None and last.marker_launched:
+                # Switched off and on again at this boundary: its marker, launched before
+                # the detach, already opens the next step. A second one would be matched
+                # to an older step of the same code and shift the numbering.
+                self._resolver.amend_last_mark(dataclasses.replace(last, traced_after=True))
+                return
+            mark = self._launch_marker(step, host_end_ns=None)
+            if last is not None:
+                mark = dataclasses.replace(mark, host_end_ns=last.host_end_ns)
                 self._resolver.amend_last_mark(mark)
         except Exception as err:  # never into the training loop
             self.counters["mark_errors"] += 1
@@ -894,12 +956,18 @@ class CuptiTracer:
     def _detach(self, session: cupti_lib.ActivitySession) -> None:
         """Tracing goes off: detach CUPTI, since its per-launch cost outlives a mere
         disable. The synchronize is CUPTI's condition for detaching (every launch it
-        instrumented has finished); it costs one drain of the GPU queue per off switch."""
+        instrumented has finished); it costs one drain of the GPU queue per off switch.
+        Kinds are disabled first, so a launch from another thread after this point is not
+        instrumented. Only the current device is drained: one device per rank."""
+        session.disable()
         self._torch.cuda.synchronize()
+        # The next step carries the drain and the detach (2-5 ms measured): the agent
+        # judges it under the after-flush condition, not as an ordinary untraced step.
+        self.boundary_flushes += 1
         try:
             session.detach()
-        except cupti_lib.CuptiError as err:
-            # Kinds are disabled and buffers flushed; only the detach failed: go on
+        except cupti_lib.DetachError as err:
+            # Kinds are disabled and buffers flushed; only cuptiFinalize failed: go on
             # disabling instead, at the attached cost, and say so once.
             self._detach_when_off = False
             self.counters["detach_failures"] += 1
@@ -910,6 +978,14 @@ class CuptiTracer:
             self.counters["disables"] += 1
             return
         self.counters["detaches"] += 1
+        assert self._pool is not None
+        if self._pool.counters["buffers_abandoned"] > MAX_ABANDONED_BUFFERS:
+            # CUPTI kept buffers through the forced flush: each detach would leak one.
+            self._detach_when_off = False
+            log.warning(
+                "CUPTI kept %d activity buffers through detaches; off windows now keep it "
+                "attached", self._pool.counters["buffers_abandoned"],
+            )  # fmt: skip
 
     def _fail(self, reason: str) -> None:
         self.failure = reason

@@ -65,6 +65,10 @@ BUFFER_ALIGN = 8  # ACTIVITY_RECORD_ALIGNMENT
 DEFAULT_BUFFER_BYTES = 1 << 20
 
 
+class DetachError(TracerUnavailableError):
+    """`cuptiFinalize` failed or is missing: CUPTI stays attached (kinds disabled)."""
+
+
 class CuptiError(TracerUnavailableError):
     """A CUPTI call returned an error code; `str()` names the call, the code and CUPTI's text."""
 
@@ -682,7 +686,10 @@ class ActivitySession:
                 return
             self.disable()
             self.flush(forced=True)
-            self.lib.finalize()
+            try:
+                self.lib.finalize()
+            except CuptiError as err:
+                raise DetachError(str(err)) from None
             self.attached = False
             self.detaches += 1
             self.pool.begin_epoch()
@@ -715,6 +722,13 @@ class ActivitySession:
             self.flushes += 1
             self.forced_flushes += int(forced)
             self.poll_dropped()
+
+    def record_offsets(self, address: int, valid_size: int) -> list[int]:
+        """`CuptiLib.record_offsets`, only while attached and never during a detach."""
+        with self._lock:
+            if not self.attached:
+                raise CuptiError("cuptiActivityGetNextRecord", -1, "CUPTI is detached")
+            return self.lib.record_offsets(address, valid_size)
 
     def poll_dropped(self) -> int:
         with self._lock:

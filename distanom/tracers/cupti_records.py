@@ -10,8 +10,9 @@ events in Kineto's shape (`kineto_events`), so a CUPTI trace reads like a CUDA-o
 torch.profiler trace in Perfetto, HTA, TraceLens and distanom's analysis.
 
 Pure: it reads memory it is given and never calls CUPTI. How records are found in a
-buffer is injected (`RecordIterator`): the tracer passes `CuptiLib.record_offsets`
-(cuptiActivityGetNextRecord); tests pass `iterate_by_size` over synthetic buffers.
+buffer is injected (`RecordIterator`): the tracer walks by the record sizes
+(`iterate_by_size`, checked against cuptiActivityGetNextRecord when it starts), so that
+reading needs no CUPTI call while CUPTI is detached; tests use it over synthetic buffers.
 Kernel names are read through a `NameTable` from the char* in each kernel record.
 """
 
@@ -84,8 +85,9 @@ def buffer_view(address: int, valid_size: int) -> U8Array:
 
 
 def iterate_by_size(view: U8Array) -> list[int]:
-    """Walk a buffer by the known record sizes (tests' synthetic buffers). Raises
-    ValueError on a kind it does not know, since it could not find the next record."""
+    """Walk a buffer by the known record sizes. Raises ValueError on a kind it does not
+    know (it could not find the next record) and when the records do not end exactly at
+    the buffer's valid size (a wrong size would misalign every later record)."""
     offsets: list[int] = []
     pos = 0
     data = view.tobytes()
@@ -96,6 +98,8 @@ def iterate_by_size(view: U8Array) -> list[int]:
             raise ValueError(f"unknown record kind {kind} at offset {pos}")
         offsets.append(pos)
         pos += size
+    if pos != len(data):
+        raise ValueError(f"records end at {pos}, the buffer's valid size is {len(data)}")
     return offsets
 
 

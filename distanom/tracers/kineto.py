@@ -154,6 +154,15 @@ class KinetoTracer:
                 warnings.simplefilter("ignore")
                 profiler.stop()  # hands over the partial window through _on_window
 
+    @property
+    def tracing(self) -> bool:
+        return self._profiler is not None
+
+    def end_of_training(self) -> None:
+        """Hand over the last partial window (profiler.stop() does not wait on the GPU
+        beyond what Kineto itself flushes)."""
+        self.set_tracing(False)
+
     def set_tracing(self, on: bool) -> None:
         """Called at a step boundary (after `mark_step`): stopping hands over the window
         so far, so the steps already ended stay capturable."""

@@ -116,6 +116,7 @@ def test_calibration_learned_distinct_marker_grids(make_tracer: Any) -> None:
     assert cal.marker == "driver", "the driver-launched marker should load on NVIDIA"
     assert cal.grids == [c + 1 for c in range(16)]
     assert cal.memcpy_checked
+    assert cal.size_walk_checked, "record sizes disagree with cuptiActivityGetNextRecord"
     assert abs(cal.clock_offset_ns) < 1_000_000
 
 
@@ -292,6 +293,9 @@ def test_many_detach_attach_cycles_under_a_concurrent_reader(make_tracer: Any) -
     assert st["detaches"] == 60 and st["detach_failures"] == 0
     assert st["mark_errors"] == 0 and st["callback_errors"] == 0
     assert st.get("buffers_abandoned", 0) == 0
+    assert st["cupti_walks"] == 0  # every buffer walked by record size, no CUPTI call
+    # Each detach hands back a partly filled buffer: growth is bounded by the ring.
+    assert st["buffers_allocated"] <= 256 and rss_mb < 256 + 64
 
 
 def test_closing_while_detached_then_starting_again(make_tracer: Any) -> None:

@@ -302,7 +302,7 @@ def test_failed_detach_leaves_the_session_attached_and_disabled(
     dll: Any = session.lib._dll
     session.open()
     dll.fake_fail_finalize(1)
-    with pytest.raises(CuptiError, match="cuptiFinalize"):
+    with pytest.raises(cupti_lib.DetachError, match="cuptiFinalize"):
         session.detach()
     assert session.attached and not session.enabled and session.pool.epoch == 0
     session.flush()  # still attached: flushes go to CUPTI
@@ -317,3 +317,16 @@ def test_pool_begin_epoch_abandons_buffers_cupti_still_holds() -> None:
     assert pool.stats()["buffers_abandoned"] == 1
     pool.complete(held[0], 100)  # a late hand-back of an abandoned buffer is ignored
     assert pool.completed() == [] and pool.counters["unknown_buffers_completed"] == 1
+
+
+def test_cupti_walks_buffers_only_while_attached(session: ActivitySession) -> None:
+    dll: Any = session.lib._dll
+    session.open()
+    for i in range(3):
+        dll.fake_emit_kernel(T0 + i, T0 + i + 1, b"k", 1)
+    session.flush()
+    buf = session.pool.completed()[-1]
+    assert session.record_offsets(buf.address, buf.valid_size) == [0, 216, 432]
+    session.detach()
+    with pytest.raises(CuptiError, match="detached"):
+        session.record_offsets(buf.address, buf.valid_size)

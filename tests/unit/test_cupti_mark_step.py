@@ -16,7 +16,7 @@ from distanom.tracers.cupti import (
     CuptiTracer,
     StepResolver,
 )
-from distanom.tracers.cupti_lib import BufferPool, CuptiError
+from distanom.tracers.cupti_lib import BufferPool, DetachError
 from distanom.tracers.cupti_records import NameTable
 
 
@@ -46,7 +46,7 @@ class FakeSession:
 
     def detach(self) -> None:
         if self.fail_detach:
-            raise CuptiError("cuptiFinalize", 7, "CUPTI_ERROR_INVALID_OPERATION")
+            raise DetachError("cuptiFinalize failed: CUPTI error 7")
         self.log.append("detach")
 
 
@@ -66,8 +66,9 @@ def running_tracer(history: int = 16, can_detach: bool = True) -> tuple[CuptiTra
         kind="fake", launch=lambda code: log.append(f"marker{code}"), close=lambda: None
     )
     t._session = FakeSession(log, can_detach)  # type: ignore[assignment]
+    t._pool = BufferPool(4096, 2)
     t._resolver = StepResolver(
-        BufferPool(4096, 2),
+        t._pool,
         lambda a, s: [],
         NameTable(),
         grid_to_code={},
@@ -94,7 +95,8 @@ def test_switching_applies_at_the_boundary_just_marked() -> None:
     t.mark_step(1, 100)
     log.clear()
     t.set_tracing(False)  # after boundary 1: marker 1 closed step 1; step 2 is untraced
-    assert calls(log) == ["sync", "detach"]  # drain the GPU (CUPTI's condition), detach
+    # no new instrumented launch, drain the GPU (CUPTI's condition), detach
+    assert calls(log) == ["disable", "sync", "detach"]
     log.clear()
     t.mark_step(2, 200)
     t.mark_step(3, 300)
@@ -119,7 +121,8 @@ def test_a_switch_asked_before_the_first_mark_applies_there() -> None:
     t.set_tracing(False)
     assert log == []
     t.mark_step(1, 100)
-    assert calls(log) == ["marker1", "sync", "detach"]  # marker first: it closes step 1
+    # marker first: it closes step 1
+    assert calls(log) == ["marker1", "disable", "sync", "detach"]
     assert (marks(t)[-1].marker_launched, marks(t)[-1].traced_after) == (True, False)
 
 
@@ -132,7 +135,7 @@ def test_no_switch_inside_a_cuda_graph_capture() -> None:
     assert log == []  # deferred: no synchronize while capturing
     t._capturing["on"] = False  # type: ignore[attr-defined]
     t.mark_step(2, 200)
-    assert calls(log) == ["marker2", "sync", "detach"]
+    assert calls(log) == ["marker2", "disable", "sync", "detach"]
 
 
 def test_without_detach_off_windows_only_disable() -> None:
@@ -210,3 +213,55 @@ def test_a_failing_launch_disables_the_tracer_and_never_raises() -> None:
     assert "disable" in log
     t.mark_step(2, 0)  # failed: a no-op from now on
     assert t.counters["mark_errors"] == 1
+
+
+def test_off_and_on_again_at_one_boundary_launches_no_second_marker() -> None:
+    # A second marker of the same code would be matched to the step 16 earlier.
+    t, log = running_tracer()
+    t.mark_step(5, 500)
+    log.clear()
+    t.set_tracing(False)
+    t.set_tracing(True)
+    assert calls(log) == ["disable", "sync", "detach", "attach"]
+    last = marks(t)[-1]
+    assert (last.step, last.marker_launched, last.traced_after) == (5, True, True)
+    assert t.tracing
+    t.mark_step(6, 600)
+    assert calls(log)[-1] == "marker6"
+
+
+def test_refused_attach_stops_the_tracer_and_says_it_is_off() -> None:
+    from distanom.errors import TracerUnavailableError
+
+    t, _ = running_tracer()
+    assert t._session is not None
+
+    def refuse() -> None:
+        raise TracerUnavailableError("CUPTI already has a subscriber in this process")
+
+    t.mark_step(1, 100)
+    t.set_tracing(False)
+    t._session.attach = refuse  # type: ignore[method-assign]
+    t.mark_step(2, 200)
+    t.set_tracing(True)  # must not raise into training
+    assert t._state == "failed" and not t.tracing
+    assert "subscriber" in (t.failure or "")
+
+
+def test_a_detach_marks_the_next_step_as_carrying_its_cost() -> None:
+    t, _ = running_tracer()
+    t.mark_step(1, 100)
+    before = t.boundary_flushes
+    t.set_tracing(False)
+    assert t.boundary_flushes == before + 1
+
+
+def test_end_of_training_disables_without_draining_the_gpu() -> None:
+    t, log = running_tracer()
+    t.mark_step(1, 100)
+    log.clear()
+    t.end_of_training()
+    assert calls(log) == ["disable"]  # no synchronize: a stuck kernel must not hang exit
+    assert not t.tracing
+    t.end_of_training()
+    assert calls(log) == ["disable"]

@@ -225,3 +225,14 @@ def test_event_keys_match_a_real_h200_kineto_trace() -> None:
         mine = next(e for e in ours if e.get("ph") == "M" and e.get("name") == name)
         assert set(mine) == set(theirs), name
         assert set(mine["args"]) == set(theirs["args"]), name
+
+
+def test_walking_by_size_refuses_a_buffer_it_would_misalign() -> None:
+    import numpy as np
+
+    view = np.zeros(216 + 96 + 2, dtype=np.uint8)
+    view[0:4] = np.frombuffer(np.int32(10).tobytes(), dtype=np.uint8)  # kernel, 216 bytes
+    view[216:220] = np.frombuffer(np.int32(1).tobytes(), dtype=np.uint8)  # memcpy, 96 bytes
+    with pytest.raises(ValueError, match="valid size is 314"):
+        iterate_by_size(view)  # 2 stray bytes at the end: the sizes do not fit the buffer
+    assert iterate_by_size(view[:312]) == [0, 216]

@@ -308,6 +308,19 @@ def test_steps_on_both_sides_of_a_detach_with_restarted_correlation_ids() -> Non
     assert f.resolver.counters["inconsistent_markers"] == 0
 
 
+def test_a_step_whose_two_markers_lie_in_different_attachments() -> None:
+    # Off and on again at boundary 20: marker 20 (before the detach) opens step 21,
+    # whose records and closing marker come from the next attachment.
+    f = FakeCupti(history=32)
+    for s in range(21):
+        f.step(s)
+    f.detach()
+    for s in range(21, 26):
+        f.step(s)
+    for s in range(1, 26):
+        assert kernel_names(f.trace(s)) == [f"k{i}_s{s}" for i in range(3)], s
+
+
 def test_lost_marker_loses_its_two_steps_and_shifts_nothing() -> None:
     f = FakeCupti()
     for s in range(10):

@@ -242,3 +242,14 @@ def test_switching_off_is_charged_to_tracing() -> None:
     assert true_cost * 100 == pytest.approx(1.0, abs=0.15)
     steady = windows(sched, k)[100:]
     assert sum(steady) / len(steady) == pytest.approx(1 / 13.1, abs=0.01)
+
+
+def test_a_requested_capture_inside_an_untraced_window_is_not_a_switch() -> None:
+    gov = OverheadGovernor(1.0, GovernorParams(window_steps=4, lag_steps=0))
+    # window 0 traced, window 1 untraced with a forced traced step in its middle
+    flags = [True] * 4 + [False, True, False, False] + [False] * 4
+    for s, on in enumerate(flags):
+        gov.record(s, BASE * (2.0 if s in (4, 6) else 1.0), on)
+    rep = gov.report()
+    assert rep["switches_off"] == 1  # step 4 only; step 6 follows a forced step
+    assert rep["switch_excess_ms"] == pytest.approx(10.0)
