@@ -516,9 +516,10 @@ def bench_workload(
     defaults = WORKLOADS[workload]
     steps = args.steps or defaults["steps"]
     warmup = args.warmup if args.warmup is not None else defaults["warmup"]
+    window = args.governor_window or defaults["governor_window"]
     cfg = {
         "pairs": args.pairs, "steps": steps, "warmup": warmup, "variants": list(variants),
-        "governor_window": defaults["governor_window"], "transformer_batch": args.transformer_batch,
+        "governor_window": window, "transformer_batch": args.transformer_batch,
         "inject_cycles": INJECT_CYCLES, "isolation": "forkserver process per run",
     }  # fmt: skip
     out_path = Path(args.out) / f"overhead_{workload}.json"
@@ -531,7 +532,7 @@ def bench_workload(
             # the governor needs many windows to settle: its pairs run longer
             n = steps * (BUDGET_STEPS_FACTOR if variant == "cupti_budget1" else 1)
             base = {"workload": workload, "steps": n, "warmup": warmup,
-                    "governor_window": defaults["governor_window"],
+                    "governor_window": window,
                     "ab_pairs": defaults["ab_pairs"],
                     "transformer_batch": args.transformer_batch}  # fmt: skip
             a = run_once(ctx, {**base, "variant": "none"}, args.child_timeout)
@@ -590,6 +591,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--transformer-batch", type=int, default=10)
+    parser.add_argument(
+        "--governor-window",
+        type=int,
+        default=0,
+        help="steps per duty-cycle window for cupti_budget1 and the in-process A/B "
+        "(0: per-workload default; the agent's own default is 16)",
+    )
     parser.add_argument("--child-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
