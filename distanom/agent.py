@@ -79,6 +79,14 @@ def active_agent() -> Agent | None:
     return _ACTIVE
 
 
+def _quietly(call: Any) -> None:
+    """Run `call` on the way out; a failure there is not worth a traceback."""
+    try:
+        call()
+    except Exception as err:
+        log.debug("distanom: %s at exit: %s", getattr(call, "__name__", call), err)
+
+
 class Agent:
     """One per rank; see the module docstring."""
 
@@ -233,6 +241,9 @@ class Agent:
                     log.info(self.tracer_note)
                 else:
                     self._apply_duty_cycle(tracer, step + 1)
+                # what is in force for the next step: a backend may defer or refuse a
+                # switch, or make one asked for earlier at this boundary
+                self._tracing_during = bool(getattr(tracer, "tracing", self._tracing_during))
             except Exception as err:
                 self._tracer_failed(err)
             self._next_after_flush = getattr(tracer, "boundary_flushes", 0) != flushes
@@ -277,10 +288,9 @@ class Agent:
                     want = governor.tracing_on(next_step)
                 except GovernorNotReadyError:
                     return
-        if want != self._tracing_during:
+        if want != bool(getattr(tracer, "tracing", self._tracing_during)):
             tracer.set_tracing(want)
-            # what is in force: a backend may defer a switch or fail to make it
-            self._tracing_during = bool(getattr(tracer, "tracing", want))
+            self._tracing_during = want
 
     def _first_boundary(self) -> None:
         try:
@@ -521,7 +531,7 @@ class Agent:
                 for sample in result.samples:
                     step_ms = sample.step_ms
                     seconds = step_ms / 1000.0 if math.isfinite(step_ms) else None
-                    governor.record(sample.step, seconds, sample.traced)
+                    governor.record(sample.step, seconds, sample.traced, sample.after_flush)
         except ValueError as err:
             self._warn_once("governor", "governor: %s; tracing stays as it is", err)
             self._governor = None
@@ -667,12 +677,22 @@ class Agent:
         if self._hook_handle is not None:
             self._hook_handle.remove()
         tracer = self.tracer
+        timeout = self.config.analysis.exit_timeout_s
         if tracer is not None:
-            with contextlib.suppress(Exception):
-                tracer.end_of_training()  # kineto hands over its last partial window
+            # kineto hands over its last partial window; torch.profiler's stop
+            # synchronizes, so a hung GPU (a crash, a stuck collective) must not hang the
+            # exit: bounded, in a daemon thread
+            ended = threading.Thread(
+                target=_quietly, args=(tracer.end_of_training,), daemon=True,
+                name="distanom-end-of-training",
+            )  # fmt: skip
+            ended.start()
+            ended.join(timeout)
+            if ended.is_alive():
+                log.warning("distanom: the tracer did not stop within %.0f s; left", timeout)
         if self.clock is not None:
             try:
-                for step, duration in self.clock.drain():
+                for step, duration in self.clock.drain(timeout):
                     flags = self._step_flags.pop(step, 0)
                     self._inbox.put((step, duration, flags, self._self_ms.pop(step, 0.0)))
             except Exception as err:

@@ -91,9 +91,15 @@ class StepClock:
             self._previous_event = (step, event)
         return out
 
-    def drain(self) -> list[tuple[int, float]]:
-        """At the end of training: wait for the outstanding boundaries (one synchronize)."""
-        if self.mode == "cuda_event" and self._pending:
-            self._pending[-1][1].synchronize()
-            return self.poll()
-        return []
+    def drain(self, timeout_s: float = 10.0) -> list[tuple[int, float]]:
+        """At the end of training: the outstanding boundaries, polled until they complete
+        or `timeout_s` passes (a hung GPU must not hang the exit; the rest are dropped)."""
+        out: list[tuple[int, float]] = []
+        if self.mode != "cuda_event":
+            return out
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out += self.poll()
+            if not self._pending or time.monotonic() >= deadline:
+                return out
+            time.sleep(0.001)

@@ -138,9 +138,12 @@ class OverheadGovernor:
 
     # -- data ------------------------------------------------------------------------
 
-    def record(self, step: int, step_time_s: float | None, traced: bool) -> None:
+    def record(
+        self, step: int, step_time_s: float | None, traced: bool, after_flush: bool = False
+    ) -> None:
         """Add the next step's gathered data. Steps come in order without gaps; a step
-        nobody could time is recorded with `step_time_s=None`."""
+        nobody could time is recorded with `step_time_s=None`. `after_flush`: the tracer
+        did costly work at the step's start (a detach, a window hand-over)."""
         expected = self.first_step + self._recorded
         if step != expected:
             raise ValueError(f"governor expects step {expected} next, got {step}")
@@ -161,6 +164,10 @@ class OverheadGovernor:
             # tracing's cost, not an untraced sample: kept apart (see the module docstring)
             if step_time_s is not None:
                 self._pending_switches.append(step_time_s)
+            step_time_s = None
+        elif after_flush and not traced:
+            # the tracer's own work outside the duty cycle (after a requested capture, a
+            # switch that came late): neither an untraced sample nor a duty-cycle switch
             step_time_s = None
         self._pending_times.append(step_time_s)
         self._pending_flags.append(bool(traced))

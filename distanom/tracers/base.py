@@ -67,8 +67,8 @@ class Tracer(Protocol):
         """Whether the step after the last boundary is being recorded."""
 
     def end_of_training(self) -> None:
-        """Training ended: stop recording without blocking (never wait on the GPU); the
-        steps already ended stay readable."""
+        """Training ended: stop recording; the steps already ended stay readable. Should
+        not wait on the GPU (the agent bounds it anyway: a hung GPU must not hang exit)."""
 
     def availability(self, step: int) -> Availability:
         """Whether `step_trace(step)` can answer now."""

@@ -200,6 +200,7 @@ class StepResolver:
         self._marks: deque[StepMark] = deque(maxlen=history_steps + num_codes + 2)
         self._marks_lock = threading.Lock()
         self._indexes: dict[int, BufferIndex] = {}
+        self._unindexable: set[int] = set()  # buffers that failed once: not tried again
         self._ambiguous: list[tuple[int, int]] = []  # step ranges the lag probe flagged
         self._last_flush_ns = -(1 << 62)
         self._forced_for: set[int] = set()
@@ -255,6 +256,8 @@ class StepResolver:
     # -- indexing ----------------------------------------------------------------------
 
     def _index(self, buf: cupti_lib.CompletedBuffer) -> BufferIndex | None:
+        if buf.seq in self._unindexable:
+            return None
         if not self.pool.pin(buf.seq):
             return None  # recycled meanwhile
         try:
@@ -263,6 +266,9 @@ class StepResolver:
             idx = index_buffer(view, offsets, buf.seq, self.names, is_marker_name, buf.epoch)
         except Exception as err:  # a malformed buffer costs that buffer, not the tracer
             self.counters["index_errors"] += 1
+            if len(self._unindexable) > 4096:
+                self._unindexable.clear()
+            self._unindexable.add(buf.seq)
             log.warning("cannot index CUPTI buffer %d (%d bytes): %s", buf.seq, buf.valid_size, err)
             return None
         finally:
@@ -334,6 +340,10 @@ class StepResolver:
         if i == 0:
             return Availability.GONE, None, "no marker before this step (first marked step)"
         lo, hi = marks[i - 1], marks[i]
+        if lo.step != step - 1:
+            # a boundary went unmarked (inside a CUDA graph capture): the records between
+            # the two markers belong to more than this step
+            return Availability.GONE, None, f"boundary {step - 1} was not marked"
         if self._is_ambiguous(lo.step) or self._is_ambiguous(hi.step):
             return Availability.GONE, None, "GPU lagged the host too far: numbering ambiguous"
         if not lo.traced_after or not hi.marker_launched:
@@ -406,7 +416,9 @@ class StepResolver:
                 raise KeyError(f"a buffer holding the step was recycled while reading (seq {seq})")
             try:
                 view = buffer_view(buf.address, buf.valid_size)
-                records.extend(decode_records(view, idx.offsets[mask].tolist(), self.names, stats))
+                records.extend(
+                    decode_records(view, idx.offsets[mask].tolist(), self.names, stats, buf.epoch)
+                )
             finally:
                 self.pool.unpin(seq)
         return records, stats
@@ -744,13 +756,17 @@ class CuptiTracer:
 
     def _walk(self, address: int, valid_size: int) -> list[int]:
         """Record offsets in a completed buffer, for the reader thread: by record size
-        (no CUPTI call, safe while CUPTI is detached), else CUPTI's walker if attached."""
-        try:
-            return iterate_by_size(buffer_view(address, valid_size))
-        except ValueError:
-            self.counters["cupti_walks"] += 1
-            assert self._session is not None
-            return self._session.record_offsets(address, valid_size)
+        when calibration found the sizes right (no CUPTI call, safe while CUPTI is
+        detached), else, or for a buffer that does not walk, CUPTI's walker while it is
+        attached."""
+        if self.calibration is not None and self.calibration.size_walk_checked:
+            try:
+                return iterate_by_size(buffer_view(address, valid_size))
+            except ValueError:
+                pass
+        self.counters["cupti_walks"] += 1
+        assert self._session is not None
+        return self._session.record_offsets(address, valid_size)
 
     @staticmethod
     def _check_memcpy(

@@ -206,7 +206,8 @@ class _Demangler:
 
 class NameTable:
     """Kernel-name pointers → names. CUPTI shares one name string per kernel across its
-    records, so each pointer is read (and demangled) once."""
+    records, so each pointer is read (and demangled) once per CUPTI attachment (`epoch`):
+    after a detach CUPTI may place other names at the same addresses."""
 
     UNREADABLE = "<unreadable kernel name>"
 
@@ -227,8 +228,9 @@ class NameTable:
         self._max = max_entries
         self.unreadable = 0
 
-    def raw(self, pointer: int) -> str:
-        name = self._raw.get(pointer)
+    def raw(self, pointer: int, epoch: int = 0) -> str:
+        key = (epoch << 64) | pointer
+        name = self._raw.get(key)
         if name is None:
             data = self._read(pointer) if pointer else None
             if data is None:
@@ -239,14 +241,15 @@ class NameTable:
             if len(self._raw) >= self._max:
                 self._raw.clear()
                 self._shown.clear()
-            self._raw[pointer] = name
+            self._raw[key] = name
         return name
 
-    def display(self, pointer: int) -> str:
-        shown = self._shown.get(pointer)
+    def display(self, pointer: int, epoch: int = 0) -> str:
+        key = (epoch << 64) | pointer
+        shown = self._shown.get(key)
         if shown is None:
-            shown = self._demangle(self.raw(pointer))
-            self._shown[pointer] = shown
+            shown = self._demangle(self.raw(pointer, epoch))
+            self._shown[key] = shown
         return shown
 
     def close(self) -> None:
@@ -340,7 +343,7 @@ def index_buffer(
     kern = np.nonzero(kinds == KIND_CONCURRENT_KERNEL)[0]
     if len(kern):
         name_ptrs = _gather(view, offs[kern] + 104, np.uint64)
-        marker_ptrs = {int(p) for p in np.unique(name_ptrs) if is_marker(names.raw(int(p)))}
+        marker_ptrs = {int(p) for p in np.unique(name_ptrs) if is_marker(names.raw(int(p), epoch))}
         if marker_ptrs:
             data = view.data
             wanted = np.array(sorted(marker_ptrs), dtype=np.uint64)
@@ -402,7 +405,9 @@ def memset_name(memory_kind: int) -> str:
     return f"Memset ({MEMORY_KIND_NAMES.get(memory_kind, 'Unknown')})"
 
 
-def decode_record(view: memoryview, offset: int, names: NameTable) -> GpuActivity | None:
+def decode_record(
+    view: memoryview, offset: int, names: NameTable, epoch: int = 0
+) -> GpuActivity | None:
     """Decode one record (None for a kind distanom does not trace). `view` is the
     buffer's bytes (e.g. `buffer_view(...).data`)."""
     (kind,) = struct.unpack_from("<i", view, offset)
@@ -415,7 +420,7 @@ def decode_record(view: memoryview, offset: int, names: NameTable) -> GpuActivit
         (corr,) = _K_CORR.unpack_from(view, offset + 92)
         (name_ptr,) = _K_NAME.unpack_from(view, offset + 104)
         return GpuActivity(
-            kind, start, end, dev, ctx, stream, corr, names.display(name_ptr),
+            kind, start, end, dev, ctx, stream, corr, names.display(name_ptr, epoch),
             grid=(gx, gy, gz), block=(bx, by, bz), registers=regs, shared_memory=smem_s + smem_d,
         )  # fmt: skip
     if kind == KIND_MEMCPY:
@@ -439,13 +444,17 @@ def decode_record(view: memoryview, offset: int, names: NameTable) -> GpuActivit
 
 
 def decode_records(
-    view: U8Array, offsets: Iterable[int], names: NameTable, stats: DecodeStats
+    view: U8Array,
+    offsets: Iterable[int],
+    names: NameTable,
+    stats: DecodeStats,
+    epoch: int = 0,
 ) -> list[GpuActivity]:
     """Decode and validate records; invalid ones are counted in `stats`, not returned."""
     out: list[GpuActivity] = []
     data = view.data
     for offset in offsets:
-        rec = decode_record(data, int(offset), names)
+        rec = decode_record(data, int(offset), names, epoch)
         if rec is None:
             stats.unknown_kind += 1
             continue

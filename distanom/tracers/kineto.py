@@ -159,8 +159,8 @@ class KinetoTracer:
         return self._profiler is not None
 
     def end_of_training(self) -> None:
-        """Hand over the last partial window (profiler.stop() does not wait on the GPU
-        beyond what Kineto itself flushes)."""
+        """Hand over the last partial window. torch.profiler's stop synchronizes the
+        device: the agent runs this in a thread it waits on for a bounded time."""
         self.set_tracing(False)
 
     def set_tracing(self, on: bool) -> None:

@@ -119,3 +119,55 @@ def test_a_failing_tracer_never_reaches_the_training_loop(
     assert agent.current_step == 7 and agent.tracer is None
     assert sum("disk on fire" in r.getMessage() for r in caplog.records) == 1
     agent.close()
+
+
+class SwitchingTracer:
+    """A tracer that makes switches on its own at chosen boundaries, as the cupti backend
+    does when a switch asked during a CUDA graph capture is applied at the next mark."""
+
+    name = "switching"
+
+    def __init__(self, on_at: int, detach_at: int) -> None:
+        self.on_at, self.detach_at = on_at, detach_at
+        self.tracing = False
+        self.boundary_flushes = 0
+        self.calls: list[str] = []
+
+    def start(self) -> None: ...
+
+    def mark_step(self, step: int, host_end_ns: int) -> None:
+        if step == self.on_at:
+            self.tracing = True  # a deferred switch on, applied at this boundary
+        if step == self.detach_at:
+            self.tracing = False
+            self.boundary_flushes += 1  # the next step carries the detach
+
+    def set_tracing(self, on: bool) -> None:
+        self.calls.append(f"set_tracing({on})")
+
+    def end_of_training(self) -> None:
+        self.calls.append("end_of_training")
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_steps_are_labelled_by_what_the_tracer_has_in_force(
+    tmp_path: Path, model: torch.nn.Module
+) -> None:
+    agent = make_agent(tmp_path)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    train([sgd], model, 2)
+    tracer = SwitchingTracer(on_at=4, detach_at=7)
+    agent.tracer = tracer  # type: ignore[assignment]
+    agent._tracer_started = True
+    train([sgd], model, 8)
+    agent.close()
+    assert agent.run is not None
+    with open(agent.run.steps_csv(0)) as handle:
+        rows = {int(r["step"]): r for r in csv.DictReader(handle)}
+    traced = [s for s in sorted(rows) if rows[s]["traced"] == "1"]
+    after_flush = [s for s in sorted(rows) if rows[s]["after_flush"] == "1"]
+    assert traced == [5, 6, 7]  # on after boundary 4, off after boundary 7
+    assert after_flush == [8]  # the step that carried the detach
+    assert tracer.calls == ["end_of_training", "close"]  # no set_tracing at exit

@@ -265,3 +265,19 @@ def test_end_of_training_disables_without_draining_the_gpu() -> None:
     assert not t.tracing
     t.end_of_training()
     assert calls(log) == ["disable"]
+
+
+def test_a_cupti_error_other_than_finalize_stops_the_tracer() -> None:
+    from distanom.tracers.cupti_lib import CuptiError
+
+    t, _ = running_tracer()
+    assert t._session is not None
+
+    def flush_fails() -> None:
+        raise CuptiError("cuptiActivityFlushAll", 7, "CUPTI_ERROR_INVALID_OPERATION")
+
+    t._session.detach = flush_fails  # type: ignore[method-assign]
+    t.mark_step(1, 100)
+    t.set_tracing(False)  # must not raise; no silent fallback to an attached CUPTI
+    assert t._state == "failed" and not t.tracing
+    assert t.counters["detach_failures"] == 0

@@ -236,3 +236,13 @@ def test_walking_by_size_refuses_a_buffer_it_would_misalign() -> None:
     with pytest.raises(ValueError, match="valid size is 314"):
         iterate_by_size(view)  # 2 stray bytes at the end: the sizes do not fit the buffer
     assert iterate_by_size(view[:312]) == [0, 216]
+
+
+def test_names_are_cached_per_cupti_attachment() -> None:
+    # After a detach CUPTI may put another kernel's name at an address it used before.
+    memory = {0x1000: b"gemm_kernel"}
+    table = NameTable(read_cstring=lambda p: memory.get(p), demangle=lambda s: s)
+    assert table.raw(0x1000, 0) == "gemm_kernel"
+    memory[0x1000] = b"distanom_step_marker"
+    assert table.raw(0x1000, 0) == "gemm_kernel"  # same attachment: cached
+    assert table.display(0x1000, 1) == "distanom_step_marker"  # next one: read again

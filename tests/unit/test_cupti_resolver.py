@@ -321,6 +321,23 @@ def test_a_step_whose_two_markers_lie_in_different_attachments() -> None:
         assert kernel_names(f.trace(s)) == [f"k{i}_s{s}" for i in range(3)], s
 
 
+def test_a_step_after_an_unmarked_boundary_is_not_served() -> None:
+    # mark_step records nothing during a CUDA graph capture: the records between the
+    # markers around it span two steps, which must not be served as one.
+    f = FakeCupti()
+    for s in range(4):
+        f.step(s)
+    for i in range(3):
+        f.launch(f"k{i}_s4")  # step 4's work; its boundary is not marked
+    for s in range(5, 8):
+        f.step(s)
+    assert f.state(5) is Availability.GONE
+    assert f.resolver.locate(5)[2] == "boundary 4 was not marked"
+    assert f.state(4) is Availability.GONE  # never marked
+    for s in (3, 6, 7):
+        assert kernel_names(f.trace(s)) == [f"k{i}_s{s}" for i in range(3)], s
+
+
 def test_lost_marker_loses_its_two_steps_and_shifts_nothing() -> None:
     f = FakeCupti()
     for s in range(10):
@@ -455,3 +472,19 @@ def test_assign_markers_without_any_loss_is_identity(codes: int) -> None:
     ]
     assigned, _ = assign_markers(recs, marks, {c + 1: c for c in range(codes)}, tolerance_ns=0)
     assert {s: r.correlation for s, r in assigned.items()} == {s: 200 + s for s in range(30)}
+
+
+def test_a_buffer_that_cannot_be_walked_is_tried_once() -> None:
+    f = FakeCupti()
+    for s in range(6):
+        f.step(s)
+    f.flush(True)
+
+    def cannot_walk(address: int, size: int) -> list[int]:
+        raise ValueError("records end at 100, the buffer's valid size is 104")
+
+    f.resolver._iterate = cannot_walk
+    buffers = len(f.pool.completed())
+    for _ in range(3):
+        assert f.state(4) is not Availability.READY
+    assert f.resolver.counters["index_errors"] == buffers

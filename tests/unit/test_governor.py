@@ -253,3 +253,17 @@ def test_a_requested_capture_inside_an_untraced_window_is_not_a_switch() -> None
     rep = gov.report()
     assert rep["switches_off"] == 1  # step 4 only; step 6 follows a forced step
     assert rep["switch_excess_ms"] == pytest.approx(10.0)
+
+
+def test_tracer_work_outside_the_duty_cycle_is_no_untraced_sample() -> None:
+    gov = OverheadGovernor(1.0, GovernorParams(window_steps=4, lag_steps=0))
+    # window 0 mixed (a requested capture on its last step), then untraced windows whose
+    # first step carries the detach that followed the capture
+    flags = [False, False, False, True] + [False] * 8
+    for s, on in enumerate(flags):
+        slow = s == 4
+        gov.record(s, BASE * (3.0 if slow else 1.0), on, after_flush=slow)
+    rep = gov.report()
+    assert rep["switches_off"] == 0
+    assert rep["untraced_median_s"] == pytest.approx(BASE)
+    assert gov._recent_untraced.count(BASE * 3.0) == 0
