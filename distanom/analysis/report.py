@@ -199,10 +199,20 @@ def _overhead_lines(tracer: dict[str, Any]) -> list[str]:
         if isinstance(overhead, (int, float))
         else "overhead not measured yet (no untraced window so far)"
     )
-    return [
-        f"  tracing: {measured}, {100 * fraction:.1f}% of steps traced"
-        + (f" (budget {budget:g}%)" if isinstance(budget, (int, float)) else "")
-    ]
+    line = f"  tracing: {measured}, {100 * fraction:.1f}% of steps traced"
+    effective = duty.get("effective_overhead_pct")
+    if isinstance(effective, (int, float)):
+        line += f": {effective:.2f}% of the run"
+    if isinstance(budget, (int, float)):
+        line += f" (budget {budget:g}%)"
+    switch_ms, switches = duty.get("switch_excess_ms"), duty.get("switches_off")
+    lines = [line]
+    if isinstance(switch_ms, (int, float)) and isinstance(switches, int) and switches:
+        lines.append(
+            f"  tracing switched off {switches} time(s), {switch_ms:.1f} ms each "
+            "(drain and detach), counted in the overhead"
+        )
+    return lines
 
 
 def render_text(report: dict[str, Any]) -> str:

@@ -24,6 +24,9 @@ def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> Non
                     "budget_pct": 1.0,
                     "traced_fraction": 0.0775,
                     "measured_overhead_pct": 12.9,
+                    "effective_overhead_pct": 0.98,
+                    "switches_off": 40,
+                    "switch_excess_ms": 3.46,
                 },
             },
             "captures": {"written": 3, "skipped_disk": 2, "missed": 1},
@@ -32,8 +35,11 @@ def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> Non
     )
     text = render_text(build_report(load_run(str(run.path))))
     assert "tracer: cupti (auto)" in text
-    assert "measured overhead 12.9% of step time while tracing, 7.8% of steps traced" in text
-    assert "(budget 1%)" in text
+    assert (
+        "measured overhead 12.9% of step time while tracing, 7.8% of steps traced: 0.98% "
+        "of the run (budget 1%)" in text
+    )
+    assert "switched off 40 time(s), 3.5 ms each (drain and detach)" in text
     assert "disk budget (capture.max_disk_mb) reached: 2 capture(s)" in text
     assert "1 capture(s) decided after the tracer had dropped the step" in text
     assert "2 over budget" in text
