@@ -1004,14 +1004,20 @@ class CuptiTracer:
             )  # fmt: skip
 
     def _fail(self, reason: str) -> None:
+        """Step aside for the rest of the run (training thread). CUPTI is detached too
+        where it can be: merely disabled, it would keep its per-launch cost."""
         self.failure = reason
         self._state = "failed"
         log.error("cupti tracer disabled: %s", reason)
+        session = self._session
         try:
-            if self._session is not None and self._tracing:
-                self._session.disable()
+            if session is not None and session.attached:
+                session.disable()
+                if session.lib.can_detach:
+                    self._torch.cuda.synchronize()  # raises on a broken context: stays
+                    session.detach()
         except Exception as err:
-            log.warning("while disabling CUPTI after a failure: %s", err)
+            log.warning("while giving CUPTI up after a failure: %s", err)
         self._tracing = False
 
     # -- capture thread ----------------------------------------------------------------

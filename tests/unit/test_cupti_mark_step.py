@@ -37,9 +37,11 @@ class FakeSession:
         self.log = log
         self.lib = SimpleNamespace(can_detach=can_detach)
         self.fail_detach = False
+        self.attached = True
 
     def attach(self) -> None:
         self.log.append("attach")
+        self.attached = True
 
     def disable(self) -> None:
         self.log.append("disable")
@@ -48,6 +50,7 @@ class FakeSession:
         if self.fail_detach:
             raise DetachError("cuptiFinalize failed: CUPTI error 7")
         self.log.append("detach")
+        self.attached = False
 
 
 def running_tracer(history: int = 16, can_detach: bool = True) -> tuple[CuptiTracer, list[str]]:
@@ -281,3 +284,17 @@ def test_a_cupti_error_other_than_finalize_stops_the_tracer() -> None:
     t.set_tracing(False)  # must not raise; no silent fallback to an attached CUPTI
     assert t._state == "failed" and not t.tracing
     assert t.counters["detach_failures"] == 0
+
+
+def test_a_failure_detaches_cupti_so_it_costs_nothing_afterwards() -> None:
+    t, log = running_tracer()
+    t.mark_step(1, 100)
+
+    def boom(_: Any) -> None:
+        raise RuntimeError("launch failed")
+
+    t._marker = SimpleNamespace(kind="fake", launch=boom, close=lambda: None)  # type: ignore[assignment]
+    log.clear()
+    t.mark_step(2, 200)
+    assert t._state == "failed"
+    assert calls(log) == ["disable", "sync", "detach"]  # not left attached and disabled
