@@ -73,18 +73,13 @@ _ACTIVE: Agent | None = None
 _FINAL = object()  # inbox sentinel: training is over
 RECENT_STEPS = 64
 FINAL_ROUND_TIMEOUT_S = 10.0
+# The last step boundaries are normally a few ms behind the host: wait for them at least
+# this long at exit even when analysis.exit_timeout_s is 0.
+EXIT_DRAIN_FLOOR_S = 5.0
 
 
 def active_agent() -> Agent | None:
     return _ACTIVE
-
-
-def _quietly(call: Any) -> None:
-    """Run `call` on the way out; a failure there is not worth a traceback."""
-    try:
-        call()
-    except Exception as err:
-        log.debug("distanom: %s at exit: %s", getattr(call, "__name__", call), err)
 
 
 class Agent:
@@ -678,28 +673,35 @@ class Agent:
             self._hook_handle.remove()
         tracer = self.tracer
         timeout = self.config.analysis.exit_timeout_s
-        if tracer is not None:
-            # kineto hands over its last partial window; torch.profiler's stop
-            # synchronizes, so a hung GPU (a crash, a stuck collective) must not hang the
-            # exit: bounded, in a daemon thread
-            ended = threading.Thread(
-                target=_quietly, args=(tracer.end_of_training,), daemon=True,
-                name="distanom-end-of-training",
-            )  # fmt: skip
-            ended.start()
-            ended.join(timeout)
-            if ended.is_alive():
-                log.warning("distanom: the tracer did not stop within %.0f s; left", timeout)
+        deadline = time.monotonic() + max(timeout, EXIT_DRAIN_FLOOR_S)
+        gpu_done = True
         if self.clock is not None:
+            # Polled, never a synchronize: a hung GPU (a crash, a stuck collective) must
+            # not hang the exit. It also tells whether stopping the tracer is safe below.
             try:
-                for step, duration in self.clock.drain(timeout):
+                drained, gpu_done = self.clock.drain(max(timeout, EXIT_DRAIN_FLOOR_S))
+                for step, duration in drained:
                     flags = self._step_flags.pop(step, 0)
                     self._inbox.put((step, duration, flags, self._self_ms.pop(step, 0.0)))
+                if not gpu_done:
+                    log.warning(
+                        "distanom: the GPU did not reach the last step boundaries within "
+                        "%.0f s; their timings are dropped and the tracer is not stopped",
+                        max(timeout, EXIT_DRAIN_FLOOR_S),
+                    )
             except Exception as err:
                 self._warn_once("clock", "clock: final read failed (%s)", err)
+        if tracer is not None and gpu_done:
+            # on this thread: torch.profiler's state belongs to the thread that started
+            # it (stopping it from another one loses the last window, and can crash)
+            try:
+                tracer.end_of_training()  # kineto hands over its last partial window
+            except Exception as err:
+                self._warn_once("tracer", "tracer: stopping at the end failed (%s)", err)
         self._inbox.put(_FINAL)
         if self._control.is_alive():
-            self._control.join(self.config.analysis.exit_timeout_s + FINAL_ROUND_TIMEOUT_S)
+            remaining = max(0.0, deadline - time.monotonic())
+            self._control.join(remaining + FINAL_ROUND_TIMEOUT_S)
             if self._control.is_alive():
                 log.warning("distanom: background work still running at exit; abandoned")
         if tracer is not None:

@@ -91,15 +91,21 @@ class StepClock:
             self._previous_event = (step, event)
         return out
 
-    def drain(self, timeout_s: float = 10.0) -> list[tuple[int, float]]:
-        """At the end of training: the outstanding boundaries, polled until they complete
-        or `timeout_s` passes (a hung GPU must not hang the exit; the rest are dropped)."""
+    def drain(self, timeout_s: float = 10.0) -> tuple[list[tuple[int, float]], bool]:
+        """At the end of training: the outstanding boundaries, polled until the GPU has
+        passed them all or `timeout_s` passes (a hung GPU must not hang the exit).
+        Returns the durations and whether the GPU got through; boundaries it never
+        reached are dropped and counted in `lost_boundaries`."""
         out: list[tuple[int, float]] = []
         if self.mode != "cuda_event":
-            return out
+            return out, True
         deadline = time.monotonic() + timeout_s
         while True:
             out += self.poll()
-            if not self._pending or time.monotonic() >= deadline:
-                return out
+            if not self._pending:
+                return out, True
+            if time.monotonic() >= deadline:
+                self.lost_boundaries += len(self._pending)
+                self._pending.clear()
+                return out, False
             time.sleep(0.001)

@@ -209,8 +209,8 @@ def _overhead_lines(tracer: dict[str, Any]) -> list[str]:
     lines = [line]
     if isinstance(switch_ms, (int, float)) and isinstance(switches, int) and switches:
         lines.append(
-            f"  tracing switched off {switches} time(s), {switch_ms:.1f} ms each "
-            "(drain and detach), counted in the overhead"
+            f"  tracing switched off {switches} time(s); the step after a switch ran "
+            f"{switch_ms:.1f} ms longer (median of the recent ones), counted in the overhead"
         )
     return lines
 

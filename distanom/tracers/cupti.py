@@ -266,9 +266,10 @@ class StepResolver:
             idx = index_buffer(view, offsets, buf.seq, self.names, is_marker_name, buf.epoch)
         except Exception as err:  # a malformed buffer costs that buffer, not the tracer
             self.counters["index_errors"] += 1
-            if len(self._unindexable) > 4096:
-                self._unindexable.clear()
-            self._unindexable.add(buf.seq)
+            if not isinstance(err, cupti_lib.CuptiError):  # e.g. detached now: try later
+                if len(self._unindexable) > 4096:
+                    self._unindexable.clear()
+                self._unindexable.add(buf.seq)
             log.warning("cannot index CUPTI buffer %d (%d bytes): %s", buf.seq, buf.valid_size, err)
             return None
         finally:
@@ -1013,7 +1014,8 @@ class CuptiTracer:
         try:
             if session is not None and session.attached:
                 session.disable()
-                if session.lib.can_detach:
+                # only where reading needs no CUPTI (size walk checked) and detaching works
+                if self._detach_when_off and session.lib.can_detach:
                     self._torch.cuda.synchronize()  # raises on a broken context: stays
                     session.detach()
         except Exception as err:

@@ -146,7 +146,9 @@ class SwitchingTracer:
         self.calls.append(f"set_tracing({on})")
 
     def end_of_training(self) -> None:
-        self.calls.append("end_of_training")
+        import threading
+
+        self.calls.append(f"end_of_training on {threading.current_thread().name}")
 
     def close(self) -> None:
         self.calls.append("close")
@@ -170,4 +172,26 @@ def test_steps_are_labelled_by_what_the_tracer_has_in_force(
     after_flush = [s for s in sorted(rows) if rows[s]["after_flush"] == "1"]
     assert traced == [5, 6, 7]  # on after boundary 4, off after boundary 7
     assert after_flush == [8]  # the step that carried the detach
-    assert tracer.calls == ["end_of_training", "close"]  # no set_tracing at exit
+    # no set_tracing at exit; stopped on the closing thread (torch.profiler's state
+    # belongs to the thread that started it)
+    assert tracer.calls == ["end_of_training on MainThread", "close"]
+
+
+def test_a_gpu_that_never_reaches_the_end_leaves_the_tracer_running(
+    tmp_path: Path, model: torch.nn.Module, caplog: pytest.LogCaptureFixture
+) -> None:
+    agent = make_agent(tmp_path)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    train([sgd], model, 3)
+    tracer = SwitchingTracer(on_at=-1, detach_at=-1)
+    agent.tracer = tracer  # type: ignore[assignment]
+
+    class HungClock:
+        def drain(self, timeout_s: float) -> tuple[list[tuple[int, float]], bool]:
+            return [], False
+
+    agent.clock = HungClock()  # type: ignore[assignment]
+    with caplog.at_level("WARNING", logger="distanom"):
+        agent.close()
+    assert tracer.calls == ["close"]  # never stopped: its stop could wait on the GPU
+    assert any("did not reach the last step" in r.getMessage() for r in caplog.records)
