@@ -106,6 +106,8 @@ class Agent:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._step_flags: dict[int, int] = {}  # STEP_* bits of steps not yet resolved
         self._next_after_flush = False  # the tracer flushed at the last boundary
+        self._first_boundary_done = False
+        self._boundaries_off = False  # step bookkeeping failed: training goes on unwatched
         self._last_busy_ns = 0
         self._self_ms: dict[int, float] = {}  # capture work during steps not yet resolved
         self._tracing_during = False  # whether the tracer records the step in progress
@@ -199,19 +201,24 @@ class Agent:
         self._boundary()
 
     def _boundary(self, *, inside_optimizer: bool = False) -> None:
-        if self._closed:
+        if self._closed or self._boundaries_off:
             return
         try:
             self._boundary_unguarded(inside_optimizer)
         except Exception as err:  # the last line of defence: never raise into training
             self._warn_once("boundary", "distanom: step bookkeeping failed (%s); disabled", err)
-            self._closed = True
+            self._boundaries_off = True  # close() still stops the tracer and finishes
+            tracer = self.tracer
+            if tracer is not None:
+                with contextlib.suppress(Exception):
+                    tracer.set_tracing(False)  # unwatched: tracing would only cost
 
     def _boundary_unguarded(self, inside_optimizer: bool) -> None:
         step = self.current_step
         self.current_step = step + 1
         host_ns = time.time_ns()
-        if self.clock is None:
+        if not self._first_boundary_done:
+            self._first_boundary_done = True  # once: a later clock failure re-creates nothing
             self._first_boundary()
         resolved: list[tuple[int, float]] = []
         if self.clock is not None:
@@ -234,6 +241,9 @@ class Agent:
                     tracer.start()
                     self._tracing_during = True
                     log.info(self.tracer_note)
+                elif self._capture_is_off():
+                    if getattr(tracer, "tracing", False):  # nothing will be captured
+                        tracer.set_tracing(False)
                 else:
                     self._apply_duty_cycle(tracer, step + 1)
                 # what is in force for the next step: a backend may defer or refuse a
@@ -270,6 +280,8 @@ class Agent:
     def _apply_duty_cycle(self, tracer: Tracer, next_step: int) -> None:
         """Switch tracing on or off for the next step as the governor decided."""
         governor = self._governor
+        for past in [s for s in list(self._forced_on) if s < next_step]:
+            self._forced_on.discard(past)  # scheduled after the host had passed them
         if next_step in self._forced_on:
             self._forced_on.discard(next_step)
             want = True
@@ -402,6 +414,16 @@ class Agent:
         if world.rank == 0:
             hosts = [self._group.lookup(f"host/{r}") for r in range(world.world_size)]
             self._write_run_json(hosts)
+
+    def _capture_is_off(self) -> bool:
+        """Capture has stepped aside for the rest of the run (no run directory, no
+        consensus, a failed capture worker)."""
+        capture = self.capture
+        return (
+            self._capture_off_reason is not None
+            or self._consensus_error is not None
+            or (capture is not None and not capture.active)
+        )
 
     def _capture_off(self, reason: str) -> None:
         if self._capture_off_reason is None:
@@ -686,7 +708,7 @@ class Agent:
                 if not gpu_done:
                     log.warning(
                         "distanom: the GPU did not reach the last step boundaries within "
-                        "%.0f s; their timings are dropped and the tracer is not stopped",
+                        "%.0f s; their timings are dropped and the tracer is left as it is",
                         max(timeout, EXIT_DRAIN_FLOOR_S),
                     )
             except Exception as err:
@@ -704,7 +726,7 @@ class Agent:
             self._control.join(remaining + FINAL_ROUND_TIMEOUT_S)
             if self._control.is_alive():
                 log.warning("distanom: background work still running at exit; abandoned")
-        if tracer is not None:
+        if tracer is not None and gpu_done:  # else its close could wait on the GPU too
             with contextlib.suppress(Exception):
                 tracer.close()
         if self._group is not None and not self._control.is_alive():

@@ -166,18 +166,27 @@ class CaptureWorker:
         ):
             return False
         if availability is not Availability.READY:
-            self.stats.missed += 1
-            self.stats.missed_steps = [*self.stats.missed_steps, decision.step][-100:]
-            log.debug("capture: step %d no longer held by the tracer", decision.step)
+            self._missed(decision.step)
             return True
         self._busy_since = time.monotonic_ns()
         try:
-            trace = self._tracer.step_trace(decision.step)
+            try:
+                trace = self._tracer.step_trace(decision.step)
+            except KeyError:
+                # READY a moment ago, gone now (a step aged out of the history, a ring
+                # buffer recycled while reading): this capture is missed, not the worker
+                self._missed(decision.step)
+                return True
             self._write(decision, trace)
         finally:
             self._busy_ns += time.monotonic_ns() - self._busy_since
             self._busy_since = None
         return True
+
+    def _missed(self, step: int) -> None:
+        self.stats.missed += 1
+        self.stats.missed_steps = [*self.stats.missed_steps, step][-100:]
+        log.debug("capture: step %d no longer held by the tracer", step)
 
     def _document(self, decision: CaptureDecision, trace: StepTrace) -> dict[str, Any]:
         world = self._world

@@ -67,8 +67,9 @@ class Tracer(Protocol):
         """Whether the step after the last boundary is being recorded."""
 
     def end_of_training(self) -> None:
-        """Training ended: stop recording; the steps already ended stay readable. Should
-        not wait on the GPU (the agent bounds it anyway: a hung GPU must not hang exit)."""
+        """Training ended: stop recording; the steps already ended stay readable. Called
+        on the training thread, only once the GPU has passed the last step boundary (a
+        hung GPU must not hang the exit); `close` likewise."""
 
     def availability(self, step: int) -> Availability:
         """Whether `step_trace(step)` can answer now."""

@@ -546,6 +546,7 @@ class CuptiTracer:
         self._buffer_bytes = int(buffer_kb) << 10
         self._detach_when_off = detach_when_off
         self.boundary_flushes = 0  # detaches at a boundary: the next step carries their cost
+        self._boundary_before_start: tuple[int, int] | None = None
         self._state = "new"  # new | running | failed | closed
         self._want_tracing = True
         self._tracing = False
@@ -645,6 +646,15 @@ class CuptiTracer:
         )
         self._tracing = True
         self._state = "running"
+        # The step after this boundary carries the calibration (a synchronize, flushes):
+        # the agent judges it under the after-flush condition.
+        self.boundary_flushes += 1
+        if self._boundary_before_start is not None:
+            # mark the boundary the agent passed just before start(), so the first
+            # traced step has a marker on both sides
+            step, host_end_ns = self._boundary_before_start
+            self._last_step = step
+            self._resolver.record_mark(self._launch_marker(step, host_end_ns))
         log.info(
             "cupti tracer on (rank %d): %s, CUPTI version %d, ring %d x %d KB, %s marker grids "
             "%s, clock offset %d ns, memcpy layout checked: %s",
@@ -870,6 +880,9 @@ class CuptiTracer:
             self._fail(f"set_tracing({on}) after step {step}: {type(err).__name__}: {err}")
 
     def mark_step(self, step: int, host_end_ns: int) -> None:
+        if self._state == "new":
+            self._boundary_before_start = (step, host_end_ns)  # start() marks it
+            return
         if self._state != "running":
             return
         try:

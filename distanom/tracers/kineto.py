@@ -160,7 +160,7 @@ class KinetoTracer:
 
     def end_of_training(self) -> None:
         """Hand over the last partial window. torch.profiler's stop synchronizes the
-        device: the agent runs this in a thread it waits on for a bounded time."""
+        device: the agent calls this only once the GPU has passed the last boundary."""
         self.set_tracing(False)
 
     def set_tracing(self, on: bool) -> None:

@@ -298,6 +298,23 @@ def test_many_detach_attach_cycles_under_a_concurrent_reader(make_tracer: Any) -
     assert st["buffers_allocated"] <= 256 and rss_mb < 256 + 64
 
 
+def test_the_boundary_marked_before_start_opens_the_first_step() -> None:
+    # The agent marks boundary 0, then starts the tracer: step 1 must be servable.
+    torch.cuda.synchronize()
+    tracer = CuptiTracer(tracer_config(), rank=0)
+    work = Work()
+    work.step()
+    tracer.mark_step(0, time.time_ns())
+    tracer.start()
+    try:
+        assert tracer.boundary_flushes == 1  # step 1 carries the calibration
+        run_steps(tracer, work, 1, 2)
+        torch.cuda.synchronize()
+        assert_clean(wait_ready(tracer, 1))
+    finally:
+        tracer.close()
+
+
 def test_closing_while_detached_then_starting_again(make_tracer: Any) -> None:
     first = make_tracer()
     work = Work()

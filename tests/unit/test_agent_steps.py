@@ -144,6 +144,7 @@ class SwitchingTracer:
 
     def set_tracing(self, on: bool) -> None:
         self.calls.append(f"set_tracing({on})")
+        self.tracing = on
 
     def end_of_training(self) -> None:
         import threading
@@ -193,5 +194,23 @@ def test_a_gpu_that_never_reaches_the_end_leaves_the_tracer_running(
     agent.clock = HungClock()  # type: ignore[assignment]
     with caplog.at_level("WARNING", logger="distanom"):
         agent.close()
-    assert tracer.calls == ["close"]  # never stopped: its stop could wait on the GPU
+    assert tracer.calls == []  # neither stopped nor closed: both could wait on the GPU
     assert any("did not reach the last step" in r.getMessage() for r in caplog.records)
+
+
+def test_tracing_is_switched_off_once_capture_has_stepped_aside(
+    tmp_path: Path, model: torch.nn.Module
+) -> None:
+    agent = make_agent(tmp_path)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    train([sgd], model, 2)
+    tracer = SwitchingTracer(on_at=-1, detach_at=-1)
+    tracer.tracing = True
+    agent.tracer = tracer  # type: ignore[assignment]
+    agent._tracer_started = True
+    train([sgd], model, 2)
+    assert tracer.calls == []
+    agent._capture_off("run directory removed")
+    train([sgd], model, 2)
+    assert tracer.calls == ["set_tracing(False)"]  # once: nothing will be captured
+    agent.close()

@@ -31,7 +31,8 @@ def test_start_raises_unavailable_and_everything_else_is_harmless() -> None:
     tracer = CuptiTracer(TracerConfig(backend="cupti", history_steps=8, ring_mb=16), rank=3)
     with pytest.raises(TracerUnavailableError):
         tracer.start()
-    tracer.mark_step(1, 123)  # before/without start: no-op, never raises
+    tracer.mark_step(1, 123)  # before/without start: remembered for start(), never raises
+    assert tracer._boundary_before_start == (1, 123)
     tracer.set_tracing(False)
     assert tracer.availability(1) is Availability.GONE
     with pytest.raises(KeyError):
