@@ -505,6 +505,7 @@ class Agent:
             flags,
             offered[0] if offered else None,
             local.self_ms,
+            host_step=self.current_step,
         )
         batch = self.config.consensus.batch_steps
         timeout = None

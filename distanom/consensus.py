@@ -5,10 +5,12 @@ Runs on distanom's background thread, never on the training thread. Round r cove
 rank submits a round once its clock has resolved the round's last step, as one
 fixed-shape float64 row:
 
-    [magic, first_step, n_steps, flags, req_id, req_first_step, req_n_steps, req_n_ranges,
+    [magic, first_step, n_steps, flags, req_id, host_step, req_n_steps, req_n_ranges,
      ranges (16: start,end pairs), durations (B), step flags (B), self ms (B)]
 
-`self ms` is how long distanom's own capture work ran on the rank during the step.
+`self ms` is how long distanom's own capture work ran on the rank during the step;
+`host_step` the step the rank's training loop was in when it submitted (the gathered
+steps lag it: requested captures are scheduled after the furthest rank's).
 
 The all-gather over `AgentGroup` returns the same (world_size x row) matrix on every
 rank; decoding it and feeding the `Detector` is deterministic, so every rank takes the
@@ -71,6 +73,7 @@ class LocalRound:
     flags: int = 0
     request: CaptureRequest | None = None
     self_ms: tuple[float, ...] = ()  # per step; () = none
+    host_step: int = -1  # the training loop's current step when submitted (-1: unknown)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class RoundResult:
     samples: tuple[StepSample, ...]
     rank_flags: tuple[int, ...]
     request: CaptureRequest | None
+    host_steps: tuple[int, ...] = ()  # per rank, as submitted
 
     @property
     def last_step(self) -> int:
@@ -108,7 +112,7 @@ def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
         float(n),
         float(local.flags),
         float(request.number) if request else 0.0,
-        0.0,
+        float(local.host_step),
         float(request.n_steps) if request else 0.0,
         float(len(ranges)),
     ]
@@ -165,7 +169,8 @@ def decode_round(matrix: torch.Tensor, batch_steps: int) -> RoundResult:
         )
         request = CaptureRequest(int(head[4]), int(head[6]), ranges)
     flags = tuple(int(row[3]) for row in rows)
-    return RoundResult(tuple(samples), flags, request)
+    host_steps = tuple(int(row[5]) if math.isfinite(row[5]) else -1 for row in rows)
+    return RoundResult(tuple(samples), flags, request, host_steps)
 
 
 def decide(result: RoundResult, detector: Detector, world_size: int) -> list[CaptureDecision]:
@@ -175,7 +180,9 @@ def decide(result: RoundResult, detector: Detector, world_size: int) -> list[Cap
         decisions.extend(detector.observe(sample))
     request = result.request
     if request is not None and request.n_steps > 0:
-        first = result.last_step + 1 + REQUEST_LEAD_STEPS
+        # after every rank's training loop, not just the gathered steps (they lag it)
+        furthest = max((result.last_step, *result.host_steps))
+        first = furthest + 1 + REQUEST_LEAD_STEPS
         ranks = request.ranks(world_size)
         median = detector.median_ms
         for offset in range(request.n_steps):

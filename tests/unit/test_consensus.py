@@ -67,6 +67,21 @@ def test_requests_schedule_the_steps_after_the_round() -> None:
     ]
 
 
+def test_requests_start_after_the_furthest_training_loop() -> None:
+    # The gathered steps lag the training loops (GPU-paced timing, slow rounds): a
+    # request must not be scheduled for steps a rank has already passed.
+    detector = Detector(DetectConfig(min_steps=3, window_steps=10), CaptureConfig())
+    request = CaptureRequest(4, 1, ((0, 1),))
+    rows = [
+        LocalRound(10, (5.0, 5.0), (1, 1), 0, request, host_step=13),
+        LocalRound(10, (5.0, 5.0), (1, 1), host_step=30),
+    ]
+    result = decode_round(gathered(rows, 2), 2)
+    assert result.host_steps == (13, 30)
+    decisions = decide(result, detector, world_size=2)
+    assert [d.step for d in decisions] == [35]  # 30 + 1 + REQUEST_LEAD_STEPS
+
+
 def test_round_builder_fills_gaps_with_nan_and_keeps_order() -> None:
     builder = RoundBuilder(batch_steps=3)
     builder.add(1, 10.0, 1)
