@@ -155,15 +155,23 @@ class SwitchingTracer:
         self.calls.append("close")
 
 
-def test_steps_are_labelled_by_what_the_tracer_has_in_force(
-    tmp_path: Path, model: torch.nn.Module
-) -> None:
+def started_with(
+    tmp_path: Path, model: torch.nn.Module, tracer: SwitchingTracer
+) -> tuple[Agent, torch.optim.Optimizer]:
+    """An agent two steps into training, with `tracer` in place of a started one."""
     agent = make_agent(tmp_path)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     train([sgd], model, 2)
-    tracer = SwitchingTracer(on_at=4, detach_at=7)
     agent.tracer = tracer  # type: ignore[assignment]
     agent._tracer_started = True
+    return agent, sgd
+
+
+def test_steps_are_labelled_by_what_the_tracer_has_in_force(
+    tmp_path: Path, model: torch.nn.Module
+) -> None:
+    tracer = SwitchingTracer(on_at=4, detach_at=7)
+    agent, sgd = started_with(tmp_path, model, tracer)
     train([sgd], model, 8)
     agent.close()
     assert agent.run is not None
@@ -181,11 +189,8 @@ def test_steps_are_labelled_by_what_the_tracer_has_in_force(
 def test_a_gpu_that_never_reaches_the_end_leaves_the_tracer_running(
     tmp_path: Path, model: torch.nn.Module, caplog: pytest.LogCaptureFixture
 ) -> None:
-    agent = make_agent(tmp_path)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    train([sgd], model, 3)
     tracer = SwitchingTracer(on_at=-1, detach_at=-1)
-    agent.tracer = tracer  # type: ignore[assignment]
+    agent, _ = started_with(tmp_path, model, tracer)
 
     class HungClock:
         def drain(self, timeout_s: float) -> tuple[list[tuple[int, float]], bool]:
@@ -201,13 +206,9 @@ def test_a_gpu_that_never_reaches_the_end_leaves_the_tracer_running(
 def test_tracing_is_switched_off_once_capture_has_stepped_aside(
     tmp_path: Path, model: torch.nn.Module
 ) -> None:
-    agent = make_agent(tmp_path)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    train([sgd], model, 2)
     tracer = SwitchingTracer(on_at=-1, detach_at=-1)
     tracer.tracing = True
-    agent.tracer = tracer  # type: ignore[assignment]
-    agent._tracer_started = True
+    agent, sgd = started_with(tmp_path, model, tracer)
     train([sgd], model, 2)
     assert tracer.calls == []
     agent._capture_off("run directory removed")
