@@ -415,15 +415,14 @@ class Agent:
             hosts = [self._group.lookup(f"host/{r}") for r in range(world.world_size)]
             self._write_run_json(hosts)
 
-    def _capture_is_off(self) -> bool:
-        """Capture has stepped aside for the rest of the run (no run directory, no
-        consensus, a failed capture worker)."""
+    def _capture_stepped_aside(self) -> bool:
+        """This rank stopped writing captures (no run directory, a failed worker)."""
         capture = self.capture
-        return (
-            self._capture_off_reason is not None
-            or self._consensus_error is not None
-            or (capture is not None and not capture.active)
-        )
+        return self._capture_off_reason is not None or (capture is not None and not capture.active)
+
+    def _capture_is_off(self) -> bool:
+        """Capture is off for the rest of the run: stepped aside, or no consensus."""
+        return self._capture_stepped_aside() or self._consensus_error is not None
 
     def _capture_off(self, reason: str) -> None:
         if self._capture_off_reason is None:
@@ -495,7 +494,7 @@ class Agent:
     def _run_round(self, local: LocalRound, *, final: bool) -> None:
         assert self._group is not None
         flags = FLAG_FINAL if final else 0
-        if self._capture_off_reason is not None or (self.capture and not self.capture.active):
+        if self._capture_stepped_aside():
             flags |= FLAG_CAPTURE_OFF
         offered = self._offered_request if self.world.rank == 0 else None
         local = LocalRound(

@@ -264,9 +264,19 @@ class OverheadGovernor:
             return True
         return False
 
-    def _switch_rate(self) -> float:
-        """Switches off per traced window, over everything decisions have seen."""
-        return self._switches_consumed / max(1, self._traced_windows_consumed)
+    def _switch_counts(self, pending: Iterable[_Window] = ()) -> tuple[int, int]:
+        """(switches off, traced windows) over everything decisions have seen, plus
+        `pending` windows."""
+        switches, traced = self._switches_consumed, self._traced_windows_consumed
+        for window in pending:
+            switches += len(window.switch_times)
+            traced += window.kind == "T"
+        return switches, traced
+
+    def _switch_rate(self, pending: Iterable[_Window] = ()) -> float:
+        """Switches off per traced window (see `_switch_counts`)."""
+        switches, traced = self._switch_counts(pending)
+        return switches / max(1, traced)
 
     def _measure(
         self,
@@ -308,9 +318,8 @@ class OverheadGovernor:
         }
         pending_switches = [x for w in self._unconsumed for x in w.switch_times]
         switches = [*self._seen_switches, *pending_switches][-h:]
-        consumed_t = self._traced_windows_consumed + sum(w.kind == "T" for w in self._unconsumed)
-        consumed_s = self._switches_consumed + sum(len(w.switch_times) for w in self._unconsumed)
-        rate = consumed_s / max(1, consumed_t)
+        consumed_s, _ = self._switch_counts(self._unconsumed)
+        rate = self._switch_rate(self._unconsumed)  # the same counts, as a rate
         recent = self._measure(newest["T"], newest["U"], switches, rate)
         untraced_median = self._measure_median(newest["U"])
         switch_excess_ms = (
