@@ -67,3 +67,16 @@ def torchrun(
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+def launch(args: list[str], *, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run `python -m distanom.launch ARGS` in one process (no torchrun)."""
+    return subprocess.run(
+        [sys.executable, "-m", "distanom.launch", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=job_env(),
+        timeout=timeout,
+        check=False,
+    )

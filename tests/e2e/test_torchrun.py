@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from distanom.cli import main as cli_main
-from tests.conftest import TOY, free_port, job_env, torchrun
+from tests.conftest import TOY, free_port, job_env, launch, torchrun
 
 FAST = [
     "--set",
@@ -76,29 +76,13 @@ def test_stalled_rank_steps_are_captured_on_every_rank(
 def test_bad_config_stops_before_training_with_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("detect:\n  multiplier: -1\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "distanom.launch", "--config", str(bad), str(TOY), "--steps", "5"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=job_env(),
-        timeout=120,
-        check=False,
-    )
+    done = launch(["--config", str(bad), str(TOY), "--steps", "5"], cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"distanom: {bad}: detect.multiplier: Input should be greater than 1 (got -1)"
     ]
     assert "toy_train" not in done.stdout and not (tmp_path / "runs").exists()
-    missing = subprocess.run(
-        [sys.executable, "-m", "distanom.launch", str(tmp_path / "nope.py")],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=job_env(),
-        timeout=120,
-        check=False,
-    )
+    missing = launch([str(tmp_path / "nope.py")], cwd=tmp_path)
     assert missing.returncode == 2
     assert "Traceback" not in missing.stderr
     assert missing.stderr.strip().endswith("no such file")
@@ -113,26 +97,7 @@ def test_bad_config_under_torchrun_prints_our_line_once_per_node(tmp_path: Path)
 
 
 def test_script_exit_code_and_argv_are_preserved(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distanom.launch",
-            "--run-dir",
-            "r",
-            str(TOY),
-            "--steps",
-            "3",
-            "--exit-code",
-            "3",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=job_env(),
-        timeout=120,
-        check=False,
-    )
+    done = launch(["--run-dir", "r", str(TOY), "--steps", "3", "--exit-code", "3"], cwd=tmp_path)
     assert done.returncode == 3, done.stderr
     assert "toy_train: 3 steps done" in done.stdout
 

@@ -160,19 +160,21 @@ def test_injected_sleep_is_in_its_step_and_no_other(make_tracer: Any) -> None:
     assert spin["dur"] > 2_000  # 10M cycles ~ 5 ms at 1.98 GHz
 
 
-def test_records_match_a_kineto_trace_of_the_same_ops() -> None:
-    def run(mode: str) -> dict[str, Any]:
-        proc = subprocess.run(
-            [sys.executable, str(HERE / "cupti_gpu_helper.py"), "--mode", mode, "--steps", "4"],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            cwd=REPO,
-        )
-        assert proc.returncode == 0, f"{mode} helper failed:\n{proc.stderr[-4000:]}"
-        return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+def run_helper(mode: str, steps: int) -> dict[str, Any]:
+    """`cupti_gpu_helper.py` in a fresh process (CUPTI state is process-wide): its JSON."""
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "cupti_gpu_helper.py"), "--mode", mode, "--steps", str(steps)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, f"{mode} helper failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
-    ours, theirs = run("cupti"), run("kineto")
+
+def test_records_match_a_kineto_trace_of_the_same_ops() -> None:
+    ours, theirs = run_helper("cupti", 4), run_helper("kineto", 4)
     assert theirs["markers"] == 5, theirs
     for step in ("1", "2", "3", "4"):
         a, b = ours["steps"][step], theirs["steps"][step]
@@ -471,15 +473,7 @@ def test_close_is_idempotent_and_a_new_tracer_starts_after_it(make_tracer: Any) 
 
 
 def test_after_torch_profiler_the_backend_refuses_or_works() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "cupti_gpu_helper.py"), "--mode", "conflict", "--steps", "4"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_helper("conflict", 4)
     print(f"\nafter torch.profiler: {out}")
     if out["start"] != "ok":
         assert out["start"].startswith("unavailable:")
@@ -489,21 +483,6 @@ def test_after_torch_profiler_the_backend_refuses_or_works() -> None:
 
 
 def test_torch_profiler_still_works_after_the_backend_closed() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "cupti_gpu_helper.py"),
-            "--mode",
-            "kineto_after",
-            "--steps",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_helper("kineto_after", 3)
     print(f"\nKineto after distanom: {out}")
     assert out["kineto_kernels"] > 0
