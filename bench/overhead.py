@@ -31,7 +31,16 @@ timed loop, with one torch.cuda.synchronize() after the loop unless said otherwi
   governor is fed each step's host time (time between two step ends; without a per-step
   synchronize this is the GPU-paced step time in steady state) and switches tracing per
   window (8 steps for resnet18, 2 for transformer, lag 2 windows' worth of data); its
-  pairs run BUDGET_STEPS_FACTOR times the steps so the duty cycle settles.
+  pairs run BUDGET_STEPS_FACTOR times the steps so the duty cycle settles. The step
+  after a switch is flagged after-flush when the tracer detached at that boundary, as
+  the agent flags it. Then, untimed by the pair, in-process budget blocks: block_pairs
+  pairs of blocks, in alternating order, of block_steps steps governed by the budget
+  (the same governor goes on from block to block) or with tracing off (CUPTI detached,
+  the governor paused). A governed block runs on past block_steps until tracing is off
+  and the step after the last switch has run, so every attach, detach and switch step
+  falls inside governed blocks. Each block is timed between two synchronizes. The
+  budget's measured cost is `budget_overhead_pct` = (governed ms per step) / (off ms
+  per step) - 1 over all blocks; `coverage` is the share of governed steps traced.
 - raw_cupti: control. CUPTI activity buffers registered through distanom's binding,
   KERNEL+MEMCPY+MEMSET enabled, no markers, nothing decoded (records counted after the
   loop, untimed).
@@ -77,9 +86,11 @@ CONTROL_VARIANTS = ("markers_only",)
 BUDGET_STEPS_FACTOR = 6
 WORKLOADS: dict[str, dict[str, int]] = {
     # steps/warmup sized so both workloads, 5 pairs of all variants, fit in ~8 minutes
-    "resnet18": {"steps": 150, "warmup": 20, "governor_window": 8, "ab_pairs": 12},
-    "transformer": {"steps": 12, "warmup": 3, "governor_window": 2, "ab_pairs": 6},
-}
+    "resnet18": {"steps": 150, "warmup": 20, "governor_window": 8, "ab_pairs": 12,
+                 "block_steps": 512, "block_pairs": 8},
+    "transformer": {"steps": 12, "warmup": 3, "governor_window": 2, "ab_pairs": 6,
+                    "block_steps": 48, "block_pairs": 2},
+}  # fmt: skip
 INJECT_CYCLES = 20_000_000
 INJECT_OFFSETS = (5, 10, 15)
 INJECT_PHASE_STEPS = 20
@@ -252,6 +263,88 @@ def _ab_windows(tracer: Any, work: Workload, first: int, window: int, pairs: int
     }  # fmt: skip
 
 
+def _govern(tracer: Any, governor: Any, state: dict[str, Any], flushes_before: int) -> None:
+    """Feed the step that just ended to the governor and switch for the next, as the
+    agent does (`flushes_before`: the tracer's boundary_flushes before this boundary)."""
+    now = time.perf_counter()
+    g = state["g"]
+    governor.record(g, now - state["last"], state["on"], state["after_flush"])
+    state["last"] = now
+    state["prev_on"] = state["on"]
+    want = governor.tracing_on(g + 1)
+    if want != tracer.tracing:
+        tracer.set_tracing(want)
+    state["on"] = tracer.tracing
+    state["after_flush"] = tracer.boundary_flushes != flushes_before
+    state["g"] = g + 1
+    state["traced_steps"] = state.get("traced_steps", 0) + bool(state["on"])
+
+
+def _budget_blocks(
+    tracer: Any, governor: Any, work: Workload, first: int, state: dict[str, Any],
+    block_steps: int, pairs: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Untimed by the pair: governed blocks vs tracing-off blocks (see the docstring)."""
+    import torch
+
+    step = first
+    blocks: dict[str, list[tuple[int, float]]] = {"governed": [], "off": []}
+    traced_in_governed = 0
+    switches_in_governed = 0
+    if tracer.tracing:  # start from the state an off block needs
+        tracer.set_tracing(False)
+
+    for p in range(pairs):
+        for kind in ("governed", "off") if p % 2 == 0 else ("off", "governed"):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            n = 0
+            if kind == "off":
+                for _ in range(block_steps):
+                    work.step(0)
+                    tracer.mark_step(step, time.time_ns())
+                    step += 1
+                    n += 1
+            else:
+                # resume the governor where it stopped; the step that follows an off
+                # block starts with tracing off whatever the governor wants (it is
+                # switched at the first boundary), as after any lagging decision
+                state["last"] = t0
+                state["on"] = tracer.tracing
+                state["after_flush"] = False
+                while n < block_steps or state["on"] or state["prev_on"]:
+                    work.step(0)
+                    flushes = tracer.boundary_flushes
+                    tracer.mark_step(step, time.time_ns())
+                    was_on = tracer.tracing
+                    _govern(tracer, governor, state, flushes)
+                    switches_in_governed += was_on and not state["on"]
+                    traced_in_governed += bool(state["prev_on"])
+                    step += 1
+                    n += 1
+            torch.cuda.synchronize()
+            blocks[kind].append((n, (time.perf_counter() - t0) * 1000.0))
+    per_step = {k: sum(ms for _, ms in v) / sum(n for n, _ in v) for k, v in blocks.items()}
+    pair_ratios = [
+        (g_ms / g_n) / (o_ms / o_n)
+        for (g_n, g_ms), (o_n, o_ms) in zip(blocks["governed"], blocks["off"], strict=True)
+    ]
+    governed_steps = sum(n for n, _ in blocks["governed"])
+    return {
+        "block_steps": block_steps, "pairs": pairs,
+        "governed": [[n, round(ms, 3)] for n, ms in blocks["governed"]],
+        "off": [[n, round(ms, 3)] for n, ms in blocks["off"]],
+        "governed_ms_per_step": round(per_step["governed"], 4),
+        "off_ms_per_step": round(per_step["off"], 4),
+        "budget_overhead_pct": round((per_step["governed"] / per_step["off"] - 1) * 100, 3),
+        "pair_ratios": [round(r, 4) for r in pair_ratios],
+        "coverage": round(traced_in_governed / governed_steps, 4),
+        "traced_steps": traced_in_governed, "governed_steps": governed_steps,
+        "switches_off": switches_in_governed,
+        "governor": governor.report(),
+    }  # fmt: skip
+
+
 def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -288,13 +381,14 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             "cupti_version": cal.cupti_version, "library": cal.library,
         }  # fmt: skip
         governor = None
-        state: dict[str, Any] = {"on": {1: True}}
+        # governor steps (g) count governed steps only; tracer steps never pause
+        state: dict[str, Any] = {"on": True, "g": 1, "after_flush": False, "prev_on": True}
         if budget is not None:
             params = GovernorParams(window_steps=spec["governor_window"], lag_steps=2)
             governor = OverheadGovernor(budget, params, first_step=1)
-            state["on"][1] = governor.tracing_on(1)
+            state["on"] = governor.tracing_on(1)
         tracer.mark_step(0, time.time_ns())
-        tracer.set_tracing(state["on"][1])
+        tracer.set_tracing(state["on"])
         state["last"] = time.perf_counter()
 
         mark_ns: list[int] = []
@@ -302,14 +396,10 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         def traced_step(i: int) -> None:
             work.step(0)
             t_mark = time.perf_counter_ns()
+            flushes = tracer.boundary_flushes
             tracer.mark_step(i, time.time_ns())
-            if governor is not None:
-                now = time.perf_counter()
-                governor.record(i, now - state["last"], state["on"][i])
-                state["last"] = now
-                nxt = governor.tracing_on(i + 1)
-                state["on"][i + 1] = nxt
-                tracer.set_tracing(nxt)  # at this boundary, as the agent does: step i+1
+            if governor is not None:  # switches at this boundary, as the agent does
+                _govern(tracer, governor, state, flushes)
             mark_ns.append(time.perf_counter_ns() - t_mark)
 
         for i in range(1, warmup + 1):
@@ -323,6 +413,10 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         }
         if governor is not None:
             result["governor"] = governor.report()
+            result["budget_blocks"] = _budget_blocks(
+                tracer, governor, work, warmup + steps + 1, state,
+                spec["block_steps"], spec["block_pairs"],
+            )  # fmt: skip
         else:
             first = warmup + steps + 1
             result["injection"] = _check_injected(tracer, work, first)
@@ -502,6 +596,24 @@ def _summary(
         if variant == "cupti_budget1":
             entry["governor_reports"] = [b.get("governor") for b in traced]
             entry["tracer_stats"] = [b.get("tracer_stats") for b in traced]
+            blocks = [b["budget_blocks"] for b in traced if "budget_blocks" in b]
+            entry["budget_blocks"] = blocks
+            if blocks:
+                # all processes' blocks together: ms per step governed vs off
+                gov = [x for blk in blocks for x in blk["governed"]]
+                off = [x for blk in blocks for x in blk["off"]]
+                g_ms = sum(ms for _, ms in gov) / sum(n for n, _ in gov)
+                o_ms = sum(ms for _, ms in off) / sum(n for n, _ in off)
+                entry["budget_overhead_pct"] = round((g_ms / o_ms - 1) * 100, 3)
+                entry["budget_overhead_pct_per_process"] = [
+                    blk["budget_overhead_pct"] for blk in blocks
+                ]
+                entry["coverage"] = round(
+                    sum(blk["traced_steps"] for blk in blocks)
+                    / sum(blk["governed_steps"] for blk in blocks), 4
+                )  # fmt: skip
+                out["budget_overhead_pct"] = entry["budget_overhead_pct"]
+                out["budget_coverage"] = entry["coverage"]
             out["governor_report"] = entry["governor_reports"][-1] if traced else None
         if variant == "raw_cupti":
             entry["records_per_step"] = [b.get("records_per_step") for b in traced]
@@ -534,6 +646,9 @@ def bench_workload(
             base = {"workload": workload, "steps": n, "warmup": warmup,
                     "governor_window": window,
                     "ab_pairs": defaults["ab_pairs"],
+                    "block_steps": args.block_steps or defaults["block_steps"],
+                    "block_pairs": (args.block_pairs if args.block_pairs is not None
+                                    else defaults["block_pairs"]),
                     "transformer_batch": args.transformer_batch}  # fmt: skip
             a = run_once(ctx, {**base, "variant": "none"}, args.child_timeout)
             b = run_once(ctx, {**base, "variant": variant}, args.child_timeout)
@@ -551,6 +666,12 @@ def bench_workload(
                         f"  governor traced {g['traced_fraction']}, "
                         f"overhead {g['measured_overhead_pct']}"
                     )
+                if "budget_blocks" in b:
+                    blk = b["budget_blocks"]
+                    extra += (
+                        f"  blocks: governed/off {blk['budget_overhead_pct']:+.2f}% "
+                        f"coverage {blk['coverage']}"
+                    )
                 log(
                     f"{workload} pair {p + 1}/{args.pairs} {variant:14s} "
                     f"none {a['wall_ms']:8.3f} ms  {variant} {b['wall_ms']:8.3f} ms  "
@@ -567,6 +688,11 @@ def bench_workload(
     none_ms = [pair[0] for e in summary["variants"].values() for pair in e["pairs"]]
     if none_ms:
         log(f"{workload}: untraced step {statistics.median(none_ms):.2f} ms (median over runs)")
+    if "budget_overhead_pct" in summary:
+        log(
+            f"{workload}: 1% budget, in-process blocks: governed vs off "
+            f"{summary['budget_overhead_pct']:+.3f}%, coverage {summary['budget_coverage']}"
+        )
     if "captured_injected" in summary:
         got, want = summary["captured_injected"], summary["injected"]
         log(f"{workload}: injected sleeps captured {got}/{want}")
@@ -597,6 +723,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0,
         help="steps per duty-cycle window for cupti_budget1 and the in-process A/B "
         "(0: per-workload default; the agent's own default is 16)",
+    )
+    parser.add_argument(
+        "--block-steps",
+        type=int,
+        default=0,
+        help="cupti_budget1: steps per in-process budget block (0: per-workload default)",
+    )
+    parser.add_argument(
+        "--block-pairs",
+        type=int,
+        default=None,
+        help="cupti_budget1: (governed, off) block pairs per process (default per workload)",
     )
     parser.add_argument("--child-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
