@@ -4,14 +4,17 @@ Owns the tracing duty cycle. Tracing is switched in windows of `window_steps` st
 (switching per step would put CUPTI's attach/detach on every boundary). The governor
 measures the tracer's cost live, from the run itself: overhead = median(step times of
 recent traced windows) / median(step times of recent untraced windows) - 1, plus the
-cost of switching off. That switch (the cupti backend drains the GPU and detaches CUPTI)
-lands in the first untraced step after a traced one: such a step is kept out of the
-untraced samples, and its excess over the untraced median, times the switches per
-traced window seen so far, is charged to tracing (per traced step). With a
-budget of B percent it traces a fraction f of the windows, f = B / overhead, clamped to
-[min_fraction, 1 - 1/probe_every_windows] and spread evenly by an accumulator. The
-hysteresis is one-sided, so the budget holds: f is set to target / (1 + band / 2) and
-kept while the target stays within [f, f * (1 + band)]. Without a budget it traces
+cost of switching. A median does not see a cost paid once per switch, so the two steps
+that carry one are kept apart: the first traced step after an untraced one carries the
+attach (CUPTI re-initialises: ~10 ms measured on an H200), the first untraced step after
+a traced one the drain and detach (~3-4 ms). Each kind's median excess (over the traced,
+resp. untraced, median), times its switches per traced window seen so far, is charged
+to tracing (per traced step). With a budget of B percent it traces a fraction f of the
+windows, f = B / overhead, clamped to [min_fraction, 1 - 1/probe_every_windows] and
+spread by an accumulator in bursts of `burst_windows` consecutive windows, so that one
+pair of switches serves several traced windows. The hysteresis is one-sided, so the
+budget holds: f is set to target / (1 + band / 2) and kept while the target stays
+within [f, f * (1 + band)]. Without a budget it traces
 every window but one in `probe_every_windows` (the first one after `first_probe_window`
 windows, past the run's start, when detection is still filling its baselines), so every
 run can still report what tracing costs.
@@ -54,6 +57,10 @@ class GovernorParams:
     hysteresis: float = 0.2  # keep the fraction while the target is at most 20% above it
     min_samples: int = 4  # step times each side needs before an overhead is trusted
     initial_fraction: float = 0.5  # before the first measurement (budgeted runs)
+    # budgeted runs trace this many consecutive windows at a time: a switch costs about
+    # as much as a whole traced window of a launch-bound step (bench/results/
+    # cupti_switch_cost_probe_h200.json), so bursts leave more of the budget to tracing
+    burst_windows: int = 4
 
     def __post_init__(self) -> None:
         if self.window_steps < 1 or self.lag_steps < 0 or self.history_windows < 1:
@@ -64,6 +71,8 @@ class GovernorParams:
             raise ValueError("min_fraction must be in (0, 1 - 1/probe_every_windows]")
         if not 0 <= self.hysteresis < 1 or self.min_samples < 1:
             raise ValueError("hysteresis in [0, 1), min_samples >= 1")
+        if self.burst_windows < 1:
+            raise ValueError("burst_windows must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,7 @@ class _Window:
     kind: str  # "T" traced, "U" untraced, "M" mixed (not used to measure)
     times: tuple[float, ...]
     switch_times: tuple[float, ...] = ()  # untraced steps right after a traced one
+    switch_on_times: tuple[float, ...] = ()  # traced steps right after an untraced one
 
 
 class OverheadGovernor:
@@ -100,6 +110,7 @@ class OverheadGovernor:
         self._pending_times: list[float | None] = []  # the window being filled
         self._pending_flags: list[bool] = []
         self._pending_switches: list[float] = []
+        self._pending_switch_ons: list[float] = []
         self._previous_traced: bool | None = None
         self._last_window_kind: str | None = None
         # complete windows not yet seen by a decision, then the last history_windows
@@ -113,6 +124,10 @@ class OverheadGovernor:
             maxlen=self.params.history_windows
         )
         self._switches_consumed = 0
+        self._seen_switch_ons: collections.deque[float] = collections.deque(
+            maxlen=self.params.history_windows
+        )
+        self._switch_ons_consumed = 0
         self._traced_windows_consumed = 0
         self._n_windows = 0
         # decisions per window; _decisions[i] is window number _decisions_base + i
@@ -128,6 +143,7 @@ class OverheadGovernor:
         )
         self._fraction: float | None = None
         self._credit = 0.0
+        self._burst_left = 0  # traced windows still to come in the current burst
         self._last_overhead: float | None = None
 
     @classmethod
@@ -159,15 +175,18 @@ class OverheadGovernor:
             and not self._pending_times
             and self._last_window_kind == "T"
         )
+        # the first step of a window, traced after an untraced step (kept only if its
+        # window turns out fully traced: a duty-cycle switch, not a requested capture)
+        switch_on = traced and self._previous_traced is False and not self._pending_times
         self._previous_traced = bool(traced)
-        if switch:
-            # tracing's cost, not an untraced sample: kept apart (see the module docstring)
+        if switch or switch_on:
+            # tracing's cost, not a sample: kept apart (see the module docstring)
             if step_time_s is not None:
-                self._pending_switches.append(step_time_s)
+                (self._pending_switches if switch else self._pending_switch_ons).append(step_time_s)
             step_time_s = None
-        elif after_flush and not traced:
-            # the tracer's own work outside the duty cycle (after a requested capture, a
-            # switch that came late): neither an untraced sample nor a duty-cycle switch
+        elif after_flush:
+            # the tracer's own work outside the duty cycle (its start, a requested capture,
+            # a switch that came late): neither a sample nor a duty-cycle switch
             step_time_s = None
         self._pending_times.append(step_time_s)
         self._pending_flags.append(bool(traced))
@@ -177,12 +196,14 @@ class OverheadGovernor:
             flags = self._pending_flags
             kind = "T" if all(flags) else ("U" if not any(flags) else "M")
             times = tuple(t for t in self._pending_times if t is not None)
-            self._unconsumed.append(_Window(kind, times, tuple(self._pending_switches)))
+            switch_ons = tuple(self._pending_switch_ons) if kind == "T" else ()
+            self._unconsumed.append(_Window(kind, times, tuple(self._pending_switches), switch_ons))
             self._last_window_kind = kind
             self._n_windows += 1
             if len(self._unconsumed) > self.MAX_UNCONSUMED_WINDOWS:
                 self._consume(1)  # nobody asks for decisions: fold instead of growing
-            self._pending_times, self._pending_flags, self._pending_switches = [], [], []
+            self._pending_times, self._pending_flags = [], []
+            self._pending_switches, self._pending_switch_ons = [], []
 
     # -- decisions -------------------------------------------------------------------
 
@@ -231,6 +252,8 @@ class OverheadGovernor:
                 self._seen[window.kind].append(window)
             self._seen_switches.extend(window.switch_times)
             self._switches_consumed += len(window.switch_times)
+            self._seen_switch_ons.extend(window.switch_on_times)
+            self._switch_ons_consumed += len(window.switch_on_times)
             self._traced_windows_consumed += window.kind == "T"
 
     def _is_probe(self, window: int) -> bool:
@@ -239,8 +262,9 @@ class OverheadGovernor:
 
     def _decide(self, window: int) -> bool:
         overhead = self._measure(
-            self._seen["T"], self._seen["U"], self._seen_switches, self._switch_rate()
-        )
+            self._seen["T"], self._seen["U"], self._seen_switches, self._seen_switch_ons,
+            self._switch_counts(),
+        )  # fmt: skip
         self._last_overhead = overhead
         if self.budget_pct is None:
             return not self._is_probe(window)
@@ -258,51 +282,56 @@ class OverheadGovernor:
                 centred = raw / (1 + prm.hysteresis / 2)
                 self._fraction = min(max(centred, prm.min_fraction), ceiling)
         fraction = self._fraction if self._fraction is not None else prm.initial_fraction
+        # credit accrues in every window, so bursts keep the traced share at `fraction`
         self._credit += fraction
-        if self._credit >= 1.0 - 1e-9:
-            self._credit -= 1.0
+        if self._burst_left > 0:
+            self._burst_left -= 1
+            return True
+        burst = prm.burst_windows
+        if self._credit >= burst - 1e-9:
+            self._credit -= burst
+            self._burst_left = burst - 1
             return True
         return False
 
-    def _switch_counts(self, pending: Iterable[_Window] = ()) -> tuple[int, int]:
-        """(switches off, traced windows) over everything decisions have seen, plus
-        `pending` windows."""
-        switches, traced = self._switches_consumed, self._traced_windows_consumed
+    def _switch_counts(self, pending: Iterable[_Window] = ()) -> tuple[int, int, int]:
+        """(switches off, switches on, traced windows) over everything decisions have
+        seen, plus `pending` windows."""
+        offs, ons = self._switches_consumed, self._switch_ons_consumed
+        traced = self._traced_windows_consumed
         for window in pending:
-            switches += len(window.switch_times)
+            offs += len(window.switch_times)
+            ons += len(window.switch_on_times)
             traced += window.kind == "T"
-        return switches, traced
-
-    def _switch_rate(self, pending: Iterable[_Window] = ()) -> float:
-        """Switches off per traced window (see `_switch_counts`)."""
-        switches, traced = self._switch_counts(pending)
-        return switches / max(1, traced)
+        return offs, ons, traced
 
     def _measure(
         self,
         traced: Iterable[_Window],
         untraced: Iterable[_Window],
-        switches: Iterable[float] = (),
-        switch_rate: float = 0.0,
+        offs: Iterable[float] = (),
+        ons: Iterable[float] = (),
+        counts: tuple[int, int, int] = (0, 0, 0),
     ) -> float | None:
         """Overhead (0.13 = 13%) from the given traced and untraced windows, plus the
-        median switch step's excess over the untraced median, `switch_rate` times per
-        traced window."""
+        switch steps' median excess (`offs` over the untraced median, `ons` over the
+        traced one), each as often per traced window as `counts` say."""
         t = [x for w in traced for x in w.times]
         u = [x for w in untraced for x in w.times]
         if len(t) < self.params.min_samples or len(u) < self.params.min_samples:
             return None
-        mu = statistics.median(u)
+        mu, mt = statistics.median(u), statistics.median(t)
         if mu <= 0:
             return None
-        return statistics.median(t) / mu - 1.0 + self._switch_share(switches, switch_rate, mu)
+        n_off, n_on, n_traced = counts
+        per_window = self._excess(offs, mu) * n_off + self._excess(ons, mt) * n_on
+        return mt / mu - 1.0 + per_window / max(1, n_traced) / (self.params.window_steps * mu)
 
-    def _switch_share(self, switches: Iterable[float], switch_rate: float, mu: float) -> float:
-        s = list(switches)
-        if not s or mu <= 0:
-            return 0.0
-        excess = max(0.0, statistics.median(s) - mu)
-        return excess * switch_rate / (self.params.window_steps * mu)
+    @staticmethod
+    def _excess(samples: Iterable[float], reference: float) -> float:
+        """Median excess of switch steps over the steps they would otherwise be."""
+        s = list(samples)
+        return max(0.0, statistics.median(s) - reference) if s else 0.0
 
     @staticmethod
     def _measure_median(windows: Iterable[_Window]) -> float | None:
@@ -316,23 +345,26 @@ class OverheadGovernor:
             kind: [*self._seen[kind], *(w for w in self._unconsumed if w.kind == kind)][-h:]
             for kind in ("T", "U")
         }
-        pending_switches = [x for w in self._unconsumed for x in w.switch_times]
-        switches = [*self._seen_switches, *pending_switches][-h:]
-        consumed_s, _ = self._switch_counts(self._unconsumed)
-        rate = self._switch_rate(self._unconsumed)  # the same counts, as a rate
-        recent = self._measure(newest["T"], newest["U"], switches, rate)
+        offs = [*self._seen_switches, *(x for w in self._unconsumed for x in w.switch_times)]
+        ons = [*self._seen_switch_ons, *(x for w in self._unconsumed for x in w.switch_on_times)]
+        offs, ons = offs[-h:], ons[-h:]
+        counts = self._switch_counts(self._unconsumed)
+        recent = self._measure(newest["T"], newest["U"], offs, ons, counts)
         untraced_median = self._measure_median(newest["U"])
-        switch_excess_ms = (
-            None
-            if not switches or untraced_median is None
-            else 1000.0 * max(0.0, statistics.median(switches) - untraced_median)
-        )
+        traced_median = self._measure_median(newest["T"])
+
+        def excess_ms(samples: list[float], reference: float | None) -> float | None:
+            if not samples or reference is None:
+                return None
+            return 1000.0 * self._excess(samples, reference)
+
         recorded = self._recorded
         fraction_steps = self._steps_traced / recorded if recorded else None
         return {
             "budget_pct": self.budget_pct,
             "window_steps": self.params.window_steps,
             "lag_steps": self.params.lag_steps,
+            "burst_windows": self.params.burst_windows,
             "windows_decided": self._n_decided,
             "windows_traced": self._n_traced_windows,
             "traced_fraction": self._n_traced_windows / self._n_decided
@@ -345,8 +377,10 @@ class OverheadGovernor:
                 if recent is None or fraction_steps is None
                 else 100.0 * recent * fraction_steps
             ),
-            "switches_off": consumed_s,
-            "switch_excess_ms": switch_excess_ms,
+            "switches_off": counts[0],
+            "switch_excess_ms": excess_ms(offs, untraced_median),
+            "switches_on": counts[1],
+            "switch_on_excess_ms": excess_ms(ons, traced_median),
             "steps_recorded": recorded,
             "steps_traced": self._steps_traced,
             "steps_untraced": recorded - self._steps_traced,
