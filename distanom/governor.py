@@ -2,22 +2,25 @@
 
 Owns the tracing duty cycle. Tracing is switched in windows of `window_steps` steps
 (switching per step would put CUPTI's attach/detach on every boundary). The governor
-measures the tracer's cost live, from the run itself: overhead = median(step times of
-recent traced windows) / median(step times of recent untraced windows) - 1, plus the
-cost of switching. A median does not see a cost paid once per switch, so the two steps
-that carry one are kept apart: the first traced step after an untraced one carries the
-attach (CUPTI re-initialises: ~10 ms measured on an H200), the first untraced step after
-a traced one the drain and detach (~3-4 ms). Each kind's median excess (over the traced,
-resp. untraced, median), times its switches per traced window seen so far, is charged
-to tracing (per traced step). With a budget of B percent it traces a fraction f of the
-windows, f = B / overhead, clamped to [min_fraction, 1 - 1/probe_every_windows] and
-spread by an accumulator in bursts of `burst_windows` consecutive windows, so that one
-pair of switches serves several traced windows. The hysteresis is one-sided, so the
-budget holds: f is set to target / (1 + band / 2) and kept while the target stays
-within [f, f * (1 + band)]. Without a budget it traces
-every window but one in `probe_every_windows` (the first one after `first_probe_window`
-windows, past the run's start, when detection is still filling its baselines), so every
-run can still report what tracing costs.
+measures the tracer's cost live, from the run itself. Each traced window is compared
+with its local baseline, the untraced windows just before and just after its run of
+traced windows (step times drift by +-15% over seconds on a shared machine: a baseline
+from elsewhere in the run would swamp a 1% budget): its cost is median(its step times) /
+median(baseline) - 1, and the overhead is the median cost over recent traced windows,
+plus the cost of switching. A median does not see a cost paid once per switch, so the
+two steps that carry one are kept apart: the first traced step after an untraced one
+carries the attach (CUPTI re-initialises: ~10 ms measured on an H200), the first
+untraced step after a traced one the drain and detach (~3-4 ms). Each kind's median
+excess (over its traced window's median, resp. the baseline), times its switches per
+traced window seen so far, is charged to tracing (per traced step). With a budget of B
+percent it traces a fraction f of the windows, f = B / overhead, clamped to
+[min_fraction, 1 - 1/probe_every_windows] and spread by an accumulator in bursts of
+`burst_windows` consecutive windows, so that one pair of switches serves several traced
+windows. The hysteresis is one-sided, so the budget holds: f is set to target / (1 +
+band / 2) and kept while the target stays within [f, f * (1 + band)]. Without a budget
+it traces every window but one in `probe_every_windows` (the first one after
+`first_probe_window` windows, past the run's start, when detection is still filling its
+baselines), so every run can still report what tracing costs.
 
 Pure and deterministic: no torch, no clock, no I/O. Every rank feeds it the SAME
 gathered data in step order (per step: the step time, max over ranks, and whether
@@ -30,9 +33,9 @@ given and hands decisions (`tracing_on`) and a summary (`report`) back to the ag
 from __future__ import annotations
 
 import collections
+import copy
 import math
 import statistics
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +86,64 @@ class _Window:
     switch_on_times: tuple[float, ...] = ()  # traced steps right after an untraced one
 
 
+class _Costs:
+    """Tracing's costs relative to local baselines, from complete windows in step order
+    (see the module docstring). Bounded: the last `history` values of each kind."""
+
+    def __init__(self, history: int) -> None:
+        self.traced: collections.deque[float] = collections.deque(maxlen=history)
+        self.switch_on: collections.deque[float] = collections.deque(maxlen=history)
+        self.switch_off: collections.deque[float] = collections.deque(maxlen=history)
+        self.offs = self.ons = self.traced_windows = 0  # counts over the whole run
+        self._before: tuple[float, ...] = ()  # the last untraced window's step times
+        # traced windows since it, waiting for the untraced window after them, and the
+        # switch-off steps since (in an untraced or a mixed window)
+        self._waiting: collections.deque[_Window] = collections.deque(maxlen=history)
+        self._waiting_offs: list[float] = []
+
+    def copy(self) -> _Costs:
+        other = copy.copy(self)
+        for name in ("traced", "switch_on", "switch_off", "_waiting", "_waiting_offs"):
+            setattr(other, name, copy.copy(getattr(self, name)))
+        return other
+
+    def add(self, window: _Window, min_samples: int) -> None:
+        self.offs += len(window.switch_times)
+        self.ons += len(window.switch_on_times)
+        if window.kind == "T":
+            self.traced_windows += 1
+            self._waiting.append(window)
+            return
+        self._waiting_offs.extend(window.switch_times)
+        if window.kind == "U":
+            pooled = self._before + window.times
+            if len(pooled) >= min_samples and statistics.median(pooled) > 0:
+                self._settle(statistics.median(pooled))
+            self._waiting.clear()
+            self._waiting_offs = []
+            if window.times:
+                self._before = window.times
+
+    def _settle(self, base: float) -> None:
+        for t_window in self._waiting:
+            if not t_window.times:
+                continue
+            own = statistics.median(t_window.times)
+            self.traced.append(own / base - 1.0)
+            self.switch_on.extend((x - own) / base for x in t_window.switch_on_times)
+        self.switch_off.extend((x - base) / base for x in self._waiting_offs)
+
+    def overhead(self, window_steps: int) -> float | None:
+        """Per traced step, as a fraction (0.13 = 13%); None before any measurement."""
+        if not self.traced:
+            return None
+        share = 0.0
+        for values, count in ((self.switch_on, self.ons), (self.switch_off, self.offs)):
+            if values:
+                share += max(0.0, statistics.median(values)) * count
+        return statistics.median(self.traced) + share / max(1, self.traced_windows) / window_steps
+
+
 class OverheadGovernor:
     """Decides `tracing_on(step)` from recorded (step time, traced) pairs.
 
@@ -113,22 +174,10 @@ class OverheadGovernor:
         self._pending_switch_ons: list[float] = []
         self._previous_traced: bool | None = None
         self._last_window_kind: str | None = None
-        # complete windows not yet seen by a decision, then the last history_windows
-        # traced ("T") and untraced ("U") windows among those a decision has seen
+        # complete windows not yet seen by a decision, then what decisions have seen
         self._unconsumed: collections.deque[_Window] = collections.deque()
         self._consumed = 0
-        self._seen: dict[str, collections.deque[_Window]] = {
-            kind: collections.deque(maxlen=self.params.history_windows) for kind in ("T", "U")
-        }
-        self._seen_switches: collections.deque[float] = collections.deque(
-            maxlen=self.params.history_windows
-        )
-        self._switches_consumed = 0
-        self._seen_switch_ons: collections.deque[float] = collections.deque(
-            maxlen=self.params.history_windows
-        )
-        self._switch_ons_consumed = 0
-        self._traced_windows_consumed = 0
+        self._costs = _Costs(self.params.history_windows)
         self._n_windows = 0
         # decisions per window; _decisions[i] is window number _decisions_base + i
         self._decisions: collections.deque[bool] = collections.deque(maxlen=self.KEPT_DECISIONS)
@@ -248,23 +297,14 @@ class OverheadGovernor:
         for _ in range(max(0, count)):
             window = self._unconsumed.popleft()
             self._consumed += 1
-            if window.kind in self._seen:
-                self._seen[window.kind].append(window)
-            self._seen_switches.extend(window.switch_times)
-            self._switches_consumed += len(window.switch_times)
-            self._seen_switch_ons.extend(window.switch_on_times)
-            self._switch_ons_consumed += len(window.switch_on_times)
-            self._traced_windows_consumed += window.kind == "T"
+            self._costs.add(window, self.params.min_samples)
 
     def _is_probe(self, window: int) -> bool:
         p, first = self.params.probe_every_windows, self.params.first_probe_window
         return window >= first and (window - first) % p == 0
 
     def _decide(self, window: int) -> bool:
-        overhead = self._measure(
-            self._seen["T"], self._seen["U"], self._seen_switches, self._seen_switch_ons,
-            self._switch_counts(),
-        )  # fmt: skip
+        overhead = self._costs.overhead(self.params.window_steps)
         self._last_overhead = overhead
         if self.budget_pct is None:
             return not self._is_probe(window)
@@ -294,69 +334,20 @@ class OverheadGovernor:
             return True
         return False
 
-    def _switch_counts(self, pending: Iterable[_Window] = ()) -> tuple[int, int, int]:
-        """(switches off, switches on, traced windows) over everything decisions have
-        seen, plus `pending` windows."""
-        offs, ons = self._switches_consumed, self._switch_ons_consumed
-        traced = self._traced_windows_consumed
-        for window in pending:
-            offs += len(window.switch_times)
-            ons += len(window.switch_on_times)
-            traced += window.kind == "T"
-        return offs, ons, traced
-
-    def _measure(
-        self,
-        traced: Iterable[_Window],
-        untraced: Iterable[_Window],
-        offs: Iterable[float] = (),
-        ons: Iterable[float] = (),
-        counts: tuple[int, int, int] = (0, 0, 0),
-    ) -> float | None:
-        """Overhead (0.13 = 13%) from the given traced and untraced windows, plus the
-        switch steps' median excess (`offs` over the untraced median, `ons` over the
-        traced one), each as often per traced window as `counts` say."""
-        t = [x for w in traced for x in w.times]
-        u = [x for w in untraced for x in w.times]
-        if len(t) < self.params.min_samples or len(u) < self.params.min_samples:
-            return None
-        mu, mt = statistics.median(u), statistics.median(t)
-        if mu <= 0:
-            return None
-        n_off, n_on, n_traced = counts
-        per_window = self._excess(offs, mu) * n_off + self._excess(ons, mt) * n_on
-        return mt / mu - 1.0 + per_window / max(1, n_traced) / (self.params.window_steps * mu)
-
-    @staticmethod
-    def _excess(samples: Iterable[float], reference: float) -> float:
-        """Median excess of switch steps over the steps they would otherwise be."""
-        s = list(samples)
-        return max(0.0, statistics.median(s) - reference) if s else 0.0
-
-    @staticmethod
-    def _measure_median(windows: Iterable[_Window]) -> float | None:
-        times = [x for w in windows for x in w.times]
-        return statistics.median(times) if times else None
-
     def report(self) -> dict[str, Any]:
         """Measured overhead, traced fraction and counts, for logs and the status file."""
-        h = self.params.history_windows
-        newest = {
-            kind: [*self._seen[kind], *(w for w in self._unconsumed if w.kind == kind)][-h:]
-            for kind in ("T", "U")
-        }
-        offs = [*self._seen_switches, *(x for w in self._unconsumed for x in w.switch_times)]
-        ons = [*self._seen_switch_ons, *(x for w in self._unconsumed for x in w.switch_on_times)]
-        offs, ons = offs[-h:], ons[-h:]
-        counts = self._switch_counts(self._unconsumed)
-        recent = self._measure(newest["T"], newest["U"], offs, ons, counts)
-        untraced_median = self._measure_median(newest["U"])
-        traced_median = self._measure_median(newest["T"])
+        costs = self._costs.copy()  # with the windows no decision has seen yet
+        for window in self._unconsumed:
+            costs.add(window, self.params.min_samples)
+        recent = costs.overhead(self.params.window_steps)
+        untraced_median = (
+            statistics.median(self._recent_untraced) if self._recent_untraced else None
+        )
 
-        def excess_ms(samples: list[float], reference: float | None) -> float | None:
-            if not samples or reference is None:
+        def excess_ms(values: collections.deque[float]) -> float | None:
+            if not values or untraced_median is None:
                 return None
-            return 1000.0 * self._excess(samples, reference)
+            return 1000.0 * max(0.0, statistics.median(values)) * untraced_median
 
         recorded = self._recorded
         fraction_steps = self._steps_traced / recorded if recorded else None
@@ -377,10 +368,10 @@ class OverheadGovernor:
                 if recent is None or fraction_steps is None
                 else 100.0 * recent * fraction_steps
             ),
-            "switches_off": counts[0],
-            "switch_excess_ms": excess_ms(offs, untraced_median),
-            "switches_on": counts[1],
-            "switch_on_excess_ms": excess_ms(ons, traced_median),
+            "switches_off": costs.offs,
+            "switch_excess_ms": excess_ms(costs.switch_off),
+            "switches_on": costs.ons,
+            "switch_on_excess_ms": excess_ms(costs.switch_on),
             "steps_recorded": recorded,
             "steps_traced": self._steps_traced,
             "steps_untraced": recorded - self._steps_traced,
