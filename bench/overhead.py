@@ -284,12 +284,15 @@ def _govern(tracer: Any, governor: Any, state: dict[str, Any], flushes_before: i
 
 def _budget_blocks(
     tracer: Any, governor: Any, work: Workload, first: int, state: dict[str, Any],
-    block_steps: int, pairs: int,
+    block_steps: int, pairs: int, per_step: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """Untimed by the pair: governed blocks vs tracing-off blocks (see the docstring)."""
+    """Untimed by the pair: governed blocks vs tracing-off blocks (see the docstring).
+    per_step: also return every step's host time, to locate costs around the bursts."""
     import torch
 
     step = first
+    # per step: [block number (governed even, off odd in pair order), traced, host ms]
+    steps_ms: list[tuple[int, int, float]] = []
     blocks: dict[str, list[tuple[int, float]]] = {"governed": [], "off": []}
     traced_in_governed = 0
     switches_in_governed = 0
@@ -301,12 +304,18 @@ def _budget_blocks(
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             n = 0
+            block_no = 2 * p + (kind == "off")
+            last = t0
             if kind == "off":
                 for _ in range(block_steps):
                     work.step(0)
                     tracer.mark_step(step, time.time_ns())
                     step += 1
                     n += 1
+                    if per_step:
+                        now = time.perf_counter()
+                        steps_ms.append((block_no, 0, round((now - last) * 1000.0, 3)))
+                        last = now
             else:
                 # resume the governor where it stopped; the step that follows an off
                 # block starts with tracing off whatever the governor wants (it is
@@ -324,6 +333,10 @@ def _budget_blocks(
                     traced_in_governed += bool(state["prev_on"])
                     step += 1
                     n += 1
+                    if per_step:
+                        ms = round((state["last"] - last) * 1000.0, 3)
+                        steps_ms.append((block_no, int(state["prev_on"]), ms))
+                        last = state["last"]
             torch.cuda.synchronize()
             blocks[kind].append((n, (time.perf_counter() - t0) * 1000.0))
     per_step = {k: sum(ms for _, ms in v) / sum(n for n, _ in v) for k, v in blocks.items()}
@@ -343,6 +356,7 @@ def _budget_blocks(
         "coverage": round(traced_in_governed / governed_steps, 4),
         "traced_steps": traced_in_governed, "governed_steps": governed_steps,
         "switches_off": switches_in_governed,
+        **({"steps_ms": steps_ms} if per_step else {}),
         "governor": governor.report(),
     }  # fmt: skip
 
@@ -417,7 +431,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             result["governor"] = governor.report()
             result["budget_blocks"] = _budget_blocks(
                 tracer, governor, work, warmup + steps + 1, state,
-                spec["block_steps"], spec["block_pairs"],
+                spec["block_steps"], spec["block_pairs"], spec.get("per_step", False),
             )  # fmt: skip
         else:
             first = warmup + steps + 1
@@ -649,6 +663,7 @@ def bench_workload(
                     "governor_window": window,
                     "ab_pairs": defaults["ab_pairs"],
                     "block_steps": args.block_steps or defaults["block_steps"],
+                    "per_step": args.per_step,
                     "block_pairs": (args.block_pairs if args.block_pairs is not None
                                     else defaults["block_pairs"]),
                     "transformer_batch": args.transformer_batch}  # fmt: skip
@@ -737,6 +752,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=None,
         help="cupti_budget1: (governed, off) block pairs per process (default per workload)",
+    )
+    parser.add_argument(
+        "--per-step",
+        action="store_true",
+        help="cupti_budget1: keep every block step's host time in the result",
     )
     parser.add_argument("--child-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
