@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import distanom
 from distanom.agent import Agent, active_agent
 from distanom.config import load_config
+from distanom.governor import GovernorParams, OverheadGovernor
 from distanom.world import WorldInfo
 
 
@@ -215,3 +217,61 @@ def test_tracing_is_switched_off_once_capture_has_stepped_aside(
     train([sgd], model, 2)
     assert tracer.calls == ["set_tracing(False)"]  # once: nothing will be captured
     agent.close()
+
+
+class CostlyTracer(SwitchingTracer):
+    """A stand-in whose tracing slows the step, and whose switches cost, like cupti's."""
+
+    TRACED_EXTRA_S = 0.0015
+    ATTACH_S = 0.004
+
+    def __init__(self) -> None:
+        super().__init__(on_at=-1, detach_at=-1)
+        self.tracing = True
+        self.switches_on = 0
+
+    def set_tracing(self, on: bool) -> None:
+        if on and not self.tracing:
+            self.switches_on += 1
+            time.sleep(self.ATTACH_S)
+        if self.tracing and not on:
+            self.boundary_flushes += 1
+        super().set_tracing(on)
+
+
+def test_a_budgeted_agent_follows_the_governor_in_whole_windows(
+    tmp_path: Path, model: torch.nn.Module
+) -> None:
+    # Tracing costs +30% a step plus an attach: a 5% budget traces a small share of the
+    # steps, switched at window boundaries, and the status says what it measured.
+    tracer = CostlyTracer()
+    # nothing to capture: the stand-in holds no events
+    quiet = ("detect.multiplier=50", "capture.reference_every_steps=0")
+    agent = make_agent(tmp_path, "tracer.overhead_budget_pct=5", *quiet)
+    params = GovernorParams(window_steps=8, lag_steps=2, burst_windows=2)
+    agent._governor = OverheadGovernor(5.0, params, first_step=1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    train([sgd], model, 1)  # the first boundary sets the configured backend (none) up
+    agent.tracer = tracer  # type: ignore[assignment]
+    agent._tracer_started = True
+    for _ in range(600):
+        time.sleep(0.005 + (tracer.TRACED_EXTRA_S if tracer.tracing else 0.0))
+        model(torch.randn(4, 8)).sum().backward()
+        sgd.step()
+        sgd.zero_grad()
+    report = agent.tracer_report()
+    agent.close()
+    assert agent.run is not None
+    with open(agent.run.steps_csv(0)) as handle:
+        traced = {int(r["step"]): r["traced"] == "1" for r in csv.DictReader(handle)}
+    steady = [traced[s] for s in sorted(traced) if s > 200]
+    assert 0.03 < sum(steady) / len(steady) < 0.5
+    assert tracer.switches_on >= 2
+    # switches land on window boundaries (steps 1 + 8k open a window), unless gathered
+    # data lagged a decision
+    switch_steps = [s for s in sorted(traced) if s - 1 in traced and traced[s] != traced[s - 1]]
+    on_boundary = [s for s in switch_steps if (s - 1) % 8 == 0]
+    assert len(on_boundary) >= 0.8 * len(switch_steps)
+    duty = report["duty_cycle"]
+    assert duty["windows_traced"] > 0 and duty["switches_on"] > 0
+    assert 15.0 < report["overhead_pct"] < 120.0
