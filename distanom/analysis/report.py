@@ -205,13 +205,18 @@ def _overhead_lines(tracer: dict[str, Any]) -> list[str]:
         line += f": {effective:.2f}% of the run"
     if isinstance(budget, (int, float)):
         line += f" (budget {budget:g}%)"
-    switch_ms, switches = duty.get("switch_excess_ms"), duty.get("switches_off")
     lines = [line]
-    if isinstance(switch_ms, (int, float)) and isinstance(switches, int) and switches:
-        lines.append(
-            f"  tracing switched off {switches} time(s); the step after a switch ran "
-            f"{switch_ms:.1f} ms longer (median of the recent ones), counted in the overhead"
-        )
+    for direction, count_key, excess_key in (
+        ("on", "switches_on", "switch_on_excess_ms"),
+        ("off", "switches_off", "switch_excess_ms"),
+    ):
+        switch_ms, switches = duty.get(excess_key), duty.get(count_key)
+        if isinstance(switch_ms, (int, float)) and isinstance(switches, int) and switches:
+            lines.append(
+                f"  tracing switched {direction} {switches} time(s); the step after a switch "
+                f"ran {switch_ms:.1f} ms longer (median of the recent ones), counted in the "
+                "overhead"
+            )
     return lines
 
 

@@ -27,6 +27,8 @@ def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> Non
                     "effective_overhead_pct": 0.98,
                     "switches_off": 40,
                     "switch_excess_ms": 3.46,
+                    "switches_on": 41,
+                    "switch_on_excess_ms": 9.62,
                 },
             },
             "captures": {"written": 3, "skipped_disk": 2, "missed": 1},
@@ -39,6 +41,7 @@ def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> Non
         "measured overhead 12.9% of step time while tracing, 7.8% of steps traced: 0.98% "
         "of the run (budget 1%)" in text
     )
+    assert "switched on 41 time(s); the step after a switch ran 9.6 ms longer" in text
     assert "switched off 40 time(s); the step after a switch ran 3.5 ms longer" in text
     assert "disk budget (capture.max_disk_mb) reached: 2 capture(s)" in text
     assert "1 capture(s) decided after the tracer had dropped the step" in text
