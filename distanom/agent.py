@@ -62,7 +62,7 @@ from distanom.detect import (
     StepSample,
 )
 from distanom.errors import CaptureRequestError, RunDirError
-from distanom.governor import GovernorNotReadyError, OverheadGovernor
+from distanom.governor import GovernorNotReadyError, GovernorParams, OverheadGovernor
 from distanom.rundir import RunDir, create_run, json_number, update_latest, write_json_atomic
 from distanom.tracers import Tracer, create_tracer
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
@@ -128,7 +128,11 @@ class Agent:
         # training thread; every rank computes the same schedule from the same data.
         self._governor: OverheadGovernor | None = None
         if config.tracer.backend != "none":
-            self._governor = OverheadGovernor.from_config(config.tracer, first_step=1)
+            # decisions wait for gathered data: with rounds of batch_steps steps, a lag
+            # shorter than a round would leave the governor unready at window boundaries,
+            # and the switch would come late, mid-window
+            params = GovernorParams(lag_steps=config.consensus.batch_steps + 4)
+            self._governor = OverheadGovernor.from_config(config.tracer, params, first_step=1)
         self._governor_lock = threading.Lock()
         self._forced_on: set[int] = set()  # requested steps: traced whatever the duty cycle
         self._control = threading.Thread(

@@ -12,15 +12,23 @@ two steps that carry one are kept apart: the first traced step after an untraced
 carries the attach (CUPTI re-initialises: ~10 ms measured on an H200), the first
 untraced step after a traced one the drain and detach (~3-4 ms). Each kind's median
 excess (over its traced window's median, resp. the baseline), times its switches per
-traced window seen so far, is charged to tracing (per traced step). With a budget of B
-percent it traces a fraction f of the windows, f = B / overhead, clamped to
-[min_fraction, 1 - 1/probe_every_windows] and spread by an accumulator in bursts of
-`burst_windows` consecutive windows, so that one pair of switches serves several traced
-windows. The hysteresis is one-sided, so the budget holds: f is set to target / (1 +
-band / 2) and kept while the target stays within [f, f * (1 + band)]. Without a budget
-it traces every window but one in `probe_every_windows` (the first one after
-`first_probe_window` windows, past the run's start, when detection is still filling its
-baselines), so every run can still report what tracing costs.
+traced window seen so far, is charged to tracing (per traced step); so is a traced step
+that starts with the tracer's own flush (kineto's window hand-over), but for the first,
+the tracer's start.
+
+With a budget of B percent it traces a fraction f of the windows, f = B / overhead,
+clamped to [min_fraction, 1 - 1/probe_every_windows] and spread by an accumulator in
+bursts of `burst_windows` consecutive windows, so that one pair of switches serves
+several traced windows, and never more than `max_run_windows` in a row: the untraced
+window after a run is what costs it, so a wrong measurement is corrected within that
+many windows. The fraction falls at once and rises at most twofold per newly costed run,
+after two runs: a run's cost rests on one baseline, and a slow untraced window makes
+tracing look free. The hysteresis is one-sided, so the budget holds: f is set to target
+/ (1 + band / 2) and kept while the target stays within [f, f * (1 + band)].
+
+Without a budget it traces every window but one in `probe_every_windows` (the first one
+after `first_probe_window` windows, past the run's start, when detection is still
+filling its baselines), so every run can still report what tracing costs.
 
 Pure and deterministic: no torch, no clock, no I/O. Every rank feeds it the SAME
 gathered data in step order (per step: the step time, max over ranks, and whether
@@ -64,6 +72,9 @@ class GovernorParams:
     # as much as a whole traced window of a launch-bound step (bench/results/
     # cupti_switch_cost_probe_h200.json), so bursts leave more of the budget to tracing
     burst_windows: int = 4
+    # budgeted runs: at most this many traced windows in a row, then one untraced window,
+    # which costs the run just traced: a wrong measurement is corrected within this many
+    max_run_windows: int = 16
 
     def __post_init__(self) -> None:
         if self.window_steps < 1 or self.lag_steps < 0 or self.history_windows < 1:
@@ -74,8 +85,8 @@ class GovernorParams:
             raise ValueError("min_fraction must be in (0, 1 - 1/probe_every_windows]")
         if not 0 <= self.hysteresis < 1 or self.min_samples < 1:
             raise ValueError("hysteresis in [0, 1), min_samples >= 1")
-        if self.burst_windows < 1:
-            raise ValueError("burst_windows must be >= 1")
+        if not 1 <= self.burst_windows <= self.max_run_windows < self.probe_every_windows:
+            raise ValueError("need 1 <= burst_windows <= max_run_windows < probe_every_windows")
 
 
 @dataclass(frozen=True)
@@ -84,53 +95,73 @@ class _Window:
     times: tuple[float, ...]
     switch_times: tuple[float, ...] = ()  # untraced steps right after a traced one
     switch_on_times: tuple[float, ...] = ()  # traced steps right after an untraced one
+    flush_times: tuple[float, ...] = ()  # traced steps after the tracer's own flush
 
 
 class _Costs:
     """Tracing's costs relative to local baselines, from complete windows in step order
     (see the module docstring). Bounded: the last `history` values of each kind."""
 
-    def __init__(self, history: int) -> None:
-        self.traced: collections.deque[float] = collections.deque(maxlen=history)
-        self.switch_on: collections.deque[float] = collections.deque(maxlen=history)
-        self.switch_off: collections.deque[float] = collections.deque(maxlen=history)
-        self.offs = self.ons = self.traced_windows = 0  # counts over the whole run
-        self._before: tuple[float, ...] = ()  # the last untraced window's step times
-        # traced windows since it, waiting for the untraced window after them, and the
-        # switch-off steps since (in an untraced or a mixed window)
-        self._waiting: collections.deque[_Window] = collections.deque(maxlen=history)
-        self._waiting_offs: list[float] = []
+    def __init__(self, history: int, min_samples: int, window_steps: int) -> None:
+        self.min_samples = min_samples
+
+        def bounded() -> collections.deque[Any]:
+            return collections.deque(maxlen=history)
+
+        # relative costs: traced window median / baseline - 1; a switch-on or flush step's
+        # excess over its traced window's median, a switch-off step's over the baseline
+        self.traced: collections.deque[float] = bounded()
+        self.switch_on: collections.deque[float] = bounded()
+        self.switch_off: collections.deque[float] = bounded()
+        self.flush: collections.deque[float] = bounded()
+        self.offs = self.ons = self.flushes = self.traced_windows = 0  # over the whole run
+        self.settled_runs = 0  # runs of traced windows costed so far
+        # the untraced step times just before the current run of traced windows
+        self._before: collections.deque[float] = collections.deque(
+            maxlen=max(min_samples, window_steps)
+        )
+        # the current run, waiting for the untraced window after it: traced window
+        # medians, (switch-on or flush step, its window's median), switch-off steps
+        self._waiting: collections.deque[float] = bounded()
+        self._waiting_ons: collections.deque[tuple[float, float]] = bounded()
+        self._waiting_flushes: collections.deque[tuple[float, float]] = bounded()
+        self._waiting_offs: collections.deque[float] = bounded()
 
     def copy(self) -> _Costs:
         other = copy.copy(self)
-        for name in ("traced", "switch_on", "switch_off", "_waiting", "_waiting_offs"):
-            setattr(other, name, copy.copy(getattr(self, name)))
+        for name, value in vars(self).items():
+            if isinstance(value, collections.deque):
+                setattr(other, name, copy.copy(value))
         return other
 
-    def add(self, window: _Window, min_samples: int) -> None:
+    def add(self, window: _Window) -> None:
         self.offs += len(window.switch_times)
         self.ons += len(window.switch_on_times)
         if window.kind == "T":
             self.traced_windows += 1
-            self._waiting.append(window)
+            self.flushes += len(window.flush_times)
+            if window.times:  # else its switch and flush steps have no reference
+                own = statistics.median(window.times)
+                self._waiting.append(own)
+                self._waiting_ons.extend((x, own) for x in window.switch_on_times)
+                self._waiting_flushes.extend((x, own) for x in window.flush_times)
             return
         self._waiting_offs.extend(window.switch_times)
         if window.kind == "U":
-            pooled = self._before + window.times
-            if len(pooled) >= min_samples and statistics.median(pooled) > 0:
+            pooled = [*self._before, *window.times]
+            if len(pooled) >= self.min_samples and statistics.median(pooled) > 0:
                 self._settle(statistics.median(pooled))
-            self._waiting.clear()
-            self._waiting_offs = []
-            if window.times:
-                self._before = window.times
+            for waiting in (self._waiting, self._waiting_ons, self._waiting_flushes):
+                waiting.clear()
+            self._waiting_offs.clear()
+            self._before.extend(window.times)
 
     def _settle(self, base: float) -> None:
-        for t_window in self._waiting:
-            if not t_window.times:
-                continue
-            own = statistics.median(t_window.times)
-            self.traced.append(own / base - 1.0)
-            self.switch_on.extend((x - own) / base for x in t_window.switch_on_times)
+        if self._waiting:
+            self.settled_runs += 1
+        self.traced.extend(own / base - 1.0 for own in self._waiting)
+        self.switch_on.extend((x - own) / base for x, own in self._waiting_ons)
+        self.flush.extend((x - own) / base for x, own in self._waiting_flushes)
         self.switch_off.extend((x - base) / base for x in self._waiting_offs)
 
     def overhead(self, window_steps: int) -> float | None:
@@ -138,7 +169,9 @@ class _Costs:
         if not self.traced:
             return None
         share = 0.0
-        for values, count in ((self.switch_on, self.ons), (self.switch_off, self.offs)):
+        for values, count in (
+            (self.switch_on, self.ons), (self.switch_off, self.offs), (self.flush, self.flushes)
+        ):  # fmt: skip
             if values:
                 share += max(0.0, statistics.median(values)) * count
         return statistics.median(self.traced) + share / max(1, self.traced_windows) / window_steps
@@ -172,12 +205,15 @@ class OverheadGovernor:
         self._pending_flags: list[bool] = []
         self._pending_switches: list[float] = []
         self._pending_switch_ons: list[float] = []
+        self._pending_flushes: list[float] = []
+        self._start_seen = False  # the tracer's start (the first traced after-flush step)
         self._previous_traced: bool | None = None
         self._last_window_kind: str | None = None
         # complete windows not yet seen by a decision, then what decisions have seen
         self._unconsumed: collections.deque[_Window] = collections.deque()
         self._consumed = 0
-        self._costs = _Costs(self.params.history_windows)
+        prm = self.params
+        self._costs = _Costs(prm.history_windows, prm.min_samples, prm.window_steps)
         self._n_windows = 0
         # decisions per window; _decisions[i] is window number _decisions_base + i
         self._decisions: collections.deque[bool] = collections.deque(maxlen=self.KEPT_DECISIONS)
@@ -193,6 +229,8 @@ class OverheadGovernor:
         self._fraction: float | None = None
         self._credit = 0.0
         self._burst_left = 0  # traced windows still to come in the current burst
+        self._run_windows = 0  # traced windows decided in a row
+        self._raised_at_run = 0  # settled runs when the fraction was last raised
         self._last_overhead: float | None = None
 
     @classmethod
@@ -212,8 +250,8 @@ class OverheadGovernor:
         expected = self.first_step + self._recorded
         if step != expected:
             raise ValueError(f"governor expects step {expected} next, got {step}")
-        if step_time_s is not None and not step_time_s >= 0:
-            raise ValueError(f"step time must be >= 0 or None, got {step_time_s!r}")
+        if step_time_s is not None and not (math.isfinite(step_time_s) and step_time_s >= 0):
+            raise ValueError(f"step time must be finite and >= 0, or None, got {step_time_s!r}")
         self._recorded += 1
         self._steps_traced += bool(traced)
         # a duty-cycle switch: the first step of a window, after a fully traced window
@@ -227,11 +265,21 @@ class OverheadGovernor:
         # the first step of a window, traced after an untraced step (kept only if its
         # window turns out fully traced: a duty-cycle switch, not a requested capture)
         switch_on = traced and self._previous_traced is False and not self._pending_times
+        # the tracer flushed at the start of a traced step (kineto's window hand-over):
+        # tracing's cost too, paid on some steps only; its very first one is the start
+        flush = traced and after_flush and not switch_on and self._start_seen
+        if traced and after_flush:
+            self._start_seen = True
         self._previous_traced = bool(traced)
-        if switch or switch_on:
+        if switch or switch_on or flush:
             # tracing's cost, not a sample: kept apart (see the module docstring)
             if step_time_s is not None:
-                (self._pending_switches if switch else self._pending_switch_ons).append(step_time_s)
+                kept = (
+                    self._pending_switches
+                    if switch
+                    else (self._pending_switch_ons if switch_on else self._pending_flushes)
+                )
+                kept.append(step_time_s)
             step_time_s = None
         elif after_flush:
             # the tracer's own work outside the duty cycle (its start, a requested capture,
@@ -246,13 +294,17 @@ class OverheadGovernor:
             kind = "T" if all(flags) else ("U" if not any(flags) else "M")
             times = tuple(t for t in self._pending_times if t is not None)
             switch_ons = tuple(self._pending_switch_ons) if kind == "T" else ()
-            self._unconsumed.append(_Window(kind, times, tuple(self._pending_switches), switch_ons))
+            flushes = tuple(self._pending_flushes) if kind == "T" else ()
+            self._unconsumed.append(
+                _Window(kind, times, tuple(self._pending_switches), switch_ons, flushes)
+            )
             self._last_window_kind = kind
             self._n_windows += 1
             if len(self._unconsumed) > self.MAX_UNCONSUMED_WINDOWS:
                 self._consume(1)  # nobody asks for decisions: fold instead of growing
             self._pending_times, self._pending_flags = [], []
             self._pending_switches, self._pending_switch_ons = [], []
+            self._pending_flushes = []
 
     # -- decisions -------------------------------------------------------------------
 
@@ -297,7 +349,7 @@ class OverheadGovernor:
         for _ in range(max(0, count)):
             window = self._unconsumed.popleft()
             self._consumed += 1
-            self._costs.add(window, self.params.min_samples)
+            self._costs.add(window)
 
     def _is_probe(self, window: int) -> bool:
         p, first = self.params.probe_every_windows, self.params.first_probe_window
@@ -319,15 +371,30 @@ class OverheadGovernor:
             f = self._fraction
             if f is None or not (f <= target <= f * (1 + prm.hysteresis)):
                 # re-centre below the target, so noise around it does not switch again
-                centred = raw / (1 + prm.hysteresis / 2)
-                self._fraction = min(max(centred, prm.min_fraction), ceiling)
+                centred = min(max(raw / (1 + prm.hysteresis / 2), prm.min_fraction), ceiling)
+                current = f if f is not None else prm.initial_fraction
+                runs = self._costs.settled_runs
+                if centred <= current:
+                    self._fraction = centred  # spending less: at once
+                elif runs >= 2 and runs > self._raised_at_run:
+                    # spending more rests on one baseline per run: a slow untraced
+                    # window makes tracing look cheap. At most double, once per new run.
+                    self._fraction = min(centred, 2.0 * current)
+                    self._raised_at_run = runs
         fraction = self._fraction if self._fraction is not None else prm.initial_fraction
         # credit accrues in every window, so bursts keep the traced share at `fraction`
         self._credit += fraction
+        decision = self._next_decision(prm.burst_windows, prm.max_run_windows)
+        self._run_windows = self._run_windows + 1 if decision else 0
+        return decision
+
+    def _next_decision(self, burst: int, max_run: int) -> bool:
+        if self._run_windows >= max_run:
+            self._burst_left = 0  # see GovernorParams.max_run_windows
+            return False
         if self._burst_left > 0:
             self._burst_left -= 1
             return True
-        burst = prm.burst_windows
         if self._credit >= burst - 1e-9:
             self._credit -= burst
             self._burst_left = burst - 1
@@ -338,7 +405,7 @@ class OverheadGovernor:
         """Measured overhead, traced fraction and counts, for logs and the status file."""
         costs = self._costs.copy()  # with the windows no decision has seen yet
         for window in self._unconsumed:
-            costs.add(window, self.params.min_samples)
+            costs.add(window)
         recent = costs.overhead(self.params.window_steps)
         untraced_median = (
             statistics.median(self._recent_untraced) if self._recent_untraced else None

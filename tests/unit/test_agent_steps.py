@@ -275,3 +275,19 @@ def test_a_budgeted_agent_follows_the_governor_in_whole_windows(
     duty = report["duty_cycle"]
     assert duty["windows_traced"] > 0 and duty["switches_on"] > 0
     assert 15.0 < report["overhead_pct"] < 120.0
+
+
+def test_the_governor_waits_for_a_whole_gathering_round(tmp_path: Path) -> None:
+    # step times reach the governor once per round of consensus.batch_steps steps: its
+    # decisions must not need fresher data, or every switch would come late
+    agent = make_agent(
+        tmp_path,
+        "tracer.backend=kineto",
+        "tracer.overhead_budget_pct=1",
+        "consensus.batch_steps=16",
+    )
+    try:
+        assert agent._governor is not None
+        assert agent._governor.params.lag_steps == 16 + 4
+    finally:
+        agent.close()
