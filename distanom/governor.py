@@ -20,11 +20,13 @@ With a budget of B percent it traces a fraction f of the windows, f = B / overhe
 clamped to [min_fraction, 1 - 1/probe_every_windows] and spread by an accumulator in
 bursts of `burst_windows` consecutive windows, so that one pair of switches serves
 several traced windows, and never more than `max_run_windows` in a row: the untraced
-window after a run is what costs it, so a wrong measurement is corrected within that
-many windows. The fraction falls at once and rises at most twofold per newly costed run,
-after two runs: a run's cost rests on one baseline, and a slow untraced window makes
-tracing look free. The hysteresis is one-sided, so the budget holds: f is set to target
-/ (1 + band / 2) and kept while the target stays within [f, f * (1 + band)].
+window after a run is what costs it, so a wrong measurement is corrected within about
+that many windows (plus the lag). The fraction is clamped to at most max_run_windows /
+(max_run_windows + 1), falls at once, and rises at most twofold per newly costed run,
+after two runs (the next run then starts at once, on credit): a run's cost rests on one
+baseline, and a slow untraced window makes tracing look free. The hysteresis is one-
+sided, so the budget holds: f is set to target / (1 + band / 2) and kept while the
+target stays within [f, f * (1 + band)].
 
 Without a budget it traces every window but one in `probe_every_windows` (the first one
 after `first_probe_window` windows, past the run's start, when detection is still
@@ -231,6 +233,7 @@ class OverheadGovernor:
         self._burst_left = 0  # traced windows still to come in the current burst
         self._run_windows = 0  # traced windows decided in a row
         self._raised_at_run = 0  # settled runs when the fraction was last raised
+        self._measure_now = False  # a raise was capped: start the next run at once
         self._last_overhead: float | None = None
 
     @classmethod
@@ -268,8 +271,8 @@ class OverheadGovernor:
         # the tracer flushed at the start of a traced step (kineto's window hand-over):
         # tracing's cost too, paid on some steps only; its very first one is the start
         flush = traced and after_flush and not switch_on and self._start_seen
-        if traced and after_flush:
-            self._start_seen = True
+        if traced:
+            self._start_seen = True  # the first traced step is the start, flagged or not
         self._previous_traced = bool(traced)
         if switch or switch_on or flush:
             # tracing's cost, not a sample: kept apart (see the module docstring)
@@ -366,7 +369,9 @@ class OverheadGovernor:
         if overhead is not None:
             budget = self.budget_pct / 100.0
             raw = math.inf if overhead <= 0 else budget / overhead
-            ceiling = 1.0 - 1.0 / prm.probe_every_windows
+            # the most that can be traced: runs end after max_run_windows
+            run = prm.max_run_windows
+            ceiling = min(1.0 - 1.0 / prm.probe_every_windows, run / (run + 1))
             target = min(max(raw, prm.min_fraction), ceiling)
             f = self._fraction
             if f is None or not (f <= target <= f * (1 + prm.hysteresis)):
@@ -381,9 +386,14 @@ class OverheadGovernor:
                     # window makes tracing look cheap. At most double, once per new run.
                     self._fraction = min(centred, 2.0 * current)
                     self._raised_at_run = runs
+                    # capped: measure again now rather than after burst / fraction
+                    # windows (a burst borrowed from future credit: the spend is the same)
+                    self._measure_now = self._fraction < centred
         fraction = self._fraction if self._fraction is not None else prm.initial_fraction
-        # credit accrues in every window, so bursts keep the traced share at `fraction`
-        self._credit += fraction
+        # credit accrues in every window, so bursts keep the traced share at `fraction`;
+        # never banked beyond two bursts: a window forced off by max_run_windows cannot
+        # spend it, and a later fall of the fraction would be spent at full duty
+        self._credit = min(self._credit + fraction, 2.0 * prm.burst_windows)
         decision = self._next_decision(prm.burst_windows, prm.max_run_windows)
         self._run_windows = self._run_windows + 1 if decision else 0
         return decision
@@ -395,7 +405,9 @@ class OverheadGovernor:
         if self._burst_left > 0:
             self._burst_left -= 1
             return True
-        if self._credit >= burst - 1e-9:
+        borrow = self._measure_now and self._credit > -burst  # one burst owed at most
+        self._measure_now = False
+        if self._credit >= burst - 1e-9 or borrow:
             self._credit -= burst
             self._burst_left = burst - 1
             return True

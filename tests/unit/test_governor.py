@@ -469,3 +469,59 @@ def test_waiting_state_stays_bounded_without_any_untraced_window() -> None:
     costs = gov._costs
     sizes = [len(v) for v in vars(costs).values() if isinstance(v, (collections.deque, list))]
     assert max(sizes) <= max(gov.params.history_windows, gov.params.min_samples)
+
+
+def drive(
+    gov: OverheadGovernor, windows_n: int, cost: float, base: Callable[[int], float] | None = None
+) -> list[bool]:
+    """Windows of a cupti-like tracer (traced steps + `cost`, 10 ms attach, 4 ms detach,
+    100 ms steps) from where `gov` stands; returns whether each window was traced."""
+    k = gov.params.window_steps
+    traced: list[bool] = []
+    for _ in range(windows_n):
+        flags = []
+        for _ in range(k):
+            s = gov.first_step + gov._recorded
+            on = gov.tracing_on(s)
+            t = (base(s) if base else 0.1) * (1 + cost if on else 1.0)
+            previous = gov._previous_traced
+            if on and previous is False:
+                t += 0.010
+            if previous and not on:
+                t += 0.004
+            gov.record(s, t, on, after_flush=bool(previous) and not on)
+            flags.append(on)
+        traced.append(all(flags))
+    return traced
+
+
+def test_cheap_tracing_banks_no_credit_for_later() -> None:
+    # A long stretch where tracing costs less than the budget, then it becomes costly:
+    # the fraction must fall at once, not after spending credit banked meanwhile.
+    gov = OverheadGovernor(5.0)
+    drive(gov, 5000, cost=0.02)
+    assert gov._credit <= 2 * gov.params.burst_windows
+    later = drive(gov, 300, cost=0.60)[20:]
+    assert sum(later) / len(later) < 0.15  # target 5% / 64% ~ 0.08
+
+
+def test_one_spurious_costly_reading_is_recovered_from_quickly() -> None:
+    # Warm-up steps in the bootstrap's traced window make tracing look 3.5x costly: the
+    # fraction falls to the floor. The next run measures the truth (25%): climbing back
+    # must not wait 1024 windows per doubling.
+    gov = OverheadGovernor(1.0)
+    drive(gov, 1000, cost=0.25, base=lambda s: 0.35 if s < 16 else 0.1)
+    assert gov._fraction is not None and gov._fraction > 0.03  # target ~0.036
+
+
+def test_the_first_flush_after_an_unflagged_start_is_charged() -> None:
+    # kineto's start does not flag the first traced step; its first window hand-over
+    # must still count as a flush
+    gov = OverheadGovernor(None, GovernorParams(window_steps=8, lag_steps=0))
+    for s in range(24):
+        handover = s in (8, 16)
+        gov.record(s, BASE * (3.0 if handover else 1.1), True, after_flush=handover)
+    costs = gov._costs.copy()
+    for window in gov._unconsumed:
+        costs.add(window)
+    assert costs.flushes == 2
