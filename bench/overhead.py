@@ -279,7 +279,6 @@ def _govern(tracer: Any, governor: Any, state: dict[str, Any], flushes_before: i
     state["on"] = tracer.tracing
     state["after_flush"] = tracer.boundary_flushes != flushes_before
     state["g"] = g + 1
-    state["traced_steps"] = state.get("traced_steps", 0) + bool(state["on"])
 
 
 def _budget_blocks(
@@ -339,7 +338,7 @@ def _budget_blocks(
                         last = state["last"]
             torch.cuda.synchronize()
             blocks[kind].append((n, (time.perf_counter() - t0) * 1000.0))
-    per_step = {k: sum(ms for _, ms in v) / sum(n for n, _ in v) for k, v in blocks.items()}
+    ms_per_step = {k: sum(ms for _, ms in v) / sum(n for n, _ in v) for k, v in blocks.items()}
     pair_ratios = [
         (g_ms / g_n) / (o_ms / o_n)
         for (g_n, g_ms), (o_n, o_ms) in zip(blocks["governed"], blocks["off"], strict=True)
@@ -349,9 +348,9 @@ def _budget_blocks(
         "block_steps": block_steps, "pairs": pairs,
         "governed": [[n, round(ms, 3)] for n, ms in blocks["governed"]],
         "off": [[n, round(ms, 3)] for n, ms in blocks["off"]],
-        "governed_ms_per_step": round(per_step["governed"], 4),
-        "off_ms_per_step": round(per_step["off"], 4),
-        "budget_overhead_pct": round((per_step["governed"] / per_step["off"] - 1) * 100, 3),
+        "governed_ms_per_step": round(ms_per_step["governed"], 4),
+        "off_ms_per_step": round(ms_per_step["off"], 4),
+        "budget_overhead_pct": round((ms_per_step["governed"] / ms_per_step["off"] - 1) * 100, 3),
         "pair_ratios": [round(r, 4) for r in pair_ratios],
         "coverage": round(traced_in_governed / governed_steps, 4),
         "traced_steps": traced_in_governed, "governed_steps": governed_steps,

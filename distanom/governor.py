@@ -105,7 +105,7 @@ class _Costs:
     (see the module docstring). Bounded: the last `history` values of each kind."""
 
     def __init__(self, history: int, min_samples: int, window_steps: int) -> None:
-        self.min_samples = min_samples
+        self.min_samples, self.window_steps = min_samples, window_steps
 
         def bounded() -> collections.deque[Any]:
             return collections.deque(maxlen=history)
@@ -166,7 +166,7 @@ class _Costs:
         self.flush.extend((x - own) / base for x, own in self._waiting_flushes)
         self.switch_off.extend((x - base) / base for x in self._waiting_offs)
 
-    def overhead(self, window_steps: int) -> float | None:
+    def overhead(self) -> float | None:
         """Per traced step, as a fraction (0.13 = 13%); None before any measurement."""
         if not self.traced:
             return None
@@ -176,15 +176,16 @@ class _Costs:
         ):  # fmt: skip
             if values:
                 share += max(0.0, statistics.median(values)) * count
-        return statistics.median(self.traced) + share / max(1, self.traced_windows) / window_steps
+        per_step = share / max(1, self.traced_windows) / self.window_steps
+        return statistics.median(self.traced) + per_step
 
 
 class OverheadGovernor:
     """Decides `tracing_on(step)` from recorded (step time, traced) pairs.
 
     Memory is bounded whatever the run length: a measurement only ever looks at the last
-    `history_windows` traced and untraced windows, so complete windows are folded into
-    two such bounded queues as decisions advance; only the last `KEPT_DECISIONS`
+    `history_windows` costs of each kind, so complete windows are folded into `_Costs`'
+    bounded queues as decisions advance; only the last `KEPT_DECISIONS`
     decisions are kept, and the report's medians use the last `REPORT_SAMPLES` traced /
     untraced step times.
     """
@@ -208,7 +209,7 @@ class OverheadGovernor:
         self._pending_switches: list[float] = []
         self._pending_switch_ons: list[float] = []
         self._pending_flushes: list[float] = []
-        self._start_seen = False  # the tracer's start (the first traced after-flush step)
+        self._start_seen = False  # the tracer's start: the first traced step
         self._previous_traced: bool | None = None
         self._last_window_kind: str | None = None
         # complete windows not yet seen by a decision, then what decisions have seen
@@ -359,7 +360,7 @@ class OverheadGovernor:
         return window >= first and (window - first) % p == 0
 
     def _decide(self, window: int) -> bool:
-        overhead = self._costs.overhead(self.params.window_steps)
+        overhead = self._costs.overhead()
         self._last_overhead = overhead
         if self.budget_pct is None:
             return not self._is_probe(window)
@@ -418,7 +419,7 @@ class OverheadGovernor:
         costs = self._costs.copy()  # with the windows no decision has seen yet
         for window in self._unconsumed:
             costs.add(window)
-        recent = costs.overhead(self.params.window_steps)
+        recent = costs.overhead()
         untraced_median = (
             statistics.median(self._recent_untraced) if self._recent_untraced else None
         )
