@@ -8,7 +8,9 @@ tracing-off block of the same pair (its local baseline). Governed steps are grou
 their distance to the nearest traced step (before and after), so a cost that lingers
 after a burst of traced windows, or one that comes before it, shows as an excess in the
 bins close to the burst; the traced steps are a group of their own. Prints, per group,
-the steps, the mean excess per step (ms) and its share of the whole governed time.
+the steps, the mean excess per step (ms) and its share of the whole governed time. Then
+the pairs whose governed block held no traced step: the mean of their governed/off
+ratios, with its standard error (a cost that is not tied to the bursts shows here).
 Runs anywhere (no GPU): it only reads the JSON.
 """
 
@@ -77,8 +79,20 @@ def analyze(blocks: dict[str, Any]) -> dict[str, Any]:
         else:
             groups[f"after {_bin(s)}"].append(excess)
             groups[f"before {_bin(u)}"].append(excess)
+    clean_ratios = [
+        statistics.fmean(by_block[2 * pair]) / statistics.fmean(by_block[2 * pair + 1])
+        for pair in off_median
+        if 2 * pair in by_block and not any(t for b, t, _ in governed if b == 2 * pair)
+    ]
+    clean: dict[str, Any] = {"pairs": len(clean_ratios), "mean_pct": None, "se_pct": None}
+    if clean_ratios:
+        clean["mean_pct"] = round((statistics.fmean(clean_ratios) - 1) * 100, 3)
+    if len(clean_ratios) > 1:
+        se = statistics.stdev(clean_ratios) / len(clean_ratios) ** 0.5
+        clean["se_pct"] = round(se * 100, 3)
     return {
         "governed_steps": len(governed),
+        "clean_pairs": clean,
         "traced_steps": sum(traced),
         "groups": {
             name: {
@@ -116,6 +130,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"  {name:16s} {g['steps']:6d} steps  excess {g['mean_excess_ms']:+8.4f} ms/step"
                 f"  = {g['share_of_governed_pct']:+7.3f}% of governed time"
             )
+        clean = result["clean_pairs"]
+        print(
+            f"  pairs without a traced step: {clean['pairs']}, governed/off "
+            f"{clean['mean_pct']}% (standard error {clean['se_pct']}%)"
+        )
     return 0
 
 

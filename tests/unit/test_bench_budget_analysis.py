@@ -23,9 +23,10 @@ def load_script() -> ModuleType:
     return module
 
 
-def synthetic_blocks(linger_ms: float) -> dict[str, object]:
+def synthetic_blocks(linger_ms: float, clean_ms: float = 0.0) -> dict[str, object]:
     """64 pairs of 32-step blocks at 10 ms a step; one governed block in 8 holds 8 traced
-    steps (+2 ms each); the 3 untraced steps after each burst cost `linger_ms` more."""
+    steps (+2 ms each); the 3 untraced steps after each burst cost `linger_ms` more; every
+    step of the other governed blocks costs `clean_ms` more."""
     steps: list[tuple[int, int, float]] = []
     for pair in range(64):
         for block_no in (2 * pair, 2 * pair + 1):
@@ -36,6 +37,8 @@ def synthetic_blocks(linger_ms: float) -> dict[str, object]:
                 ms = 10.0 + (2.0 if traced else 0.0)
                 if burst and 18 <= i < 21:
                     ms += linger_ms
+                if governed and not burst:
+                    ms += clean_ms
                 steps.append((block_no, int(traced), ms))
     return {"steps_ms": steps}
 
@@ -68,3 +71,17 @@ def test_a_result_without_per_step_data_is_a_one_line_error(
     result.write_text(json.dumps({"variants": {"cupti_budget1": {"budget_blocks": [blocks]}}}))
     assert script.main([str(result)]) == 2
     assert "run bench/overhead.py with --per-step" in capsys.readouterr().err
+
+
+def test_a_cost_away_from_the_bursts_shows_in_the_clean_pairs() -> None:
+    script = load_script()
+    clean = script.analyze(synthetic_blocks(linger_ms=5.0, clean_ms=0.1))["clean_pairs"]
+    assert clean["pairs"] == 64 - 8
+    assert clean["mean_pct"] == pytest.approx(1.0)
+    assert clean["se_pct"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_cost_inside_the_burst_blocks_leaves_the_clean_pairs_at_zero() -> None:
+    script = load_script()
+    clean = script.analyze(synthetic_blocks(linger_ms=5.0))["clean_pairs"]
+    assert clean["pairs"] == 56 and clean["mean_pct"] == pytest.approx(0.0)

@@ -1,0 +1,204 @@
+"""Is the 1% budget's excess on ResNet18 the governor, the governed loop, or noise?
+
+    python3 bench/probes/budget_three_way.py --triples 200 --out "$OUT"
+
+Device probe for issue 4. bench/overhead.py's budget blocks read the governed blocks
+that held no traced step ~1.5-2.5% slower than the tracing-off blocks beside them, a
+per-block noise of ~9% (64 steps) leaves one process's figure +-1.2%, and the A/A run of
+budget_block_calibration.py (+0.07%) was a separate phase of one process. Here one
+ResNet18 process rotates three kinds of 64-step blocks through all six orders, so every
+comparison is interleaved in time:
+
+- `off`: tracing off, the tracer's boundary marked (as bench/overhead.py's off blocks);
+- `never`: the governed loop with a governor that never traces (the loop's own cost);
+- `governed`: the real 1% governor, as in bench/overhead.py (a block that ends inside a
+  traced run goes on until the run and its switch-off are done).
+
+Per block: steps, host ms (synchronized at both ends), traced steps. The summary gives,
+per kind, ms per step over all blocks and the mean of per-rotation ratios against `off`,
+with their standard error; `governed` also split into blocks that held a traced step and
+blocks that did not, the excess of each over the `off` block of its rotation as a share
+of governed time, and clean governed blocks against `never`. Writes budget_three_way.json
+under --out; `--summarize RESULT` recomputes the summary of a saved result anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+for p in (REPO, REPO / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+
+class NeverTraces:
+    """Governor stand-in: records nothing, never traces."""
+
+    def record(self, *args: Any) -> None:
+        return None
+
+    def tracing_on(self, step: int) -> bool:
+        return False
+
+
+def _mean_se(values: list[float]) -> dict[str, float]:
+    if len(values) < 2:
+        return {"n": len(values), "mean_pct": float("nan"), "se_pct": float("nan")}
+    mean = statistics.fmean(values)
+    se = statistics.stdev(values) / len(values) ** 0.5
+    return {"n": len(values), "mean_pct": round((mean - 1) * 100, 3), "se_pct": round(se * 100, 3)}
+
+
+def _per_step(block: dict[str, Any]) -> float:
+    return float(block["ms"]) / int(block["steps"])
+
+
+def summarize(blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures the probe reports, from its blocks (also for a saved result)."""
+    by_triple: dict[int, dict[str, dict[str, Any]]] = {}
+    for b in blocks:
+        by_triple.setdefault(b["triple"], {})[b["kind"]] = b
+    ratios: dict[str, list[float]] = {"never": [], "governed": [], "governed_clean": [],
+                                      "governed_burst": []}  # fmt: skip
+    clean_vs_never: list[float] = []
+    # governed time in excess of the off block of the same rotation, by block type
+    excess_ms = {"burst": 0.0, "clean": 0.0}
+    for tri in by_triple.values():
+        off = _per_step(tri["off"])
+        ratios["never"].append(_per_step(tri["never"]) / off)
+        g = tri["governed"]
+        ratios["governed"].append(_per_step(g) / off)
+        ratios["governed_burst" if g["traced"] else "governed_clean"].append(_per_step(g) / off)
+        excess_ms["burst" if g["traced"] else "clean"] += g["ms"] - off * g["steps"]
+        if not g["traced"]:
+            clean_vs_never.append(_per_step(g) / _per_step(tri["never"]))
+    totals = {
+        kind: round(sum(b["ms"] for b in blocks if b["kind"] == kind)
+                    / sum(b["steps"] for b in blocks if b["kind"] == kind), 4)
+        for kind in ("off", "never", "governed")
+    }  # fmt: skip
+    governed_ms = sum(b["ms"] for b in blocks if b["kind"] == "governed")
+    governed_steps = sum(b["steps"] for b in blocks if b["kind"] == "governed")
+    return {
+        "ms_per_step": totals,
+        "overall_pct_vs_off": {
+            k: round((totals[k] / totals["off"] - 1) * 100, 3) for k in ("never", "governed")
+        },
+        "rotation_ratio_vs_off": {k: _mean_se(v) for k, v in ratios.items()},
+        "governed_clean_vs_never": _mean_se(clean_vs_never),
+        "governed_excess_pct_of_governed_time": {
+            k: round(v / governed_ms * 100, 3) for k, v in excess_ms.items()
+        },
+        "coverage": round(sum(b["traced"] for b in blocks) / governed_steps, 4),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--triples", type=int, default=200)
+    parser.add_argument("--block-steps", type=int, default=64)
+    parser.add_argument("--out", default=".")
+    parser.add_argument(
+        "--summarize", metavar="RESULT", help="print the summary of a saved result and exit"
+    )
+    args = parser.parse_args()
+    if args.summarize:
+        saved = json.loads(Path(args.summarize).read_text())
+        print(json.dumps(summarize(saved["blocks"]), indent=1))
+        return 0
+
+    import torch
+    from overhead import _govern, _tracer_config, build_workload
+
+    from distanom.governor import GovernorParams, OverheadGovernor
+    from distanom.tracers.cupti import CuptiTracer
+
+    work = build_workload("resnet18", 10)
+    for _ in range(30):
+        work.step(0)
+    torch.cuda.synchronize()
+    tracer = CuptiTracer(_tracer_config(1.0), rank=0)
+    tracer.mark_step(0, time.time_ns())
+    tracer.start()
+    step = 1
+    governor = OverheadGovernor(1.0, GovernorParams(window_steps=16, lag_steps=2), first_step=1)
+    states: dict[str, dict[str, Any]] = {
+        "governed": {"on": True, "g": 1, "after_flush": False, "prev_on": True},
+        "never": {"on": False, "g": 1, "after_flush": False, "prev_on": False},
+    }
+    gov_state = states["governed"]
+    gov_state["last"] = time.perf_counter()
+    for _ in range(400):  # let the real governor settle, as the bench's timed loop does
+        work.step(0)
+        flushes = tracer.boundary_flushes
+        tracer.mark_step(step, time.time_ns())
+        _govern(tracer, governor, gov_state, flushes)
+        step += 1
+    while gov_state["on"] or gov_state["prev_on"]:  # finish a run in progress
+        work.step(0)
+        flushes = tracer.boundary_flushes
+        tracer.mark_step(step, time.time_ns())
+        _govern(tracer, governor, gov_state, flushes)
+        step += 1
+    governors: dict[str, Any] = {"governed": governor, "never": NeverTraces()}
+
+    blocks: list[dict[str, Any]] = []
+    orders = list(itertools.permutations(("off", "never", "governed")))
+    started = time.perf_counter()
+    for t in range(args.triples):
+        for kind in orders[t % len(orders)]:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            n = traced = 0
+            if kind == "off":
+                for _ in range(args.block_steps):
+                    work.step(0)
+                    tracer.mark_step(step, time.time_ns())
+                    step += 1
+                    n += 1
+            else:
+                st = states[kind]
+                st["last"] = t0
+                st["on"] = tracer.tracing
+                st["after_flush"] = False
+                while n < args.block_steps or st["on"] or st["prev_on"]:
+                    work.step(0)
+                    flushes = tracer.boundary_flushes
+                    tracer.mark_step(step, time.time_ns())
+                    _govern(tracer, governors[kind], st, flushes)
+                    traced += bool(st["prev_on"])
+                    step += 1
+                    n += 1
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1000.0
+            blocks.append(
+                {"triple": t, "kind": kind, "steps": n, "ms": round(ms, 3), "traced": traced}
+            )
+    tracer.close()
+
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "workload": "resnet18 bf16 batch 5",
+        "block_steps": args.block_steps,
+        "triples": args.triples,
+        "elapsed_s": round(time.perf_counter() - started, 1),
+        **summarize(blocks),
+        "governor": governor.report(),
+        "blocks": blocks,
+    }
+    print(json.dumps({k: v for k, v in out.items() if k not in ("blocks", "governor")}))
+    Path(args.out, "budget_three_way.json").write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
