@@ -69,6 +69,7 @@ def kernels(path: Path) -> list[dict[str, Any]]:
 
 def check(backend: str, runs: Path) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
+    from distanom.analysis.kernel_diff import top_changes
     from distanom.analysis.report import build_report
     from distanom.analysis.run import load_run
 
@@ -94,8 +95,10 @@ def check(backend: str, runs: Path) -> dict[str, Any]:
             result["kinds"] = capture["kinds"]
             result["ratio"] = capture["ratio"]
             result["verdict"] = capture.get("verdict")
-            diff = capture.get("kernel_diff") or {}
-            result["kernel_diff_top"] = (diff.get("changes") or diff.get("top") or [])[:3]
+            culprit = (capture.get("verdict") or {}).get("culprit_rank")
+            diff_rank, changes = top_changes(capture.get("kernel_diff") or {}, culprit)
+            result["kernel_diff_rank"] = diff_rank
+            result["kernel_diff_top"] = changes[:3]
             per_rank = {}
             for rank, entry in capture["ranks"].items():
                 found = kernels(Path(report["run_dir"]) / entry["trace"])
