@@ -2,13 +2,17 @@
 
 Owns: reading each rank's trace of a capture once for what the cross-rank analyses need
 (`RankFacts`: its collectives, its op table, its step window, its time base), choosing
-each capture's reference step, and putting three keys into the report's capture dicts:
+each capture's reference step, and putting these keys into the report's capture dicts:
 
 - `verdict`: `distanom.analysis.verdict.decide` over the ranks' breakdowns (from the
   report's per-rank tables), the reference step's, and the matched collectives;
 - `kernel_diff`: every rank's ops against the same rank in the reference step;
 - `merged_trace`: `captures/step_<N>/merged.trace.json.gz` (relative to the run
-  directory), written atomically and only when older than one of the rank traces.
+  directory), written atomically and only when older than one of the rank traces;
+- `unreadable_ranks`: the ranks whose trace could not be read;
+
+and `outside_ms` into a rank's entry when its step window is known (CPU-only traces):
+the part of the window outside its ops' span, which the verdict counts as idle.
 
 Reads: the run directory (`RunData`) and the capture dicts built by the report, which
 hold each rank's `gpu_timeline` / `host_timeline`. Damage (an unreadable trace, a
@@ -51,6 +55,7 @@ __all__ = [
     "add_cross_rank",
     "breakdown",
     "evidence_from_document",
+    "outside_ms",
     "rank_facts",
     "verdict_line",
     "verdict_of_documents",
@@ -65,6 +70,12 @@ def breakdown(entry: Mapping[str, Any]) -> dict[str, float] | None:
     if not timeline:
         return None
     return {row: float(timeline[row]["time_ms"]) for row in BREAKDOWN_ROWS}
+
+
+def outside_ms(entry: Mapping[str, Any]) -> float | None:
+    """A rank's step time outside its ops' span (ms), when its step window is known."""
+    value = entry.get("outside_ms")
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 @dataclass(frozen=True)
@@ -125,14 +136,18 @@ class _Facts:
         return self._cache[step]
 
 
+def _outside(rows: Mapping[str, float], kind: str, facts: RankFacts | None) -> float | None:
+    if kind == "cpu" and facts is not None and facts.window_ms is not None:
+        # host spans only cover the ops: a stall before the first op is outside them
+        return max(0.0, facts.window_ms - rows["total_time"])
+    return None
+
+
 def _rank_evidence(
     rank: int, host: str | None, rows: Mapping[str, float], kind: str, facts: RankFacts | None
 ) -> RankEvidence:
-    outside = 0.0
-    if kind == "cpu" and facts is not None and facts.window_ms is not None:
-        # host spans only cover the ops: a stall before the first op is outside them
-        outside = facts.window_ms - rows["total_time"]
-    return RankEvidence(rank, host, Breakdown.from_rows(rows, outside))
+    outside = _outside(rows, kind, facts)
+    return RankEvidence(rank, host, Breakdown.from_rows(rows, outside or 0.0))
 
 
 def _evidence(capture: Mapping[str, Any], facts: Mapping[int, RankFacts]) -> list[RankEvidence]:
@@ -294,6 +309,22 @@ def add_cross_rank(data: RunData, captures: list[dict[str, Any]]) -> None:
             capture, mine, reference_step, ref_facts, evidence, ref_evidence
         )
         capture["merged_trace"] = _merged_trace(data, capture, mine, match)
+        _mark_ranks(capture, mine)
+
+
+def _mark_ranks(capture: dict[str, Any], facts: Mapping[int, RankFacts]) -> None:
+    """What the report's tables show beside the breakdown, so they tell the verdict's
+    story: each rank's time outside its ops, and which ranks' traces were unreadable."""
+    capture["unreadable_ranks"] = sorted(
+        int(key) for key in capture["ranks"] if int(key) not in facts
+    )
+    for key, entry in capture["ranks"].items():
+        rows = breakdown(entry)
+        if rows is None:
+            continue
+        outside = _outside(rows, str(entry.get("timeline_kind", "gpu")), facts.get(int(key)))
+        if outside is not None:
+            entry["outside_ms"] = round(outside, 4)
 
 
 def verdict_line(capture: Mapping[str, Any]) -> str | None:

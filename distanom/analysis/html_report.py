@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distanom.analysis.crossrank import breakdown, verdict_line
+from distanom.analysis.crossrank import breakdown, outside_ms, verdict_line
 from distanom.analysis.kernel_diff import top_changes
+from distanom.analysis.report import OUTSIDE_NOTE, median_parts, ranks_cell
 from distanom.analysis.run import RunData, StepSeries, load_steps
 from distanom.analysis.tables_io import BREAKDOWN_ROWS
 from distanom.config import CaptureConfig, config_from_mapping
@@ -36,17 +37,21 @@ from distanom.rundir import write_bytes_atomic
 __all__ = ["HtmlPage", "page_for_run", "render_html", "rolling_threshold", "write_html"]
 
 PARTS = BREAKDOWN_ROWS[:4]
+# CPU-only traces: the step window outside the ops' span, which the verdict counts as idle
+OUTSIDE = "outside_ops"
 PART_LABELS = {
     "computation_time": "computation",
     "exposed_comm_time": "exposed comm",
     "exposed_memcpy_time": "exposed memcpy",
     "idle_time": "idle",
+    OUTSIDE: "outside ops",
 }
 PART_COLORS = {
     "computation_time": "#4c72b0",
     "exposed_comm_time": "#dd8452",
     "exposed_memcpy_time": "#8172b3",
     "idle_time": "#b0b0b0",
+    OUTSIDE: "#dcdcdc",
 }
 KIND_COLORS = {"anomaly": "#c0392b", "reference": "#27ae60", "requested": "#2e86c1"}
 TOP_KERNELS = 8
@@ -155,7 +160,7 @@ def _bars_png(figure_class: Any, bars: _Bars) -> bytes:
     ax = figure.add_subplot(1, 1, 1)
     positions = list(range(len(bars.labels)))
     left = [0.0] * len(bars.labels)
-    for part in PARTS:
+    for part in bars.parts:
         widths = [values[part] for values in bars.values]
         ax.barh(positions, widths, left=left, color=PART_COLORS[part], label=PART_LABELS[part])
         left = [a + b for a, b in zip(left, widths, strict=True)]
@@ -164,7 +169,13 @@ def _bars_png(figure_class: Any, bars: _Bars) -> bytes:
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     ax.set_title(bars.title, fontsize=10, pad=22)
-    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8, ncol=4, frameon=False)
+    ax.legend(
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.0),
+        fontsize=8,
+        ncol=len(bars.parts),
+        frameon=False,
+    )
     ax.grid(axis="x", alpha=0.3)
     return _png(figure)
 
@@ -183,6 +194,7 @@ class _Bars:
     title: str
     labels: list[str]
     values: list[dict[str, float]]
+    parts: tuple[str, ...] = PARTS
 
 
 def _step_chart(
@@ -207,6 +219,10 @@ def _step_chart(
     return _StepChart(list(series.steps), values, threshold, marks, log)
 
 
+def _has_outside(capture: Mapping[str, Any]) -> bool:
+    return any(outside_ms(entry) is not None for entry in capture["ranks"].values())
+
+
 def _bars(capture: Mapping[str, Any]) -> _Bars | None:
     labels, values = [], []
     for rank, entry in capture["ranks"].items():
@@ -215,9 +231,12 @@ def _bars(capture: Mapping[str, Any]) -> _Bars | None:
             continue
         host = entry.get("host")
         labels.append(f"rank {rank}" + (f" ({host})" if host else ""))
-        values.append({part: max(0.0, rows[part]) for part in PARTS})
+        bar = {part: max(0.0, rows[part]) for part in PARTS}
+        bar[OUTSIDE] = outside_ms(entry) or 0.0
+        values.append(bar)
     title = f"step {capture['step']}: time per rank"
-    return _Bars(title, labels, values) if labels else None
+    parts = (*PARTS, OUTSIDE) if _has_outside(capture) else PARTS
+    return _Bars(title, labels, values, parts) if labels else None
 
 
 # ---- SVG (no matplotlib)
@@ -324,7 +343,7 @@ def _steps_svg(chart: _StepChart) -> str:
 def _bars_svg(bars: _Bars) -> str:
     row, label_w = 24.0, 180.0
     height = row * len(bars.labels) + 30
-    total = max(sum(v.values()) for v in bars.values) or 1.0
+    total = max(sum(v[p] for p in bars.parts) for v in bars.values) or 1.0
     scale = (_W - label_w - _PAD_R) / total
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_W:.0f} {height:.0f}" '
@@ -338,7 +357,7 @@ def _bars_svg(bars: _Bars) -> str:
             f"{_e(label)}</text>"
         )
         left = label_w
-        for part in PARTS:
+        for part in bars.parts:
             width = values[part] * scale
             if width > 0:
                 parts.append(
@@ -367,28 +386,34 @@ def _figure(name: str, alt: str, png: bytes | None, svg: str) -> str:
     return f'<div class="chart" data-chart="{_e(name)}">{svg}</div>'
 
 
-def _legend() -> str:
+def _legend(parts: Sequence[str]) -> str:
     items = "".join(
-        f'<span style="background:{PART_COLORS[p]}"></span>{PART_LABELS[p]}' for p in PARTS
+        f'<span style="background:{PART_COLORS[p]}"></span>{PART_LABELS[p]}' for p in parts
     )
     return f'<p class="legend">{items}</p>'
 
 
 def _breakdown_table(capture: Mapping[str, Any]) -> str:
+    """The text report's table: with the time outside the ops (in the total) when known."""
+    outside = _has_outside(capture)
     rows = []
     for rank, entry in capture["ranks"].items():
         values = breakdown(entry)
-        cells = "".join(
-            f'<td class="num">{_fmt(values[row]) if values else "-"}</td>' for row in BREAKDOWN_ROWS
-        )
+        numbers: list[float | None] = [values[row] if values else None for row in PARTS]
+        total = values["total_time"] if values else None
+        if outside:
+            extra = outside_ms(entry)
+            numbers.append(extra)
+            total = None if total is None else total + (extra or 0.0)
+        cells = "".join(f'<td class="num">{_fmt(v)}</td>' for v in [*numbers, total])
         rows.append(
             f"<tr><td>rank {_e(rank)}</td><td>{_e(entry.get('host') or '-')}</td>{cells}</tr>"
         )
-    head = "".join(
-        f"<th>{h}</th>"
-        for h in ("rank", "host", "computation", "exposed comm", "exposed memcpy", "idle", "total")
-    )
-    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+    names = ["rank", "host", *(PART_LABELS[p] for p in PARTS)]
+    names += [PART_LABELS[OUTSIDE], "total"] if outside else ["total"]
+    head = "".join(f"<th>{h}</th>" for h in names)
+    table = f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+    return table + (f'<p class="facts">{_e(OUTSIDE_NOTE)}</p>' if outside else "")
 
 
 def _kernel_table(capture: Mapping[str, Any]) -> str:
@@ -441,8 +466,9 @@ def render_html(
         f"<h1>distanom run {_e(report['run_id'])}</h1>",
         f'<p class="facts">{_e(report["run_dir"])}<br>world size {_e(report["world_size"])}'
         + (f" on {len(hosts)} host(s): {_e(', '.join(hosts))}" if hosts else "")
-        + f" · state {_e(report['state'])} · {_e(steps['count'])} steps · median "
-        f"{_fmt(steps['median_ms'], 1)} ms · threshold {_fmt(steps['threshold_ms'], 1)} ms</p>",
+        + f" · state {_e(report['state'])} · {_e(steps['count'])} steps · "
+        + " · ".join(_e(part) for part in median_parts(steps))
+        + "</p>",
         "<h2>Step time</h2>",
     ]
     chart = _step_chart(report, series, detect or {})
@@ -460,12 +486,13 @@ def render_html(
             f"<tr><td>{_e(c['step'])}</td><td>{_e(','.join(c['kinds']))}</td>"
             f'<td class="num">{_fmt(c.get("step_ms"), 1)}</td>'
             f'<td class="num">{_fmt(c.get("ratio"))}</td>'
+            f"<td>{_e(ranks_cell(c))}</td>"
             f"<td>{_e(verdict_line(c) or '-')}</td></tr>"
             for c in captures
         )
         body.append(
-            "<table><tr><th>step</th><th>kind</th><th>step ms</th><th>x median</th>"
-            f"<th>verdict</th></tr>{rows}</table>"
+            "<table><tr><th>step</th><th>kind</th><th>step ms</th><th>x rolling median</th>"
+            f"<th>ranks</th><th>verdict</th></tr>{rows}</table>"
         )
     for capture in captures:
         step = capture["step"]
@@ -483,7 +510,7 @@ def render_html(
             if png is not None:
                 pngs[f"step_{step}"] = png
             name = f"step_{step}"
-            body.append(_legend())
+            body.append(_legend(bars.parts))
             body.append(
                 _figure(
                     name,
@@ -503,6 +530,9 @@ def render_html(
             body.append(
                 f"<p>No trace from rank(s) {_e(', '.join(map(str, capture['missing_ranks'])))}</p>"
             )
+        if capture.get("unreadable_ranks"):
+            unreadable = ", ".join(map(str, capture["unreadable_ranks"]))
+            body.append(f"<p>Unreadable trace from rank(s) {_e(unreadable)} (see problems)</p>")
     problems = report.get("problems") or []
     if problems:
         items = "".join(f"<li>{_e(p)}</li>" for p in problems[:200])

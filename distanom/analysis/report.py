@@ -11,14 +11,21 @@ trace path) is also written as its `summary.json`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
-from distanom.analysis.crossrank import add_cross_rank, breakdown, verdict_line
+from distanom.analysis.crossrank import add_cross_rank, breakdown, outside_ms, verdict_line
 from distanom.analysis.kernel_diff import kernel_diff_lines
 from distanom.analysis.run import CaptureInfo, RunData, load_steps
 from distanom.analysis.tables_io import BREAKDOWN_ROWS, rank_tables, timeline_json
 from distanom.errors import DistanomError
 from distanom.rundir import json_number, write_json_atomic
+
+# Under the breakdown table of CPU-only traces: what its "outside ops" column holds.
+OUTSIDE_NOTE = (
+    "outside ops: step window before the rank's first op or after its last "
+    "(idle to the verdict; in total)"
+)
 
 
 def build_report(data: RunData, *, engine: str = "auto") -> dict[str, Any]:
@@ -46,6 +53,8 @@ def build_report(data: RunData, *, engine: str = "auto") -> dict[str, Any]:
             "median_ms": json_number(median),
             "threshold_ms": status.get("threshold_ms"),
             "multiplier": multiplier,
+            # the detector's latest rolling median, the one its threshold multiplies
+            "detector_median_ms": status.get("median_ms"),
         },
         "tracer": (status.get("tracer") or {}),
         "detector": status.get("detector") or {},
@@ -124,8 +133,13 @@ def _write_summary(data: RunData, info: CaptureInfo, capture: dict[str, Any]) ->
         "step_ms": capture["step_ms"],
         "ratio": capture["ratio"],
         "missing_ranks": capture["missing_ranks"],
+        "unreadable_ranks": capture.get("unreadable_ranks", []),
         "ranks": {
-            rank: {"host": entry.get("host"), "breakdown_ms": breakdown(entry)}
+            rank: {
+                "host": entry.get("host"),
+                "breakdown_ms": breakdown(entry),
+                "outside_ms": outside_ms(entry),
+            }
             for rank, entry in capture["ranks"].items()
         },
         "verdict": capture.get("verdict"),
@@ -155,22 +169,54 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _breakdown_lines(capture: dict[str, Any]) -> list[str]:
+    entries = [(rank, entry, breakdown(entry)) for rank, entry in capture["ranks"].items()]
+    # the verdict counts time outside the ops' span as idle: the table shows it too
+    outside = any(outside_ms(entry) is not None for _, entry, _ in entries)
     rows = []
     kinds = set()
-    for rank, entry in capture["ranks"].items():
-        values = breakdown(entry)
+    for rank, entry, values in entries:
         if values is None:
             continue
         kinds.add(entry.get("timeline_kind", "gpu"))
-        rows.append(
-            [rank, entry.get("host") or "-"] + [f"{values[row]:.2f}" for row in BREAKDOWN_ROWS]
-        )
+        cells = [f"{values[row]:.2f}" for row in BREAKDOWN_ROWS[:4]]
+        total = values["total_time"]
+        if outside:
+            extra = outside_ms(entry)
+            cells.append("-" if extra is None else f"{extra:.2f}")
+            total += extra or 0.0
+        rows.append([rank, entry.get("host") or "-", *cells, f"{total:.2f}"])
     if not rows:
         return []
     what = "GPU time" if kinds == {"gpu"} else "host time (CPU-only trace)"
-    header = ["rank", "host", "compute", "exp.comm", "exp.memcpy", "idle", "total"]
+    header = ["rank", "host", "compute", "exp.comm", "exp.memcpy", "idle"]
+    header += ["outside ops", "total"] if outside else ["total"]
     lines = ["", f"step {capture['step']} ({','.join(capture['kinds'])}): {what}, ms"]
-    return lines + ["  " + line for line in table(header, rows)]
+    lines += ["  " + line for line in table(header, rows)]
+    return lines + ([f"  {OUTSIDE_NOTE}"] if outside else [])
+
+
+def ranks_cell(capture: Mapping[str, Any]) -> str:
+    """Ranks whose trace was read, of those expected; unreadable ones are named apart."""
+    ranks = capture["ranks"]
+    unreadable = capture.get("unreadable_ranks") or []
+    expected = len(ranks) + len(capture["missing_ranks"])
+    cell = f"{len(ranks) - len(unreadable)}/{expected}"
+    return cell + (f" ({len(unreadable)} unreadable)" if unreadable else "")
+
+
+def median_parts(steps: Mapping[str, Any]) -> list[str]:
+    """The run's median and the detector's threshold with the median it is a multiple
+    of: the detector's rolling one, not the run's (they differ), so both are named."""
+    parts = [f"median {_fmt(steps['median_ms'])} ms over the run"]
+    if steps.get("threshold_ms") is None:
+        return parts
+    threshold = f"detector threshold {_fmt(steps['threshold_ms'])} ms"
+    multiplier, rolling = steps.get("multiplier"), steps.get("detector_median_ms")
+    if multiplier and rolling is not None:
+        threshold += f" = {multiplier} x its latest rolling median {_fmt(rolling)} ms"
+    elif multiplier:
+        threshold += f" ({multiplier} x its rolling median)"
+    return [*parts, threshold]
 
 
 def _cross_rank_lines(capture: dict[str, Any]) -> list[str]:
@@ -228,9 +274,7 @@ def render_text(report: dict[str, Any]) -> str:
         f"  world size {report['world_size']}"
         + (f" on {len(set(hosts))} host(s): {', '.join(sorted(set(hosts)))}" if hosts else "")
         + f"   state: {report['state']}",
-        f"  steps: {steps['count']}   median {_fmt(steps['median_ms'])} ms"
-        f"   threshold {_fmt(steps['threshold_ms'])} ms"
-        + (f" ({steps['multiplier']} x median)" if steps.get("multiplier") else ""),
+        f"  steps: {steps['count']}   " + "   ".join(median_parts(steps)),
     ]
     tracer = report.get("tracer") or {}
     if tracer.get("note"):
@@ -276,21 +320,22 @@ def render_text(report: dict[str, Any]) -> str:
         for capture in captures:
             ranks = capture["ranks"]
             first = next(iter(ranks.values()))["trace"] if ranks else "-"
-            expected = len(ranks) + len(capture["missing_ranks"])
             rows.append(
                 [
                     str(capture["step"]),
                     ",".join(capture["kinds"]),
                     _fmt(capture["step_ms"]),
                     _fmt(capture["ratio"], 2),
-                    f"{len(ranks)}/{expected}",
+                    ranks_cell(capture),
                     first,
                 ]
             )
         lines.append(f"captures ({len(captures)}):")
         lines += [
             "  " + line
-            for line in table(["step", "kind", "step ms", "x median", "ranks", "trace"], rows)
+            for line in table(
+                ["step", "kind", "step ms", "x rolling median", "ranks", "trace"], rows
+            )
         ]
         for capture in captures:
             lines += _breakdown_lines(capture)
@@ -299,6 +344,12 @@ def render_text(report: dict[str, Any]) -> str:
             if capture["missing_ranks"]:
                 missing = ",".join(str(r) for r in capture["missing_ranks"])
                 lines.append(f"  step {capture['step']}: no trace from rank(s) {missing}")
+            if capture.get("unreadable_ranks"):
+                unreadable = ",".join(str(r) for r in capture["unreadable_ranks"])
+                lines.append(
+                    f"  step {capture['step']}: unreadable trace from rank(s) {unreadable} "
+                    "(see problems)"
+                )
     if report["problems"]:
         lines.append("")
         lines.append(f"problems ({len(report['problems'])}):")

@@ -230,6 +230,20 @@ def _span(values: Sequence[float]) -> str:
     return f"{_ms(low)} to {_ms(high)} ms" if low < 0 else f"{_ms(low)}-{_ms(high)} ms"
 
 
+def _signed(value: float) -> str:
+    return ("+" if value > 0 else "") + _ms(value)
+
+
+def _change(values: Sequence[float], where: str) -> str:
+    """How values changed over `where`: "grew ... by 1.2-3.4 ms" when none shrank, else
+    signed ("changed ... by -2.54 to +1.43 ms"), so a negative growth never reads as one."""
+    if min(values) >= 0:
+        return f"grew over {where} by {_span(values)}"
+    low, high = min(values), max(values)
+    amount = f"{_signed(low)}" if abs(high - low) < 0.05 else f"{_signed(low)} to {_signed(high)}"
+    return f"changed over {where} by {amount} ms"
+
+
 def _median(values: Iterable[float]) -> float:
     return float(statistics.median(list(values)))
 
@@ -274,7 +288,9 @@ def _slowdown(
     expected_ms: float | None,
 ) -> _Baseline | None:
     if step_ms is not None and expected_ms:
-        return _Baseline(step_ms - expected_ms, expected_ms, "the detector's median step")
+        return _Baseline(
+            step_ms - expected_ms, expected_ms, "the detector's rolling median at this step"
+        )
     common = [r for r in current if r in reference]
     if common:
         now = _median(current[r].breakdown.step_ms for r in common)
@@ -364,6 +380,15 @@ def _node_of(culprits: Sequence[int], hosts: Mapping[int, str | None]) -> str | 
     return host if on_host == set(culprits) else None
 
 
+def _outside_note(outside: Sequence[float]) -> str:
+    """Idle time outside the ops' span is not in the timeline's idle row: the verdict
+    says how much of its idle that is, so its number matches the report's table."""
+    if max(outside) < 0.005:
+        return ""
+    whose = "its" if len(outside) == 1 else "their"
+    return f" (incl. {_span(outside)} outside {whose} ops)"
+
+
 def _reference_note(
     rank: int,
     part: Callable[[Breakdown], float],
@@ -393,7 +418,10 @@ def _culprit_verdict(
     values = [part.read(current[r].breakdown) for r in found.culprits]
     others_part = _median(part.read(current[o].breakdown) for o in found.others)
     who = _ranks_word(found.culprits) + (f" (all of node {node})" if node else "")
-    text = f"{who}: {part.label} {_span(values)} vs {_ms(others_part)} ms median of the others"
+    text = f"{who}: {part.label} {_span(values)}"
+    if part.cause == "host_stall":
+        text += _outside_note([current[r].breakdown.outside_ms for r in found.culprits])
+    text += f" vs {_ms(others_part)} ms median of the others"
     if len(values) == 1:
         text += _reference_note(culprit, part.read, reference, reference_step)
     if cause is None:
@@ -461,7 +489,9 @@ def _everyone_verdict(
             return {r: part(current[r].breakdown) - part(reference[r].breakdown) for r in common}
 
         slowdown = _median(grown(lambda b: b.step_ms).values())
-        verb = f"grew over {where} by"
+
+        def amount(values: Sequence[float]) -> str:
+            return _change(values, where)
     elif base is not None:
         common = sorted(current)
 
@@ -469,7 +499,9 @@ def _everyone_verdict(
             return {r: part(current[r].breakdown) for r in common}
 
         slowdown = base.slowdown_ms
-        verb = "at"
+
+        def amount(values: Sequence[float]) -> str:
+            return f"at {_span(values)}"
     else:
         return Verdict(
             None,
@@ -488,8 +520,8 @@ def _everyone_verdict(
     everyone = f"all {len(common)} ranks" if len(common) > 1 else _ranks_word(common)
     if comm_all and (not own_all or _median(comm.values()) >= _median(own.values())):
         text = (
-            f"{everyone}: exposed comm {verb} {_span(list(comm.values()))}, own time "
-            f"{verb} {_span(list(own.values()))}: the collective itself is slow"
+            f"{everyone}: exposed comm {amount(list(comm.values()))}, own time "
+            f"{amount(list(own.values()))}: the collective itself is slow"
         )
         details["growth_ms"] = {"exposed_comm": round(_median(comm.values()), 4)}
         return Verdict(None, None, "communication", text, details)
@@ -498,8 +530,8 @@ def _everyone_verdict(
         cause = max(parts, key=lambda c: _median(parts[c].values()))
         label = _PART_OF[cause].label
         growth = (
-            f"{everyone}: {label} {verb} {_span(list(parts[cause].values()))}, "
-            f"exposed comm {verb} {_span(list(comm.values()))}"
+            f"{everyone}: {label} {amount(list(parts[cause].values()))}, "
+            f"exposed comm {amount(list(comm.values()))}"
         )
         details["growth_ms"] = {c: round(_median(v.values()), 4) for c, v in parts.items()}
         details["global_part"] = cause
@@ -507,8 +539,8 @@ def _everyone_verdict(
             return Verdict(common[0], None, cause, growth, details)
         return Verdict(None, None, "global", f"{growth}: every rank slowed together", details)
     text = (
-        f"no rank stands out; own time {verb} {_span(list(own.values()))}, exposed comm "
-        f"{verb} {_span(list(comm.values()))} against a slowdown of {_ms(slowdown)} ms"
+        f"no rank stands out; own time {amount(list(own.values()))}, exposed comm "
+        f"{amount(list(comm.values()))} against a slowdown of {_ms(slowdown)} ms"
     )
     return Verdict(None, None, "unknown", text, details)
 

@@ -19,8 +19,9 @@ from distanom.analysis.run import StepSeries, load_run, load_steps
 from distanom.cli import main as cli_main
 from distanom.config import CaptureConfig, DetectConfig
 from distanom.detect import Detector
+from distanom.rundir import write_json_atomic
 from tests.unit.rungen import Capture, make_run
-from tests.unit.stepgen import MATMUL, gpu_job
+from tests.unit.stepgen import MATMUL, cpu_job, gpu_job
 
 EVIL_HOST = '<script>alert("host")</script>'
 EVIL_KERNEL = "<img src=x onerror=alert(1)>gemm"
@@ -120,6 +121,32 @@ def test_cli_html_writes_the_page_and_pngs_beside_it(
         assert pngs == ["report_step_20.png", "report_step_40.png", "report_steps.png"]
         assert all((out.parent / p).read_bytes().startswith(b"\x89PNG") for p in pngs)
     assert cli_main(["report", str(run_dir), "--html", str(tmp_path / "no" / "x.html")]) == 2
+
+
+def test_page_tells_the_text_reports_story(tmp_path: Path) -> None:
+    """Same header medians, the time outside the ops as a column, bar part and total, and
+    an unreadable trace not counted among the ranks."""
+    docs = cpu_job(stall_us={1: 50_000.0}, stall_before_first_op=True)
+    run = make_run(tmp_path, [Capture(40, "anomaly", docs, 52.0, 1.5)], hosts=["a"] * 4)
+    write_json_atomic(
+        run.status_json,
+        {"state": "finished", "world_size": 4, "median_ms": 1.8, "threshold_ms": 2.7},
+    )
+    run.trace_path(40, 3).write_bytes(b"\x1f\x8bnot gzip")
+    html = page_of(tmp_path, use_matplotlib=False)
+    text = Page(html).all_text
+    assert (
+        "median 1.5 ms over the run · detector threshold 2.7 ms = 1.5 x its latest rolling "
+        "median 1.8 ms" in text
+    )
+    assert "x rolling median ranks verdict" in text and " 3/4 (1 unreadable) " in text
+    assert "Unreadable trace from rank(s) 3 (see problems)" in text
+    assert "idle outside ops total" in text
+    assert "rank 1 a 0.98 0.33 0.00 0.08 50.06 51.45" in text
+    assert "rank 3 a - - - - - -" in text
+    assert "outside ops: step window before the rank's first op" in text
+    assert "Verdict: rank 1 — host stall: rank 1: idle 50.1 ms (incl. 50.1 ms outside" in text
+    assert "<title>rank 1 (a): outside ops 50.06 ms</title>" in html  # its part of the bar
 
 
 def test_rolling_threshold_is_the_detectors() -> None:

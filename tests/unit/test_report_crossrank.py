@@ -14,7 +14,7 @@ from distanom.analysis.report import build_report, render_text
 from distanom.analysis.run import load_run
 from distanom.cli import main as cli_main
 from tests.unit.rungen import Capture, make_run
-from tests.unit.stepgen import MATMUL, NCCL, gpu_job
+from tests.unit.stepgen import MATMUL, NCCL, cpu_job, gpu_job
 
 HOSTS = ["a", "a", "b", "b"]
 
@@ -130,5 +130,57 @@ def test_a_damaged_rank_trace_leaves_a_verdict_on_the_others(tmp_path: Path) -> 
     assert capture["kernel_diff"]["note"] == "no reference step captured in this run"
     rank2 = [p for p in report["problems"] if p.startswith("step 40 rank 2")]
     assert len(rank2) == 1  # reported once, by the tables
+    assert capture["unreadable_ranks"] == [2]
+    text = render_text(report)
+    assert "  40    anomaly  4.1      3.42              3/4 (1 unreadable)" in text
+    assert "step 40: unreadable trace from rank(s) 2 (see problems)" in text
     merged = json.loads(gzip.decompress((run.path / capture["merged_trace"]).read_bytes()))
     assert sorted(merged["distanom"]["ranks"]) == ["0", "1", "3"]
+
+
+def test_a_trace_damaged_after_its_tables_were_cached_is_not_counted(tmp_path: Path) -> None:
+    """The tables CSV still gives the rank a row, but its trace cannot be read: the
+    captures table counts only readable traces."""
+    run = make_run(tmp_path, [Capture(40, "anomaly", gpu_job(), 4.1, 1.2)], hosts=HOSTS)
+    first = build_report(load_run(str(tmp_path)))
+    assert "4/4  " in render_text(first) and by_step(first)[40]["unreadable_ranks"] == []
+    trace = run.trace_path(40, 3)
+    trace.write_bytes(trace.read_bytes()[:200])  # truncated gzip
+    report = build_report(load_run(str(tmp_path)))
+    capture = by_step(report)[40]
+    assert "gpu_timeline" in capture["ranks"]["3"]  # from the cached CSV
+    assert capture["unreadable_ranks"] == [3]
+    assert "3/4 (1 unreadable)" in render_text(report)
+    summary = json.loads(run.summary_json(40).read_text())
+    assert summary["unreadable_ranks"] == [3]
+
+
+def test_stall_before_the_first_op_shows_in_the_table_as_in_the_verdict(
+    tmp_path: Path,
+) -> None:
+    """On CPU traces the verdict counts the step window outside the ops as idle; the
+    table shows it in its own column (and in the total), so both blame the same rank."""
+    docs = cpu_job(stall_us={1: 50_000.0}, stall_before_first_op=True)
+    run = make_run(tmp_path, [Capture(40, "anomaly", docs, 52.0, 1.5)], hosts=["a"] * 4)
+    report = build_report(load_run(str(tmp_path)))
+    capture = by_step(report)[40]
+    assert (capture["verdict"]["culprit_rank"], capture["verdict"]["cause"]) == (1, "host_stall")
+    outside = capture["ranks"]["1"]["outside_ms"]
+    assert outside == pytest.approx(50.06, abs=0.001)  # the stall + 60 µs outside the ops
+    assert capture["verdict"]["evidence"].startswith(
+        "rank 1: idle 50.1 ms (incl. 50.1 ms outside its ops) vs 0.14 ms median of the others"
+    )
+    lines = render_text(report).splitlines()
+    at = lines.index("step 40 (anomaly): host time (CPU-only trace), ms")
+    assert lines[at + 1].split() == [
+        "rank", "host", "compute", "exp.comm", "exp.memcpy", "idle", "outside", "ops", "total"
+    ]  # fmt: skip
+    rows = {line.split()[0]: line.split() for line in lines[at + 2 : at + 6]}
+    assert float(rows["1"][6]) == pytest.approx(outside, abs=0.01)
+    # every rank's total is its step window: rank 1's no longer looks 50 ms shorter
+    assert {float(row[7]) for row in rows.values()} == {51.45}
+    stalled = {rank: float(row[5]) + float(row[6]) for rank, row in rows.items()}
+    assert max(stalled, key=lambda r: stalled[r]) == "1"
+    assert lines[at + 6].startswith("  outside ops: step window before the rank's first op")
+    summary = json.loads(run.summary_json(40).read_text())
+    assert summary["ranks"]["1"]["outside_ms"] == outside

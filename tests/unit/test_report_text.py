@@ -56,3 +56,27 @@ def test_no_overhead_line_before_any_untraced_window(tmp_path: Path) -> None:
     )
     text = render_text(build_report(load_run(str(run.path))))
     assert "overhead not measured yet" in text
+
+
+def test_header_names_which_median_the_threshold_multiplies(tmp_path: Path) -> None:
+    """The run's median and the detector's rolling median differ: both are labelled, and
+    the threshold is shown as the multiple of the one it comes from."""
+    run = make_run(tmp_path, [], hosts=["a", "a"])
+    write_json_atomic(
+        run.status_json,
+        {"state": "finished", "world_size": 2, "median_ms": 1.8, "threshold_ms": 2.7},
+    )
+    report = build_report(load_run(str(run.path)))
+    assert report["steps"]["detector_median_ms"] == 1.8
+    text = render_text(report)
+    assert (
+        "  steps: 99   median 1.5 ms over the run   detector threshold 2.7 ms = 1.5 x its "
+        "latest rolling median 1.8 ms\n" in text
+    )
+
+
+def test_header_without_the_detectors_median_still_names_it(tmp_path: Path) -> None:
+    run = make_run(tmp_path, [], hosts=["a"])  # status.json from before median_ms was kept
+    text = render_text(build_report(load_run(str(run.path))))
+    header = "median 1.5 ms over the run   detector threshold 2.2 ms (1.5 x its rolling median)"
+    assert header in text

@@ -77,7 +77,7 @@ def test_global_without_reference_uses_the_detectors_median() -> None:
     now = [ev(r, 5.2, 1.0, idle=300.0 + r) for r in range(4)]
     verdict = decide(now, step_ms=308.0, expected_ms=7.0)
     assert (verdict.culprit_rank, verdict.cause) == (None, "global")
-    assert verdict.details["baseline"] == "the detector's median step"
+    assert verdict.details["baseline"] == "the detector's rolling median at this step"
 
 
 def test_every_rank_waiting_longer_in_the_collective_is_communication() -> None:
@@ -85,6 +85,32 @@ def test_every_rank_waiting_longer_in_the_collective_is_communication() -> None:
     verdict = decide(now, reference=healthy(4), reference_step=60)
     assert (verdict.culprit_rank, verdict.cause) == (None, "communication")
     assert "exposed comm grew over reference step 60 by 39.0-42.0 ms" in verdict.evidence
+
+
+def test_growth_that_spans_negative_values_is_a_signed_change() -> None:
+    before = [ev(r, 5.0, 2.0, idle=2.0) for r in range(4)]
+    # own time shrank on some ranks and grew on others; nobody stands out
+    now = [ev(0, 3.5, 8.5, idle=2.0), ev(1, 5.0, 6.0, idle=2.9), ev(2, 4.0, 8.0, idle=2.0)]
+    now.append(ev(3, 5.0, 2.0, idle=2.0))
+    verdict = decide(now, reference=before, reference_step=20)
+    assert (verdict.culprit_rank, verdict.cause) == (None, "unknown")
+    assert "own time changed over reference step 20 by -1.50 to +0.90 ms" in verdict.evidence
+    # none shrank: exposed comm still "grew", unsigned
+    assert "exposed comm grew over reference step 20 by 0.00-6.50 ms" in verdict.evidence
+
+
+def test_idle_outside_the_ops_is_named_in_the_verdict() -> None:
+    """The timeline's idle row excludes the stall before the first op (CPU traces); the
+    verdict's idle includes it, so it says how much, to match the report's table."""
+    ranks = [ev(r, 5.0, 20.0, idle=0.3, outside=0.1) for r in (0, 2, 3)]
+    ranks.append(ev(1, 5.1, 0.3, idle=0.5, outside=19.9))
+    verdict = decide(ranks, expected_ms=7.0, step_ms=26.0)
+    assert (verdict.culprit_rank, verdict.cause) == (1, "host_stall")
+    assert verdict.evidence.startswith(
+        "rank 1: idle 20.4 ms (incl. 19.9 ms outside its ops) vs 0.40 ms median of the others"
+    )
+    inside = decide([ev(r, 5.0, 20.0) for r in (0, 2, 3)] + [ev(1, 5.1, 0.3, idle=20.4)])
+    assert "outside" not in inside.evidence
 
 
 def test_two_slow_ranks_making_up_one_node_name_the_node() -> None:
