@@ -7,7 +7,8 @@ atomically into the run directory and records it in the index. The TraceLens-com
 tables are computed beside each trace when `analysis.on_capture` says: right away, once
 training has ended (default: that work would compete with training for the GIL), or
 by `distanom report`. A decision that replaces an older
-capture (budget, newer reference) deletes this rank's files of the old one.
+capture (budget, newer reference) deletes this rank's files of the old one (or cancels it
+while still pending here), and the step's folder once no rank's files remain in it.
 
 Budgets enforced here are per rank: bytes written (`capture.max_disk_mb`). Any failure
 (full disk, vanished directory, broken export) is logged once and capture steps aside
@@ -29,8 +30,7 @@ from typing import Any
 
 from distanom.config import Config
 from distanom.detect import CaptureDecision
-from distanom.errors import RunDirError
-from distanom.rundir import RunDir, json_number, write_bytes_atomic
+from distanom.rundir import RunDir, json_number
 from distanom.tracers.base import Availability, StepTrace, Tracer
 from distanom.world import WorldInfo
 
@@ -65,6 +65,8 @@ class CaptureWorker:
         self._queue: queue.SimpleQueue[CaptureDecision | None] = queue.SimpleQueue()
         self._pending: list[CaptureDecision] = []
         self._kinds: dict[int, set[str]] = {}  # step -> kinds this rank holds a trace for
+        self._replaced: set[tuple[int, str]] = set()  # (step, kind) replaced this round
+        self._cleanup_failed = False  # warn once about a capture folder left behind
         self._max_bytes = int(config.capture.max_disk_mb * 1024 * 1024)
         self._closing = False
         self._close_deadline = math.inf
@@ -145,7 +147,11 @@ class CaptureWorker:
                     still.append(decision)
             except Exception as err:  # never let one capture take the worker down silently
                 self._fail(f"writing capture of step {decision.step} failed: {err}")
-        self._pending = still
+        if self._replaced:  # replaced before this rank could write it: never write it now
+            self._pending = [d for d in still if (d.step, d.kind) not in self._replaced]
+            self._replaced.clear()
+        else:
+            self._pending = still
 
     def _handle(self, decision: CaptureDecision) -> bool:
         """Process one decision; False while the tracer does not hold the step yet."""
@@ -154,6 +160,7 @@ class CaptureWorker:
             self.stats.skipped_other_ranks += 1
             return True
         if decision.replaces is not None and decision.replaces != decision.step:
+            self._replaced.add((decision.replaces, decision.kind))
             self._drop(decision.replaces, decision.kind, decision.step)
         held = self._kinds.get(decision.step)
         if held is not None:  # already written for another reason: one file, one more label
@@ -227,11 +234,11 @@ class CaptureWorker:
                 )
             return
         path = self._run.trace_path(decision.step, rank)
-        if not self._run.path.is_dir():  # never re-create a run directory someone removed
-            raise RunDirError(f"{self._run.path}: run directory vanished")
-        path.parent.parent.mkdir(exist_ok=True)
-        path.parent.mkdir(exist_ok=True)
-        write_bytes_atomic(path, data)
+        try:
+            self._run.write_capture_file(path, data)
+        except BaseException:
+            self._remove_dir_if_empty(decision.step)  # an abandoned folder goes too
+            raise
         self.stats.written += 1
         self.stats.bytes_written += len(data)
         self._kinds[decision.step] = {decision.kind}
@@ -272,16 +279,14 @@ class CaptureWorker:
             return  # still kept for another reason (e.g. also requested)
         del self._kinds[step]
         rank = self._world.rank
-        for path in (
-            self._run.trace_path(step, rank),
-            self._run.timeline_csv(step, rank),
-            self._run.kernel_csv(step, rank),
-        ):
+        trace = self._run.trace_path(step, rank)
+        for path in self._run.rank_capture_files(step, rank):
             with contextlib.suppress(FileNotFoundError):
                 size = path.stat().st_size
                 path.unlink()
-                if path.name.endswith(".trace.json.gz"):
+                if path == trace:
                     self.stats.bytes_written -= size
+        self._remove_dir_if_empty(step)
         self.stats.dropped += 1
         self._run.append_index(
             {
@@ -292,6 +297,21 @@ class CaptureWorker:
                 "replaced_by": replaced_by,
             }
         )
+
+    def _remove_dir_if_empty(self, step: int) -> None:
+        """Remove the step's folder if no rank's files are left in it (the last rank out
+        does); a failure is logged once and never stops capture."""
+        try:
+            self._run.remove_capture_dir_if_empty(step)
+        except Exception as err:
+            if not self._cleanup_failed:
+                self._cleanup_failed = True
+                log.warning(
+                    "capture: could not remove the emptied folder of step %d (%s); "
+                    "empty capture folders may be left behind",
+                    step,
+                    err,
+                )
 
     def _index(
         self,

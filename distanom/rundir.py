@@ -19,14 +19,17 @@
 
 Each rank writes only its own files; shared files (index.jsonl) are appended under a
 `filelock`. Every other write goes to a temporary file in the same directory and is
-renamed into place, so a reader never trusts a half-written file. Paths read back from
-files are resolved inside the run directory or refused. Files honour the umask.
+renamed into place, so a reader never trusts a half-written file. A capture folder every
+rank has taken its files out of (the capture was replaced) is removed by whichever rank
+empties it last: rmdir(2) removes only an empty folder, so no lock is needed. Paths read
+back from files are resolved inside the run directory or refused. Files honour the umask.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import math
 import os
@@ -45,6 +48,7 @@ LATEST = "latest"
 LOCK_TIMEOUT_S = 30.0
 MAX_INDEX_LINE = 64 * 1024  # a longer line is damage, not data
 MAX_JSON_BYTES = 64 * 1024 * 1024
+CAPTURE_DIR_ATTEMPTS = 10  # another rank removing an emptied capture folder meanwhile
 
 
 def _current_umask() -> int:
@@ -203,8 +207,60 @@ class RunDir:
     def kernel_csv(self, step: int, rank: int) -> Path:
         return self.capture_dir(step) / f"rank{rank}.kernel_summary.csv"
 
+    def cpu_timeline_csv(self, step: int, rank: int) -> Path:
+        return self.capture_dir(step) / f"rank{rank}.cpu_timeline.csv"
+
+    def rank_capture_files(self, step: int, rank: int) -> tuple[Path, ...]:
+        """Every file rank `rank` may write into captures/step_<step> (trace first)."""
+        return (
+            self.trace_path(step, rank),
+            self.timeline_csv(step, rank),
+            self.kernel_csv(step, rank),
+            self.cpu_timeline_csv(step, rank),
+        )
+
     def summary_json(self, step: int) -> Path:
         return self.capture_dir(step) / "summary.json"
+
+    def write_capture_file(self, path: Path, data: bytes) -> None:
+        """Write one rank's file into its captures/step_<N> folder, atomically, making the
+        folder if needed (never the run directory: one someone removed stays removed).
+
+        Another rank may remove the folder the moment it is empty (see
+        `remove_capture_dir_if_empty`): between our mkdir and the temporary file that then
+        keeps it non-empty. The folder is then made again; once the temporary file exists,
+        no rank can remove it.
+        """
+        for attempt in range(CAPTURE_DIR_ATTEMPTS):
+            if not self.path.is_dir():
+                raise RunDirError(f"{self.path}: run directory vanished")
+            try:
+                path.parent.parent.mkdir(exist_ok=True)
+                # FileExistsError: it existed, then was removed before mkdir could tell
+                path.parent.mkdir(exist_ok=True)
+                write_bytes_atomic(path, data)
+                return
+            except (FileNotFoundError, FileExistsError):
+                if attempt == CAPTURE_DIR_ATTEMPTS - 1:
+                    raise
+
+    def remove_capture_dir_if_empty(self, step: int) -> bool:
+        """Remove captures/step_<step> if no file is left in it; True if this call did.
+
+        Safe while other ranks write into the same folder: rmdir(2) removes only an empty
+        directory, atomically, so the last rank to take its files out removes it, and a
+        rank still writing (its temporary file is already there) keeps it. A folder that is
+        not empty or already gone is left alone; any other OSError is raised.
+        """
+        try:
+            os.rmdir(self.capture_dir(step))
+        except FileNotFoundError:
+            return False
+        except OSError as err:
+            if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                return False
+            raise
+        return True
 
     def relative(self, path: Path) -> str:
         return str(path.relative_to(self.path))

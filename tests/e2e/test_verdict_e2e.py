@@ -37,6 +37,10 @@ def run_job(
     assert done.returncode == 0, done.stderr[-3000:]
     report = report_json(tmp_path / "runs", capsys)
     captures = {c["step"]: c for c in report["captures"]}
+    # references replaced every 20 steps (and any replaced anomaly) leave no folder behind
+    folders = {p.name: p for p in (Path(report["run_dir"]) / "captures").iterdir()}
+    assert sorted(folders) == sorted(f"step_{step}" for step in captures)
+    assert all(any(folder.iterdir()) for folder in folders.values())
     hit = sorted(injected & set(captures))
     assert hit, sorted(captures)
     return report, captures, hit

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from distanom import rundir
 from distanom.capture import CaptureWorker
 from distanom.config import load_config
 from distanom.detect import CaptureDecision
@@ -48,3 +52,123 @@ def test_a_step_gone_between_two_calls_is_missed_and_capture_goes_on(tmp_path: P
     assert worker.active, worker.stats.failed
     assert worker.stats.missed == 1 and worker.stats.missed_steps == [5]
     assert run.trace_path(9, 0).exists() and not run.trace_path(5, 0).exists()
+
+
+# -- replaced captures: several ranks share one captures/step_N folder -----------------
+
+
+class ReadyTracer:
+    """Every step READY, except those in `pending` (the tracer's window is still open)."""
+
+    name = "ready"
+
+    def __init__(self, pending: set[int] | None = None) -> None:
+        self.pending = pending or set()
+
+    def availability(self, step: int) -> Availability:
+        return Availability.PENDING if step in self.pending else Availability.READY
+
+    def step_trace(self, step: int) -> StepTrace:
+        events = [{"name": f"distanom step {step}", "ph": "X", "ts": 0, "dur": 1}]
+        return StepTrace(step=step, events=events, base_time_ns=0, metadata={}, stats={})
+
+
+def reference(step: int, replaces: int | None = None) -> CaptureDecision:
+    return CaptureDecision(step, "reference", 10.0, 10.0, 15.0, slowest_rank=0, replaces=replaces)
+
+
+def anomaly(step: int, ratio: float, replaces: int | None = None) -> CaptureDecision:
+    return CaptureDecision(
+        step, "anomaly", 10.0 * ratio, 10.0, 15.0, slowest_rank=0, replaces=replaces
+    )
+
+
+def rank_worker(run: RunDir, rank: int, world: int, tracer: object | None = None) -> CaptureWorker:
+    config = load_config(None, ["analysis.on_capture=report"])
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+    return CaptureWorker(
+        run, WorldInfo.from_env(env), tracer or ReadyTracer(), config, tracer_name="ready"
+    )
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def step_dirs(run: RunDir) -> dict[int, list[str]]:
+    root = run.path / "captures"
+    return {
+        int(child.name.removeprefix("step_")): sorted(p.name for p in child.iterdir())
+        for child in sorted(root.iterdir())
+    }
+
+
+def test_replaced_reference_folder_goes_once_the_last_rank_is_out(tmp_path: Path) -> None:
+    run = RunDir(create_run(tmp_path, "refs"))
+    workers = [rank_worker(run, rank, 4) for rank in range(4)]
+    for worker in workers:
+        worker.submit([reference(26)])
+    wait_for(lambda: all(run.trace_path(26, rank).exists() for rank in range(4)))
+    # tables computed beside rank 0's trace (CPU-only: cpu_timeline.csv) go with it
+    (run.capture_dir(26) / "rank0.cpu_timeline.csv").write_text("type,time ms,percent\n")
+
+    # rank 0 moves on to the newer reference first: ranks 1-3 still hold step 26
+    workers[0].submit([reference(68, replaces=26)])
+    wait_for(lambda: run.trace_path(68, 0).exists())
+    wait_for(lambda: workers[0].stats.dropped == 1)
+    assert step_dirs(run)[26] == [f"rank{r}.trace.json.gz" for r in (1, 2, 3)]
+
+    for worker in workers[1:]:
+        worker.submit([reference(68, replaces=26)])
+    for worker in workers:
+        worker.submit([reference(108, replaces=68)])
+        worker.close(5.0)
+        assert worker.active, worker.stats.failed
+        assert worker.stats.dropped == 2
+    assert step_dirs(run) == {108: [f"rank{r}.trace.json.gz" for r in range(4)]}
+    records, problems = run.read_index()
+    assert problems == []
+    assert sum(r["event"] == "dropped" for r in records) == 8
+
+
+def test_budget_replacement_removes_the_least_severe_folder(tmp_path: Path) -> None:
+    run = RunDir(create_run(tmp_path, "budget"))
+    workers = [rank_worker(run, rank, 2) for rank in range(2)]
+    for worker in workers:
+        worker.submit([anomaly(40, 3.0), anomaly(75, 2.0), anomaly(90, 6.0, replaces=75)])
+    for worker in workers:
+        worker.close(5.0)
+        assert worker.active, worker.stats.failed
+    assert sorted(step_dirs(run)) == [40, 90]
+
+
+def test_a_capture_replaced_while_pending_here_is_never_written(tmp_path: Path) -> None:
+    run = RunDir(create_run(tmp_path, "pending"))
+    tracer = ReadyTracer(pending={26})
+    worker = rank_worker(run, 0, 1, tracer)
+    worker.submit([reference(26), reference(68, replaces=26)])
+    wait_for(lambda: run.trace_path(68, 0).exists())
+    tracer.pending.clear()  # step 26 becomes readable only now
+    worker.close(5.0)
+    assert worker.active, worker.stats.failed
+    assert worker.stats.written == 1
+    assert step_dirs(run) == {68: ["rank0.trace.json.gz"]}
+
+
+def test_a_write_that_fails_leaves_no_empty_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = RunDir(create_run(tmp_path, "fail"))
+
+    def full_disk(path: Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rundir, "write_bytes_atomic", full_disk)
+    worker = rank_worker(run, 0, 1)
+    worker.submit([reference(26)])
+    worker.close(5.0)
+    assert not worker.active and "No space left" in str(worker.stats.failed)
+    assert step_dirs(run) == {}

@@ -14,6 +14,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
+from distanom import rundir
+from distanom.errors import RunDirError
 from distanom.rundir import RunDir, create_run, write_json_atomic
 
 
@@ -97,3 +101,68 @@ def test_killed_writer_never_leaves_a_listed_partial_trace(tmp_path: Path) -> No
     leftovers = [p.name for p in run.path.rglob("*.tmp")]
     assert all(name.startswith(".") for name in leftovers)  # hidden temp files only
     assert json.loads(run.run_json.read_text()) == {"world_size": 1}
+
+
+def _write_and_drop(run_dir: str, rank: int, steps: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    """One rank: write its file into each step's shared folder, then take it out again
+    and remove the folder if it is the last one out (what a replaced capture does)."""
+    run = RunDir(Path(run_dir))
+    errors = []
+    for step in range(steps):
+        path = run.trace_path(step % 3, rank)  # few folders: made and removed over and over
+        try:
+            run.write_capture_file(path, b"x" * 64)
+            assert path.read_bytes() == b"x" * 64
+            path.unlink()
+            run.remove_capture_dir_if_empty(step % 3)
+        except Exception as err:
+            errors.append(f"{type(err).__name__}: {err}")
+    out.put(errors)
+
+
+def test_ranks_sharing_a_capture_folder_never_remove_it_under_each_other(
+    tmp_path: Path,
+) -> None:
+    run = RunDir(create_run(tmp_path, None))
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [
+        ctx.Process(target=_write_and_drop, args=(str(run.path), rank, 300, out))
+        for rank in range(4)
+    ]
+    for proc in procs:
+        proc.start()
+    errors = [out.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+    assert errors == [[]] * 4
+    assert list((run.path / "captures").iterdir()) == []  # the last one out removed each
+
+
+def test_capture_file_write_survives_its_folder_removed_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = RunDir(create_run(tmp_path, None))
+    real = rundir.write_bytes_atomic
+    calls = []
+
+    def other_rank_removes_it_first(path: Path, data: bytes) -> None:
+        calls.append(path)
+        if len(calls) == 1:  # after our mkdir, before our temporary file
+            assert run.remove_capture_dir_if_empty(7)
+        real(path, data)
+
+    monkeypatch.setattr(rundir, "write_bytes_atomic", other_rank_removes_it_first)
+    run.write_capture_file(run.trace_path(7, 1), b"trace")
+    assert len(calls) == 2 and run.trace_path(7, 1).read_bytes() == b"trace"
+    assert not run.remove_capture_dir_if_empty(7)  # not empty: kept
+    run.trace_path(7, 1).unlink()
+    assert run.remove_capture_dir_if_empty(7) and not run.remove_capture_dir_if_empty(7)
+
+
+def test_capture_file_write_never_recreates_a_removed_run_directory(tmp_path: Path) -> None:
+    run = RunDir(create_run(tmp_path, None))
+    run.path.rmdir()
+    with pytest.raises(RunDirError, match="vanished"):
+        run.write_capture_file(run.trace_path(3, 0), b"trace")
+    assert not run.path.exists()
