@@ -140,7 +140,9 @@ class TracerConfig(_Section):
         gt=0,
         le=100,
         description="duty-cycle tracing so its measured overhead stays under this percent "
-        "of step time; detection stays on for every step; null: trace every step",
+        "of step time; detection stays on for every step; null: trace every step except "
+        "one window in 64 (the first after 8 windows), left untraced to measure the "
+        "overhead; an anomaly there is counted (`anomalous_untraced`), not captured",
     )
 
 
@@ -230,7 +232,20 @@ def _format_validation_error(source: str, err: ValidationError) -> str:
     got = first.get("input")
     shown = "" if isinstance(got, dict) else f" (got {got!r})"
     more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
-    return f"{source}: {key}: {first['msg']}{shown}{more}"
+    return f"{source}: {key}: {_clean_message(first['msg'])}{shown}{more}"
+
+
+# pydantic prefixes the message of an error raised in a validator with its kind
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def _clean_message(message: str) -> str:
+    """The validator's own words, on one line: no pydantic prefix, no line breaks."""
+    for prefix in _PYDANTIC_PREFIXES:
+        if message.startswith(prefix):
+            message = message[len(prefix) :]
+            break
+    return " ".join(message.split())
 
 
 def _allowed_keys(loc: Sequence[Any]) -> list[str]:

@@ -6,8 +6,9 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel, ValidationError, field_validator
 
-from distanom.config import Config, load_config, render_defaults_yaml
+from distanom.config import Config, _format_validation_error, load_config, render_defaults_yaml
 from distanom.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,6 +69,53 @@ def test_bad_config_is_one_line_naming_file_and_key(
     assert needle in message
 
 
+@pytest.mark.parametrize("name", ["../escape", "a/b", "-dash", "x" * 65])
+def test_validator_error_reads_cleanly(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"run": {"name": name}}))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (
+        f"{path}: run.name: must be 1-64 letters, digits, '.', '_' or '-', start with a "
+        f"letter or digit, and contain no '..' (got {name!r})"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"run.name={name}"])
+    assert str(info.value).startswith("--set: run.name: must be 1-64 letters")
+
+
+class _Checked(BaseModel):
+    by_value: int = 0
+    by_assert: int = 0
+
+    @field_validator("by_value")
+    @classmethod
+    def _value(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must not be negative,\n  really")
+        return value
+
+    @field_validator("by_assert")
+    @classmethod
+    def _assert(cls, value: int) -> int:
+        if value >= 10:  # raised, not `assert`ed: pytest rewrites asserts in this module
+            raise AssertionError("must be below 10")
+        return value
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"by_value": -1}, "src: by_value: must not be negative, really (got -1)"),
+        ({"by_assert": 12}, "src: by_assert: must be below 10 (got 12)"),
+    ],
+)
+def test_pydantic_prefixes_are_stripped_from_any_validator(data: dict, expected: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        _Checked.model_validate(data)
+    assert _format_validation_error("src", info.value) == expected
+
+
 def test_missing_binary_and_directory_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "absent.yaml")
@@ -119,6 +167,7 @@ def test_any_mapping_either_loads_or_fails_with_a_config_error(data: dict) -> No
         config = config_from_mapping(data, "prop.yaml")
     except ConfigError as err:
         assert "\n" not in str(err) and str(err).startswith("prop.yaml")
+        assert "Value error," not in str(err) and "Assertion failed," not in str(err)
     else:
         assert isinstance(config, Config)
 
