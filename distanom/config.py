@@ -86,7 +86,8 @@ class DetectConfig(_Section):
         ge=0,
         le=100_000,
         description="anomalous steps at most this many steps apart are one episode (a lasting "
-        "slowdown is one event with a count): its first traced step is captured",
+        "slowdown is one event with a count): its first traced step is captured, and a "
+        "later one with a third more slowdown (time over the median) than its last capture",
     )
 
 

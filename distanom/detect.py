@@ -24,10 +24,12 @@ Rules (all thresholds come from `DetectConfig` / `CaptureConfig`):
   look slow enough to trigger more captures.
 - Anomalous steps at most `merge_gap_steps` apart form one episode (a slowdown that
   persists is one event with a count, not a capture per step). An episode's first
-  traced step is captured, and so is a later step at least `ESCALATION` times as
-  severe as the episode's last capture (jitter must not hide the real event that
-  follows it), subject to `min_gap_steps` and `max_captures`; when the budget is
-  full, a more severe capture replaces the least severe one kept.
+  traced step is captured, and so is a later step whose slowdown (time over the median)
+  is at least `ESCALATION` times that of the episode's last capture: jitter just over
+  the threshold must not hide the real event a few steps later, while the steps of a
+  lasting slowdown, alike in size, stay one capture. Subject to `min_gap_steps` and
+  `max_captures`; when the budget is full, a more severe capture replaces the least
+  severe one kept.
 - Every `reference_every_steps` a typical healthy traced step is captured as the
   reference the kernel diff compares against; the newest replaces the previous one.
 """
@@ -47,8 +49,12 @@ CaptureKind = Literal["anomaly", "reference", "requested"]
 
 # A reference step must be no slower than this multiple of the median: a typical step.
 REFERENCE_MAX_RATIO = 1.1
-# Within an episode, a step this many times as severe as its last capture is captured too.
-ESCALATION = 2.0
+# Within an episode, a step with this many times the slowdown (step / median - 1) of the
+# episode's last capture is captured too. Measured on the slowdown, not the whole step:
+# on an H200, a 10 ms GPU stall (0.8 medians) came 3 steps after a 1.55x jitter step and
+# was lost under the former rule (twice the whole step's ratio); a third more slowdown
+# keeps a lasting slowdown with +-8% noise at 1-2 captures per 100 steps.
+ESCALATION = 4 / 3
 
 # The most a step's own capture work may explain away, in medians (measured on an H200:
 # captures slowed 11 ms ResNet18 steps by up to 37 ms, 3.4 medians).
@@ -174,8 +180,16 @@ class Detector:
     def _baseline(self, condition: tuple[bool, bool]) -> float | None:
         same = self._windows[condition]
         needed = self.detect.min_steps
-        if condition != self._main_condition():  # rarer ones fill their window more slowly
+        main = self._main_condition()
+        if condition != main:  # rarer ones fill their window more slowly
             needed = min(needed, RARE_CONDITION_MIN_STEPS)
+            if len(same) < needed and condition == (False, False) and main[0]:
+                # the first steps of the first untraced (probe) window: tracing only adds
+                # time, so the traced median is a safe stand-in, and a slow step there is
+                # still counted (anomalous_untraced) instead of going unjudged
+                traced = self._windows[main]
+                if len(traced) >= self.detect.min_steps:
+                    return statistics.median(traced)
         if len(same) < needed:
             return None
         return statistics.median(same)
@@ -236,7 +250,9 @@ class Detector:
         if not sample.traced:
             self.counts.anomalous_untraced += 1
             return []
-        if episode.captured_step is not None and ratio < ESCALATION * episode.captured_ratio:
+        if episode.captured_step is not None and (ratio - 1) < ESCALATION * (
+            episode.captured_ratio - 1
+        ):
             return []
         return self._admit(sample, judged, median, threshold, ratio, episode)
 

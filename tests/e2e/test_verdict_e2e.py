@@ -3,7 +3,8 @@
 Each job injects its slowdown on two separate steps and checks every capture of them.
 On 2 busy cores, noise steps over 1.5 x median come every few steps and chain into one
 detector episode, which then swallows an injected step now and then (by design: one
-episode, one capture unless twice as severe; bench/verdict_robustness.py counts it).
+episode, one capture unless a step has a third more slowdown than the last capture;
+bench/verdict_robustness.py counts it).
 These tests are about the verdict, so episodes are not merged across steps here.
 """
 

@@ -80,6 +80,33 @@ def test_much_worse_step_inside_an_episode_is_still_captured() -> None:
     assert detector.episodes[0].steps == 3
 
 
+def test_a_real_event_just_after_jitter_in_the_same_episode_is_captured() -> None:
+    # a 1.55x jitter step, then a stall of 0.8 medians 3 steps later (the H200 e2e case):
+    # a third more slowdown than the last capture is captured too
+    detector = make({"merge_gap_steps": 5})
+    decisions = feed(detector, [10.0] * 20 + [15.5, 10.0, 10.0, 18.0])
+    assert [d.step for d in decisions] == [20, 23]
+    assert len(detector.episodes) == 1 and detector.episodes[0].steps == 2
+
+
+def test_a_slightly_worse_step_of_a_lasting_slowdown_is_not_captured_again() -> None:
+    detector = make({"merge_gap_steps": 5, "window_steps": 200})
+    slow = [20.0, 21.0, 19.5, 22.0, 20.5, 23.0, 21.5, 19.0, 22.5, 20.0]
+    decisions = feed(detector, [10.0] * 20 + slow)
+    assert [d.step for d in decisions] == [20]  # 1.3 medians of slowdown < 4/3 x 1.0
+
+
+def test_a_slow_step_early_in_the_first_untraced_window_is_counted() -> None:
+    # the governor's first probe window: its first steps have no untraced baseline yet
+    detector = make()
+    feed(detector, [10.0] * 20)  # traced
+    detector.observe(StepSample(20, (9.0, 9.0), False))
+    assert detector.observe(StepSample(21, (16.5, 16.5), False)) == []  # untraced: no capture
+    assert detector.counts.anomalous_untraced == 1
+    assert detector.observe(StepSample(22, (14.0, 14.0), False)) == []
+    assert detector.counts.anomalous_untraced == 1  # 1.4x the traced median: not anomalous
+
+
 def test_untraced_anomalies_are_counted_not_captured() -> None:
     detector = make()
     feed(detector, [10.0] * 20)
