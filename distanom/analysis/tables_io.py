@@ -38,10 +38,6 @@ BREAKDOWN_ROWS = (
 )
 
 
-def cpu_timeline_csv(run: RunDir, step: int, rank: int) -> Path:
-    return run.capture_dir(step) / f"rank{rank}.cpu_timeline.csv"
-
-
 def write_rank_tables(run: RunDir, step: int, rank: int, trace: Path, engine: str) -> TraceTables:
     """Analyse one rank's trace of a capture and write its tables beside it."""
     tables = analyze_trace(trace, engine)
@@ -49,7 +45,7 @@ def write_rank_tables(run: RunDir, step: int, rank: int, trace: Path, engine: st
         write_gpu_timeline_csv(run.timeline_csv(step, rank), tables.timeline)
         write_kernel_summary_csv(run.kernel_csv(step, rank), tables.kernel_summary)
     else:
-        write_gpu_timeline_csv(cpu_timeline_csv(run, step, rank), tables.timeline)
+        write_gpu_timeline_csv(run.cpu_timeline_csv(step, rank), tables.timeline)
     return tables
 
 
@@ -63,7 +59,7 @@ def rank_tables(run: RunDir, step: int, rank: int, trace: Path, engine: str) -> 
     """The rank's timeline for a capture: from its CSV, else computed and cached."""
     for kind, path in (
         ("gpu", run.timeline_csv(step, rank)),
-        ("cpu", cpu_timeline_csv(run, step, rank)),
+        ("cpu", run.cpu_timeline_csv(step, rank)),
     ):
         if path.exists():
             with contextlib.suppress(DistanomError, OSError, ValueError):
@@ -74,7 +70,7 @@ def rank_tables(run: RunDir, step: int, rank: int, trace: Path, engine: str) -> 
             write_gpu_timeline_csv(run.timeline_csv(step, rank), tables.timeline)
             write_kernel_summary_csv(run.kernel_csv(step, rank), tables.kernel_summary)
         else:
-            write_gpu_timeline_csv(cpu_timeline_csv(run, step, rank), tables.timeline)
+            write_gpu_timeline_csv(run.cpu_timeline_csv(step, rank), tables.timeline)
     return RankTables(tables.timeline, tables.kind)
 
 
