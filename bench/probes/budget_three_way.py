@@ -20,6 +20,9 @@ with their standard error; `governed` also split into blocks that held a traced 
 blocks that did not, the excess of each over the `off` block of its rotation as a share
 of governed time, and clean governed blocks against `never`. Writes budget_three_way.json
 under --out; `--summarize RESULT` recomputes the summary of a saved result anywhere.
+`--simulate` runs the same rotation with no GPU: a CPU step and a tracer that burns the
+costs the cupti backend measured, so the governed loop's own cost can be seen apart from
+anything CUPTI or the GPU does (budget_three_way_simulated.json).
 """
 
 from __future__ import annotations
@@ -47,6 +50,53 @@ class NeverTraces:
 
     def tracing_on(self, step: int) -> bool:
         return False
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class SimulatedTracer:
+    """Stands in for CuptiTracer under --simulate: burns, on the training thread, what
+    the cupti backend measured on the H200 (bench/results/cupti_switch_cost_probe_h200.json:
+    a traced ResNet18 step +13%, switching on ~9.6 ms, off ~3.2 ms) and nothing else."""
+
+    TRACED_STEP_S, SWITCH_ON_S, SWITCH_OFF_S = 0.0025, 0.0096, 0.0032
+
+    def __init__(self) -> None:
+        self.tracing = False
+        self.boundary_flushes = 0
+
+    def mark_step(self, step: int, now_ns: int) -> None:
+        if self.tracing:
+            _busy(self.TRACED_STEP_S)
+
+    def set_tracing(self, on: bool) -> None:
+        _busy(self.SWITCH_ON_S if on else self.SWITCH_OFF_S)
+        self.tracing = on
+
+    def close(self) -> None:
+        self.tracing = False
+
+
+def _cpu_step(torch: Any) -> Any:
+    """A CPU step of about 10 ms: repeated 256x256 matmuls, sized once on this CPU."""
+    a = torch.randn(256, 256)
+    for _ in range(200):  # warm up first: the first matmuls run faster or slower
+        a @ a
+    per = time.perf_counter()
+    for _ in range(200):
+        a @ a
+    per = (time.perf_counter() - per) / 200
+    reps = max(1, round(0.010 / per))
+
+    def step() -> None:
+        for _ in range(reps):
+            a @ a
+
+    return step
 
 
 def _mean_se(values: list[float]) -> dict[str, float]:
@@ -107,6 +157,13 @@ def main() -> int:
     parser.add_argument("--block-steps", type=int, default=64)
     parser.add_argument("--out", default=".")
     parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="no GPU: a ~10 ms CPU step and a tracer that only burns the device's measured "
+        "costs (traced step +2.5 ms, switch on 9.6 ms, off 3.2 ms), to see whether the "
+        "governed loop itself costs anything",
+    )
+    parser.add_argument(
         "--summarize", metavar="RESULT", help="print the summary of a saved result and exit"
     )
     args = parser.parse_args()
@@ -119,15 +176,26 @@ def main() -> int:
     from overhead import _govern, _tracer_config, build_workload
 
     from distanom.governor import GovernorParams, OverheadGovernor
-    from distanom.tracers.cupti import CuptiTracer
 
-    work = build_workload("resnet18", 10)
-    for _ in range(30):
-        work.step(0)
-    torch.cuda.synchronize()
-    tracer = CuptiTracer(_tracer_config(1.0), rank=0)
-    tracer.mark_step(0, time.time_ns())
-    tracer.start()
+    tracer: Any
+    if args.simulate:
+        torch.set_num_threads(1)
+        step_fn = _cpu_step(torch)
+        sync: Any = lambda: None  # noqa: E731
+        tracer = SimulatedTracer()
+        device, workload = "cpu (simulated tracer)", "torch.mm loop, ~10 ms"
+    else:
+        from distanom.tracers.cupti import CuptiTracer
+
+        work = build_workload("resnet18", 10)
+        step_fn, sync = (lambda: work.step(0)), torch.cuda.synchronize
+        for _ in range(30):
+            step_fn()
+        sync()
+        tracer = CuptiTracer(_tracer_config(1.0), rank=0)
+        tracer.mark_step(0, time.time_ns())
+        tracer.start()
+        device, workload = torch.cuda.get_device_name(), "resnet18 bf16 batch 5"
     step = 1
     governor = OverheadGovernor(1.0, GovernorParams(window_steps=16, lag_steps=2), first_step=1)
     states: dict[str, dict[str, Any]] = {
@@ -137,13 +205,13 @@ def main() -> int:
     gov_state = states["governed"]
     gov_state["last"] = time.perf_counter()
     for _ in range(400):  # let the real governor settle, as the bench's timed loop does
-        work.step(0)
+        step_fn()
         flushes = tracer.boundary_flushes
         tracer.mark_step(step, time.time_ns())
         _govern(tracer, governor, gov_state, flushes)
         step += 1
     while gov_state["on"] or gov_state["prev_on"]:  # finish a run in progress
-        work.step(0)
+        step_fn()
         flushes = tracer.boundary_flushes
         tracer.mark_step(step, time.time_ns())
         _govern(tracer, governor, gov_state, flushes)
@@ -155,12 +223,12 @@ def main() -> int:
     started = time.perf_counter()
     for t in range(args.triples):
         for kind in orders[t % len(orders)]:
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             n = traced = 0
             if kind == "off":
                 for _ in range(args.block_steps):
-                    work.step(0)
+                    step_fn()
                     tracer.mark_step(step, time.time_ns())
                     step += 1
                     n += 1
@@ -170,14 +238,14 @@ def main() -> int:
                 st["on"] = tracer.tracing
                 st["after_flush"] = False
                 while n < args.block_steps or st["on"] or st["prev_on"]:
-                    work.step(0)
+                    step_fn()
                     flushes = tracer.boundary_flushes
                     tracer.mark_step(step, time.time_ns())
                     _govern(tracer, governors[kind], st, flushes)
                     traced += bool(st["prev_on"])
                     step += 1
                     n += 1
-            torch.cuda.synchronize()
+            sync()
             ms = (time.perf_counter() - t0) * 1000.0
             blocks.append(
                 {"triple": t, "kind": kind, "steps": n, "ms": round(ms, 3), "traced": traced}
@@ -185,9 +253,9 @@ def main() -> int:
     tracer.close()
 
     out: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(),
+        "device": device,
         "torch": torch.__version__,
-        "workload": "resnet18 bf16 batch 5",
+        "workload": workload,
         "block_steps": args.block_steps,
         "triples": args.triples,
         "elapsed_s": round(time.perf_counter() - started, 1),
@@ -196,7 +264,8 @@ def main() -> int:
         "blocks": blocks,
     }
     print(json.dumps({k: v for k, v in out.items() if k not in ("blocks", "governor")}))
-    Path(args.out, "budget_three_way.json").write_text(json.dumps(out, indent=1))
+    name = "budget_three_way_simulated.json" if args.simulate else "budget_three_way.json"
+    Path(args.out, name).write_text(json.dumps(out, indent=1))
     return 0
 
 
