@@ -164,8 +164,8 @@ class CaptureConfig(_Section):
         500,
         ge=0,
         le=10_000_000,
-        description="keep a healthy reference step this often (the latest replaces the "
-        "previous); 0: never",
+        description="keep a healthy reference step this often, the first as soon as a "
+        "typical traced step is judged (the latest replaces the previous); 0: never",
     )
     gzip_level: int = Field(5, ge=1, le=9, description="gzip level of trace files")
 
