@@ -30,7 +30,7 @@ from typing import Any
 
 from distanom.config import Config
 from distanom.detect import CaptureDecision
-from distanom.rundir import RunDir, json_number
+from distanom.rundir import CaptureFolderContendedError, RunDir, json_number
 from distanom.tracers.base import Availability, StepTrace, Tracer
 from distanom.world import WorldInfo
 
@@ -67,6 +67,7 @@ class CaptureWorker:
         self._kinds: dict[int, set[str]] = {}  # step -> kinds this rank holds a trace for
         self._replaced: set[tuple[int, str]] = set()  # (step, kind) replaced this round
         self._cleanup_failed = False  # warn once about a capture folder left behind
+        self._contended_warned = False  # warn once about a folder removed under a write
         self._max_bytes = int(config.capture.max_disk_mb * 1024 * 1024)
         self._closing = False
         self._close_deadline = math.inf
@@ -138,11 +139,23 @@ class CaptureWorker:
             self._analyze(step, self._run.trace_path(step, self._world.rank))
 
     def _advance(self) -> None:
+        # a decision that a later pending one replaces is never built: building it (decode,
+        # gzip, fsync) only to delete it moments later would compete with training for
+        # nothing; every rank holds the same decisions in the same order, so all skip it
+        superseded = {
+            (d.replaces, d.kind)
+            for d in self._pending
+            if d.replaces is not None and d.replaces != d.step and self._applies(d)
+        }
         still: list[CaptureDecision] = []
         for decision in self._pending:
             if not self.active:
                 continue
             try:
+                if (decision.step, decision.kind) in superseded:
+                    self._replaced.add((decision.step, decision.kind))
+                    self._drop_replaced(decision)  # what it replaced goes all the same
+                    continue
                 if not self._handle(decision):
                     still.append(decision)
             except Exception as err:  # never let one capture take the worker down silently
@@ -153,15 +166,21 @@ class CaptureWorker:
         else:
             self._pending = still
 
-    def _handle(self, decision: CaptureDecision) -> bool:
-        """Process one decision; False while the tracer does not hold the step yet."""
-        rank = self._world.rank
-        if decision.ranks is not None and rank not in decision.ranks:
-            self.stats.skipped_other_ranks += 1
-            return True
+    def _applies(self, decision: CaptureDecision) -> bool:
+        return decision.ranks is None or self._world.rank in decision.ranks
+
+    def _drop_replaced(self, decision: CaptureDecision) -> None:
         if decision.replaces is not None and decision.replaces != decision.step:
             self._replaced.add((decision.replaces, decision.kind))
             self._drop(decision.replaces, decision.kind, decision.step)
+
+    def _handle(self, decision: CaptureDecision) -> bool:
+        """Process one decision; False while the tracer does not hold the step yet."""
+        rank = self._world.rank
+        if not self._applies(decision):
+            self.stats.skipped_other_ranks += 1
+            return True
+        self._drop_replaced(decision)
         held = self._kinds.get(decision.step)
         if held is not None:  # already written for another reason: one file, one more label
             held.add(decision.kind)
@@ -236,6 +255,14 @@ class CaptureWorker:
         path = self._run.trace_path(decision.step, rank)
         try:
             self._run.write_capture_file(path, data)
+        except CaptureFolderContendedError as err:
+            # a race with other ranks' cleanup, not a broken run directory: this capture
+            # is missed, capture goes on
+            if not self._contended_warned:
+                self._contended_warned = True
+                log.warning("capture of step %d missed (logged once): %s", decision.step, err)
+            self._missed(decision.step)
+            return
         except BaseException:
             self._remove_dir_if_empty(decision.step)  # an abandoned folder goes too
             raise
@@ -272,13 +299,14 @@ class CaptureWorker:
 
     def _drop(self, step: int, kind: str, replaced_by: int) -> None:
         held = self._kinds.get(step)
-        if held is None:
+        if held is None or kind not in held:
             return
         held.discard(kind)
-        if held:
-            return  # still kept for another reason (e.g. also requested)
-        del self._kinds[step]
         rank = self._world.rank
+        if held:  # still kept for another reason (e.g. also requested): only the label goes
+            self._index_dropped(step, kind, replaced_by)
+            return
+        del self._kinds[step]
         trace = self._run.trace_path(step, rank)
         for path in self._run.rank_capture_files(step, rank):
             with contextlib.suppress(FileNotFoundError):
@@ -288,11 +316,14 @@ class CaptureWorker:
                     self.stats.bytes_written -= size
         self._remove_dir_if_empty(step)
         self.stats.dropped += 1
+        self._index_dropped(step, kind, replaced_by)
+
+    def _index_dropped(self, step: int, kind: str, replaced_by: int) -> None:
         self._run.append_index(
             {
                 "event": "dropped",
                 "step": step,
-                "rank": rank,
+                "rank": self._world.rank,
                 "kind": kind,
                 "replaced_by": replaced_by,
             }

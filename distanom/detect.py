@@ -30,6 +30,9 @@ Rules (all thresholds come from `DetectConfig` / `CaptureConfig`):
   lasting slowdown, alike in size, stay one capture. Subject to `min_gap_steps` and
   `max_captures`; when the budget is full, a more severe capture replaces the least
   severe one kept.
+- Untraced steps (the governor's probe windows, duty-cycled runs) are judged against
+  untraced steps only; until the first untraced window holds `RARE_CONDITION_MIN_STEPS`
+  of them, against the traced median (tracing only adds time, so that is the safe side).
 - Every `reference_every_steps` a typical healthy traced step is captured as the
   reference the kernel diff compares against; the newest replaces the previous one.
 """

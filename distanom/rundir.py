@@ -49,6 +49,15 @@ LOCK_TIMEOUT_S = 30.0
 MAX_INDEX_LINE = 64 * 1024  # a longer line is damage, not data
 MAX_JSON_BYTES = 64 * 1024 * 1024
 CAPTURE_DIR_ATTEMPTS = 10  # another rank removing an emptied capture folder meanwhile
+# what `distanom report` writes into a capture folder: regenerated on demand, so a folder
+# holding nothing else once the ranks have taken their files out is removed all the same
+REPORT_OUTPUTS = frozenset({"summary.json", "merged.trace.json.gz"})
+# a folder removed by another rank (ESTALE: by another node over NFS) while making it
+_FOLDER_RACE_ERRNOS = (errno.ENOENT, errno.EEXIST, errno.ESTALE)
+
+
+class CaptureFolderContendedError(RunDirError):
+    """The capture folder kept vanishing under this rank's write: this capture is missed."""
 
 
 def _current_umask() -> int:
@@ -240,20 +249,36 @@ class RunDir:
                 path.parent.mkdir(exist_ok=True)
                 write_bytes_atomic(path, data)
                 return
-            except (FileNotFoundError, FileExistsError):
-                if attempt == CAPTURE_DIR_ATTEMPTS - 1:
+            except OSError as err:
+                if err.errno not in _FOLDER_RACE_ERRNOS:
                     raise
+                if attempt == CAPTURE_DIR_ATTEMPTS - 1:
+                    raise CaptureFolderContendedError(
+                        f"{path.parent}: removed under this rank's write "
+                        f"{CAPTURE_DIR_ATTEMPTS} times ({err})"
+                    ) from err
 
     def remove_capture_dir_if_empty(self, step: int) -> bool:
         """Remove captures/step_<step> if no file is left in it; True if this call did.
 
         Safe while other ranks write into the same folder: rmdir(2) removes only an empty
         directory, atomically, so the last rank to take its files out removes it, and a
-        rank still writing (its temporary file is already there) keeps it. A folder that is
-        not empty or already gone is left alone; any other OSError is raised.
+        rank still writing (its temporary file is already there) keeps it. What `distanom
+        report` left there (`REPORT_OUTPUTS`) does not keep it: with no rank file left,
+        those go first. A folder that is not empty or already gone is left alone; any other
+        OSError is raised.
         """
+        folder = self.capture_dir(step)
         try:
-            os.rmdir(self.capture_dir(step))
+            names = set(os.listdir(folder))
+        except FileNotFoundError:
+            return False
+        if names and names <= REPORT_OUTPUTS:
+            for name in names:  # a rank writing meanwhile adds a temporary file: rmdir fails
+                with contextlib.suppress(FileNotFoundError):
+                    (folder / name).unlink()
+        try:
+            os.rmdir(folder)
         except FileNotFoundError:
             return False
         except OSError as err:

@@ -237,8 +237,8 @@ def _signed(value: float) -> str:
 def _change(values: Sequence[float], where: str) -> str:
     """How values changed over `where`: "grew ... by 1.2-3.4 ms" when none shrank, else
     signed ("changed ... by -2.54 to +1.43 ms"), so a negative growth never reads as one."""
-    if min(values) >= 0:
-        return f"grew over {where} by {_span(values)}"
+    if min(values) > -0.005:  # a sum's rounding noise around 0 is not a shrink
+        return f"grew over {where} by {_span([max(v, 0.0) for v in values])}"
     low, high = min(values), max(values)
     amount = f"{_signed(low)}" if abs(high - low) < 0.05 else f"{_signed(low)} to {_signed(high)}"
     return f"changed over {where} by {amount} ms"

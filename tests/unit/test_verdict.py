@@ -99,6 +99,17 @@ def test_growth_that_spans_negative_values_is_a_signed_change() -> None:
     assert "exposed comm grew over reference step 20 by 0.00-6.50 ms" in verdict.evidence
 
 
+def test_rounding_noise_below_zero_still_reads_as_growth() -> None:
+    from distanom.analysis.verdict import _change
+
+    # a sum that did not change can come out a hair below zero
+    assert _change([-1e-9, 3.0], "reference step 20") == (
+        "grew over reference step 20 by 0.00-3.00 ms"
+    )
+    assert _change([-0.004, -0.003], "reference step 20").startswith("grew")
+    assert _change([-0.01, 3.0], "reference step 20").startswith("changed")
+
+
 def test_idle_outside_the_ops_is_named_in_the_verdict() -> None:
     """The timeline's idle row excludes the stall before the first op (CPU traces); the
     verdict's idle includes it, so it says how much, to match the report's table."""
