@@ -253,11 +253,15 @@ class Detector:
         if not sample.traced:
             self.counts.anomalous_untraced += 1
             return []
-        if episode.captured_step is not None and (ratio - 1) < ESCALATION * (
-            episode.captured_ratio - 1
-        ):
+        if episode.captured_step is not None and not self._escalates(ratio, episode):
             return []
         return self._admit(sample, judged, median, threshold, ratio, episode)
+
+    @staticmethod
+    def _escalates(ratio: float, episode: Episode) -> bool:
+        """Whether a step inside an episode that already has a capture is captured too:
+        it has `ESCALATION` times the slowdown (ratio - 1) of the episode's last capture."""
+        return ratio - 1 >= ESCALATION * (episode.captured_ratio - 1)
 
     def _admit(
         self,
