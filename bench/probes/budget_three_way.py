@@ -135,6 +135,19 @@ def summarize(blocks: list[dict[str, Any]]) -> dict[str, Any]:
                     / sum(b["steps"] for b in blocks if b["kind"] == kind), 4)
         for kind in ("off", "never", "governed")
     }  # fmt: skip
+    split: dict[str, dict[str, float]] = {}
+    if all("work_ms" in b for b in blocks):  # results from before --split was recorded lack it
+        for kind in ("off", "never", "governed_clean"):
+            chosen = [
+                b for b in blocks
+                if b["kind"] == kind.removesuffix("_clean") and not (kind != "off" and b["traced"])
+            ]  # fmt: skip
+            steps = sum(b["steps"] for b in chosen)
+            work = sum(b["work_ms"] for b in chosen)
+            split[kind] = {
+                "work_ms_per_step": round(work / steps, 4),
+                "rest_ms_per_step": round((sum(b["ms"] for b in chosen) - work) / steps, 4),
+            }
     governed_ms = sum(b["ms"] for b in blocks if b["kind"] == "governed")
     governed_steps = sum(b["steps"] for b in blocks if b["kind"] == "governed")
     return {
@@ -148,6 +161,7 @@ def summarize(blocks: list[dict[str, Any]]) -> dict[str, Any]:
             k: round(v / governed_ms * 100, 3) for k, v in excess_ms.items()
         },
         "coverage": round(sum(b["traced"] for b in blocks) / governed_steps, 4),
+        **({"untraced_blocks_split": split} if split else {}),
     }
 
 
@@ -226,9 +240,12 @@ def main() -> int:
             sync()
             t0 = time.perf_counter()
             n = traced = 0
+            work_s = 0.0  # time inside the step itself, apart from distanom's boundary
             if kind == "off":
                 for _ in range(args.block_steps):
+                    w0 = time.perf_counter()
                     step_fn()
+                    work_s += time.perf_counter() - w0
                     tracer.mark_step(step, time.time_ns())
                     step += 1
                     n += 1
@@ -238,7 +255,9 @@ def main() -> int:
                 st["on"] = tracer.tracing
                 st["after_flush"] = False
                 while n < args.block_steps or st["on"] or st["prev_on"]:
+                    w0 = time.perf_counter()
                     step_fn()
+                    work_s += time.perf_counter() - w0
                     flushes = tracer.boundary_flushes
                     tracer.mark_step(step, time.time_ns())
                     _govern(tracer, governors[kind], st, flushes)
@@ -248,8 +267,9 @@ def main() -> int:
             sync()
             ms = (time.perf_counter() - t0) * 1000.0
             blocks.append(
-                {"triple": t, "kind": kind, "steps": n, "ms": round(ms, 3), "traced": traced}
-            )
+                {"triple": t, "kind": kind, "steps": n, "ms": round(ms, 3), "traced": traced,
+                 "work_ms": round(work_s * 1000.0, 3)}
+            )  # fmt: skip
     tracer.close()
 
     out: dict[str, Any] = {
