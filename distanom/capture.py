@@ -65,7 +65,6 @@ class CaptureWorker:
         self._queue: queue.SimpleQueue[CaptureDecision | None] = queue.SimpleQueue()
         self._pending: list[CaptureDecision] = []
         self._kinds: dict[int, set[str]] = {}  # step -> kinds this rank holds a trace for
-        self._replaced: set[tuple[int, str]] = set()  # (step, kind) replaced this round
         self._cleanup_failed = False  # warn once about a capture folder left behind
         self._contended_warned = False  # warn once about a folder removed under a write
         self._max_bytes = int(config.capture.max_disk_mb * 1024 * 1024)
@@ -139,9 +138,10 @@ class CaptureWorker:
             self._analyze(step, self._run.trace_path(step, self._world.rank))
 
     def _advance(self) -> None:
-        # a decision that a later pending one replaces is never built: building it (decode,
-        # gzip, fsync) only to delete it moments later would compete with training for
-        # nothing; every rank holds the same decisions in the same order, so all skip it
+        # a decision that a later pending one replaces is never built, whether it is READY
+        # now or still PENDING: building it (decode, gzip, fsync) only to delete it
+        # moments later would compete with training for nothing; every rank holds the
+        # same decisions in the same order, so all skip it
         superseded = {
             (d.replaces, d.kind)
             for d in self._pending
@@ -153,25 +153,19 @@ class CaptureWorker:
                 continue
             try:
                 if (decision.step, decision.kind) in superseded:
-                    self._replaced.add((decision.step, decision.kind))
                     self._drop_replaced(decision)  # what it replaced goes all the same
                     continue
                 if not self._handle(decision):
                     still.append(decision)
             except Exception as err:  # never let one capture take the worker down silently
                 self._fail(f"writing capture of step {decision.step} failed: {err}")
-        if self._replaced:  # replaced before this rank could write it: never write it now
-            self._pending = [d for d in still if (d.step, d.kind) not in self._replaced]
-            self._replaced.clear()
-        else:
-            self._pending = still
+        self._pending = still
 
     def _applies(self, decision: CaptureDecision) -> bool:
         return decision.ranks is None or self._world.rank in decision.ranks
 
     def _drop_replaced(self, decision: CaptureDecision) -> None:
         if decision.replaces is not None and decision.replaces != decision.step:
-            self._replaced.add((decision.replaces, decision.kind))
             self._drop(decision.replaces, decision.kind, decision.step)
 
     def _handle(self, decision: CaptureDecision) -> bool:
