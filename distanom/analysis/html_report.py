@@ -27,7 +27,13 @@ from typing import Any
 
 from distanom.analysis.crossrank import breakdown, outside_ms, verdict_line
 from distanom.analysis.kernel_diff import top_changes
-from distanom.analysis.report import OUTSIDE_NOTE, median_parts, ranks_cell
+from distanom.analysis.report import (
+    OUTSIDE_NOTE,
+    breakdown_numbers,
+    median_parts,
+    ranks_cell,
+    shows_outside,
+)
 from distanom.analysis.run import RunData, StepSeries, load_steps
 from distanom.analysis.tables_io import BREAKDOWN_ROWS
 from distanom.config import CaptureConfig, config_from_mapping
@@ -219,10 +225,6 @@ def _step_chart(
     return _StepChart(list(series.steps), values, threshold, marks, log)
 
 
-def _has_outside(capture: Mapping[str, Any]) -> bool:
-    return any(outside_ms(entry) is not None for entry in capture["ranks"].values())
-
-
 def _bars(capture: Mapping[str, Any]) -> _Bars | None:
     labels, values = [], []
     for rank, entry in capture["ranks"].items():
@@ -235,7 +237,7 @@ def _bars(capture: Mapping[str, Any]) -> _Bars | None:
         bar[OUTSIDE] = outside_ms(entry) or 0.0
         values.append(bar)
     title = f"step {capture['step']}: time per rank"
-    parts = (*PARTS, OUTSIDE) if _has_outside(capture) else PARTS
+    parts = (*PARTS, OUTSIDE) if shows_outside(capture) else PARTS
     return _Bars(title, labels, values, parts) if labels else None
 
 
@@ -395,17 +397,12 @@ def _legend(parts: Sequence[str]) -> str:
 
 def _breakdown_table(capture: Mapping[str, Any]) -> str:
     """The text report's table: with the time outside the ops (in the total) when known."""
-    outside = _has_outside(capture)
+    outside = shows_outside(capture)
+    columns = len(PARTS) + 1 + outside
     rows = []
     for rank, entry in capture["ranks"].items():
-        values = breakdown(entry)
-        numbers: list[float | None] = [values[row] if values else None for row in PARTS]
-        total = values["total_time"] if values else None
-        if outside:
-            extra = outside_ms(entry)
-            numbers.append(extra)
-            total = None if total is None else total + (extra or 0.0)
-        cells = "".join(f'<td class="num">{_fmt(v)}</td>' for v in [*numbers, total])
+        numbers = breakdown_numbers(entry, outside) or [None] * columns
+        cells = "".join(f'<td class="num">{_fmt(v)}</td>' for v in numbers)
         rows.append(
             f"<tr><td>rank {_e(rank)}</td><td>{_e(entry.get('host') or '-')}</td>{cells}</tr>"
         )

@@ -168,23 +168,39 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [line.rstrip() for line in lines]
 
 
+def shows_outside(capture: Mapping[str, Any]) -> bool:
+    """Whether a capture's breakdown table gets the "outside ops" column: the verdict
+    counts time outside the ops' span as idle, so the table shows it too."""
+    return any(outside_ms(entry) is not None for entry in capture["ranks"].values())
+
+
+def breakdown_numbers(entry: Mapping[str, Any], outside: bool) -> list[float | None] | None:
+    """One rank's row of the breakdown table, text or HTML: the four parts, with
+    `outside` the time outside its ops (None: unknown), then the total, which includes
+    it. None when the rank has no tables."""
+    values = breakdown(entry)
+    if values is None:
+        return None
+    numbers: list[float | None] = [values[row] for row in BREAKDOWN_ROWS[:4]]
+    total = values["total_time"]
+    if outside:
+        extra = outside_ms(entry)
+        numbers.append(extra)
+        total += extra or 0.0
+    return [*numbers, total]
+
+
 def _breakdown_lines(capture: dict[str, Any]) -> list[str]:
-    entries = [(rank, entry, breakdown(entry)) for rank, entry in capture["ranks"].items()]
-    # the verdict counts time outside the ops' span as idle: the table shows it too
-    outside = any(outside_ms(entry) is not None for _, entry, _ in entries)
+    outside = shows_outside(capture)
     rows = []
     kinds = set()
-    for rank, entry, values in entries:
-        if values is None:
+    for rank, entry in capture["ranks"].items():
+        numbers = breakdown_numbers(entry, outside)
+        if numbers is None:
             continue
         kinds.add(entry.get("timeline_kind", "gpu"))
-        cells = [f"{values[row]:.2f}" for row in BREAKDOWN_ROWS[:4]]
-        total = values["total_time"]
-        if outside:
-            extra = outside_ms(entry)
-            cells.append("-" if extra is None else f"{extra:.2f}")
-            total += extra or 0.0
-        rows.append([rank, entry.get("host") or "-", *cells, f"{total:.2f}"])
+        cells = ["-" if n is None else f"{n:.2f}" for n in numbers]
+        rows.append([rank, entry.get("host") or "-", *cells])
     if not rows:
         return []
     what = "GPU time" if kinds == {"gpu"} else "host time (CPU-only trace)"
