@@ -42,16 +42,6 @@ for p in (REPO, REPO / "bench"):
         sys.path.insert(0, str(p))
 
 
-class NeverTraces:
-    """Governor stand-in: records nothing, never traces."""
-
-    def record(self, *args: Any) -> None:
-        return None
-
-    def tracing_on(self, step: int) -> bool:
-        return False
-
-
 def _busy(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -187,6 +177,7 @@ def main() -> int:
         return 0
 
     import torch
+    from budget_block_calibration import NeverTraces
     from overhead import _govern, _tracer_config, build_workload
 
     from distanom.governor import GovernorParams, OverheadGovernor

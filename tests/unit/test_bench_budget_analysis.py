@@ -3,24 +3,17 @@ where it was planted (the device runs it on real data)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "analyze_budget_blocks.py"
+from tests.conftest import load_bench_script
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("analyze_budget_blocks", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("analyze_budget_blocks")
 
 
 def synthetic_blocks(linger_ms: float, clean_ms: float = 0.0) -> dict[str, object]:

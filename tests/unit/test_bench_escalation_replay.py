@@ -3,22 +3,14 @@ delay that follows a jitter step; the former one (kept in the script to compare)
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "escalation_replay.py"
+from tests.conftest import load_bench_script
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("escalation_replay", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("escalation_replay")
 
 
 def test_a_delay_after_jitter_is_captured_by_the_current_rule_only() -> None:
