@@ -698,14 +698,14 @@ class Agent:
         if self._hook_handle is not None:
             self._hook_handle.remove()
         tracer = self.tracer
-        timeout = self.config.analysis.exit_timeout_s
-        deadline = time.monotonic() + max(timeout, EXIT_DRAIN_FLOOR_S)
+        drain_s = max(self.config.analysis.exit_timeout_s, EXIT_DRAIN_FLOOR_S)
+        deadline = time.monotonic() + drain_s
         gpu_done = True
         if self.clock is not None:
             # Polled, never a synchronize: a hung GPU (a crash, a stuck collective) must
             # not hang the exit. It also tells whether stopping the tracer is safe below.
             try:
-                drained, gpu_done = self.clock.drain(max(timeout, EXIT_DRAIN_FLOOR_S))
+                drained, gpu_done = self.clock.drain(drain_s)
                 for step, duration in drained:
                     flags = self._step_flags.pop(step, 0)
                     self._inbox.put((step, duration, flags, self._self_ms.pop(step, 0.0)))
@@ -713,7 +713,7 @@ class Agent:
                     log.warning(
                         "distanom: the GPU did not reach the last step boundaries within "
                         "%.0f s; their timings are dropped and the tracer is left as it is",
-                        max(timeout, EXIT_DRAIN_FLOOR_S),
+                        drain_s,
                     )
             except Exception as err:
                 self._warn_once("clock", "clock: final read failed (%s)", err)
