@@ -316,3 +316,69 @@ def test_trace_cpu_everyone_slow_is_global() -> None:
 def test_trace_matmul_name_is_what_the_kernel_generator_uses() -> None:
     names = {e["name"] for e in gpu_job(extra_compute_us={1: 10.0})[1]["traceEvents"]}
     assert MATMUL in names
+
+
+# Two DDP ranks on H200s, launch-bound (bench/results/multigpu_h200x2.json): rank 1's host
+# launches later every step, so it idles ~10.5 ms while rank 0 waits as much in NCCL.
+IMBALANCED_REFERENCE = [ev(0, 2.0, 10.0, idle=1.0), ev(1, 1.9, 0.1, idle=10.5)]
+
+
+def test_a_rank_that_is_always_behind_is_not_the_culprit_of_a_slowdown_everyone_had() -> None:
+    # both ranks ran a 10 ms kernel more: rank 1 still idles as it always does
+    now = [ev(0, 12.1, 12.9, idle=1.1), ev(1, 12.0, 0.1, idle=11.9)]
+    verdict = decide(
+        now, reference=IMBALANCED_REFERENCE, reference_step=254, step_ms=26.2, expected_ms=15.5
+    )
+    assert (verdict.culprit_rank, verdict.cause) == (None, "global")
+    assert verdict.details["global_part"] == "compute"
+    assert verdict.details["standout_basis"] == "growth over the reference step"
+
+
+def test_the_rank_that_is_usually_ahead_is_named_when_it_stalls() -> None:
+    # rank 0 stalled 20 ms on its host: now rank 1 waits for it in NCCL
+    now = [ev(0, 2.0, 0.1, idle=21.0), ev(1, 1.9, 10.6, idle=10.5)]
+    verdict = decide(
+        now, reference=IMBALANCED_REFERENCE, reference_step=254, step_ms=23.3, expected_ms=13.5
+    )
+    assert (verdict.culprit_rank, verdict.cause) == (0, "host_stall")
+
+
+def test_the_rank_that_is_always_behind_is_named_when_it_computes_more() -> None:
+    now = [ev(0, 2.0, 20.0, idle=1.0), ev(1, 11.9, 0.1, idle=10.5)]
+    verdict = decide(
+        now, reference=IMBALANCED_REFERENCE, reference_step=254, step_ms=23.3, expected_ms=13.5
+    )
+    assert (verdict.culprit_rank, verdict.cause) == (1, "compute")
+
+
+def test_a_second_part_that_grew_almost_as_much_is_named_too() -> None:
+    # one H200 rank, bench/results/device_e2e_h200.json step 100: the injected 10 ms
+    # kernel (compute) and a first-use stall of the host (idle) in the same step
+    verdict = decide(
+        [ev(0, 12.1, 0.0, idle=19.9)], reference=[ev(0, 2.0, 0.0, idle=8.55)],
+        reference_step=291, step_ms=32.6, expected_ms=11.2,
+    )  # fmt: skip
+    assert (verdict.culprit_rank, verdict.cause) == (0, "host_stall")
+    assert verdict.details["also"] == ["compute"]
+    assert (
+        "idle grew over reference step 291 by 11.3 ms, "
+        "computation grew over reference step 291 by 10.1 ms" in verdict.evidence
+    )
+
+
+def test_a_small_second_part_is_not_named() -> None:
+    verdict = decide(
+        [ev(0, 3.0, 0.0, idle=19.9)], reference=[ev(0, 2.0, 0.0, idle=8.55)],
+        reference_step=291, step_ms=23.5, expected_ms=11.2,
+    )  # fmt: skip
+    assert verdict.cause == "host_stall"
+    assert "also" not in verdict.details
+    assert "computation" not in verdict.evidence
+
+
+def test_a_culprits_second_part_is_named_too() -> None:
+    now = [ev(0, 5.2, 13.0), ev(1, 5.2, 13.1), ev(2, 11.2, 0.5, idle=7.5), ev(3, 5.2, 12.9)]
+    verdict = decide(now, reference=healthy(4), reference_step=9, step_ms=19.0, expected_ms=7.0)
+    assert (verdict.culprit_rank, verdict.cause) == (2, "host_stall")
+    assert verdict.details["also"] == ["compute"]
+    assert "computation also +6.00 ms" in verdict.evidence
