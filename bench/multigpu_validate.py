@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 260
 CASES = {
     "compute": {"steps": [100, 190], "expect_cause": "compute"},
-    "host_stall": {"steps": [130, 220], "expect_cause": "host_stall"},
+    # not 129-144: the first untraced (probe) window of a run without a budget
+    "host_stall": {"steps": [115, 220], "expect_cause": "host_stall"},
     "global": {"steps": [160], "expect_cause": "global"},
 }
 
@@ -56,11 +58,14 @@ def run_job(nproc: int, runs: Path, backend: str, compute_rank: int, stall_rank:
         str(REPO / "launch" / "seed_resnet.py"), "--steps", str(STEPS),
         "--sleep-rank", str(compute_rank),
         "--sleep-steps", ",".join(map(str, CASES["compute"]["steps"])),
-        "--stall-rank", str(stall_rank), "--stall-s", "0.02",
+        "--stall-rank", str(stall_rank), "--stall-s", "0.05",
         "--stall-steps", ",".join(map(str, CASES["host_stall"]["steps"])),
         "--all-sleep-steps", ",".join(map(str, CASES["global"]["steps"])),
     ]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    # kept beside the run directory: a failed job on the device must still be readable
+    runs.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{runs}.log").write_text(f"{done.stdout}\n--- stderr ---\n{done.stderr}")
     if done.returncode != 0:
         raise SystemExit(f"job failed ({backend}):\n{done.stderr[-4000:]}")
 
@@ -117,12 +122,28 @@ def check(runs: Path, nproc: int, compute_rank: int, stall_rank: int) -> dict[st
                 verdict_correct=right,
                 total_comm_ms=comm,
                 exposed_comm_ms=exposed,
+                # a rank's trace missing records shows as fewer kernels than the others'
+                kernels={
+                    r: (e.get("tracer_stats") or {}).get("kernels")
+                    for r, e in capture["ranks"].items()
+                },
+                held_buffers_at_serve={
+                    r: (e.get("tracer_stats") or {}).get("held_buffers_at_serve")
+                    for r, e in capture["ranks"].items()
+                },
                 nccl=nccl_metadata(Path(report["run_dir"]) / capture["ranks"]["0"]["trace"]),
             )
             all_captured &= len(ranks) == nproc
             culprit_ok &= right
             cases[f"{case}@{step}"] = entry
     return {
+        "kernels_per_capture": {
+            c["step"]: {
+                r: (e.get("tracer_stats") or {}).get("kernels") for r, e in c["ranks"].items()
+            }
+            for c in report["captures"]
+        },
+        "problems": report.get("problems"),
         "all_injected_captured": all_captured,
         "culprit_correct": culprit_ok,
         "cases": cases,
@@ -146,6 +167,10 @@ def main() -> int:
     compute_rank, stall_rank = min(3, args.nproc - 1), min(5, args.nproc - 1) - 1
     runs = args.work / "runs"
     run_job(args.nproc, runs, args.backend, compute_rank, stall_rank)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(args.out.with_suffix(".runs.tar.gz"), "w:gz") as archive:
+        archive.add(runs, arcname="runs")  # for offline inspection (report, traces)
+        archive.add(f"{runs}.log", arcname="job.log")
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,

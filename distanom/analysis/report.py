@@ -105,7 +105,20 @@ def _capture_json(data: RunData, info: CaptureInfo, engine: str) -> dict[str, An
         "missing_ranks": info.missing_ranks,
     }
     _add_tables(data, info, capture, engine)
+    for rank, held in sorted(info.ranks.items()):
+        gaps = [what for key, what in _INCOMPLETE_IF.items() if held.tracer_stats.get(key)]
+        if gaps:
+            data.problems.append(
+                f"step {info.step} rank {rank}: trace may lack records ({'; '.join(gaps)})"
+            )
     return capture
+
+
+# Tracer stats of a served step that mean records of it may be missing from its trace.
+_INCOMPLETE_IF = {
+    "held_buffers_at_serve": "a CUPTI buffer was not handed back in time",
+    "zero_timestamp_dropped": "records without timestamps were dropped",
+}
 
 
 def _add_tables(data: RunData, info: CaptureInfo, capture: dict[str, Any], engine: str) -> None:

@@ -91,6 +91,10 @@ LAG_PROBE_AGE = 12  # markers after which a marker's event must have completed (
 LAG_PROBE_EVERY = 4  # markers between two lag checks (each check is an event query)
 MAX_ABANDONED_BUFFERS = 8  # buffers CUPTI may keep through detaches before we stop detaching
 STEP_EVENTS = 64  # CUDA events kept, one per recent marker
+# A buffer CUPTI asked for up to this long after the closing marker ran may still hold
+# the step's records: the marker's GPU time is mapped to the host clock through the
+# calibrated offset, which is good to CLOCK_TOLERANCE_NS.
+HELD_BUFFER_MARGIN_NS = 5 * CLOCK_TOLERANCE_NS
 
 
 def is_marker_name(name: str) -> bool:
@@ -152,6 +156,9 @@ class _Located:
     hi_mark: StepMark
     lo: MarkerRecord
     hi: MarkerRecord
+    held_buffers: int = 0
+    """Buffers CUPTI still held, that may hold records of the step, when it was served
+    anyway (after a forced flush that did not return them)."""
 
 
 class StepResolver:
@@ -212,6 +219,8 @@ class StepResolver:
             "inconsistent_markers": 0,
             "missing_markers": 0,
             "steps_served": 0,
+            "awaiting_buffer_polls": 0,
+            "steps_served_with_held_buffers": 0,
             "flushes": 0,
             "forced_flushes": 0,
             "index_errors": 0,
@@ -323,7 +332,21 @@ class StepResolver:
                 "numbering inconsistent, step not served", hi.step, len(between), lo.step, hi.step,
             )  # fmt: skip
             return None, "inconsistent"
-        return _Located(lo, hi, m_lo, m_hi), "ready"
+        # Both markers are back, but CUPTI fills one buffer per launching thread: the
+        # backward pass's records (autograd thread) can sit in a buffer it still holds,
+        # e.g. behind a collective kernel still waiting for another rank. Measured on 2
+        # H200s with DDP: steps served without them lost ~60% of their kernels.
+        held = self.pool.held_since(self._host_mono_of(hi, m_hi.end_ns) + HELD_BUFFER_MARGIN_NS)
+        if held and hi.step not in self._forced_for:
+            return None, "held"
+        if held:  # a forced flush did not return them: serve what there is, and say so
+            self.counters["steps_served_with_held_buffers"] += 1
+        return _Located(lo, hi, m_lo, m_hi, held), "ready"
+
+    def _host_mono_of(self, mark: StepMark, cupti_ns: int) -> int:
+        """A CUPTI timestamp on the host's monotonic clock, through `mark`'s pair of
+        wall and monotonic launch times."""
+        return cupti_ns - self.clock_offset_ns - mark.launch_wall_ns + mark.launch_mono_ns
 
     def locate(
         self, step: int, allow_flush: bool = True
@@ -352,7 +375,9 @@ class StepResolver:
         if lo.launch_mono_ns <= self.pool.lost_through_ns:
             return Availability.GONE, None, "its records may be in a recycled ring buffer"
         found, why = self._try_locate(marks, lo, hi)
-        if found is None and why == "pending" and allow_flush and self._flush is not None:
+        if why == "held":
+            self.counters["awaiting_buffer_polls"] += 1
+        if found is None and why in ("pending", "held") and allow_flush and self._flush is not None:
             now = self._now()
             if now - self._last_flush_ns >= self.MIN_FLUSH_INTERVAL_NS:
                 self._last_flush_ns = now
@@ -362,7 +387,7 @@ class StepResolver:
             age = marks[-1].step - step
             if (
                 found is None
-                and why == "pending"
+                and why in ("pending", "held")
                 and (now - hi.launch_mono_ns > self._force_after or 2 * age >= self.history_steps)
                 and step not in self._forced_for
                 and (self._gpu_passed is None or self._gpu_passed(hi.step))
@@ -392,6 +417,8 @@ class StepResolver:
             return Availability.GONE, None, "marker record missing (dropped by CUPTI or evicted)"
         if why == "inconsistent":
             return Availability.GONE, None, "marker numbering inconsistent"
+        if why == "held":
+            return Availability.PENDING, None, "CUPTI still holds a buffer with its records"
         return Availability.PENDING, None, "markers not yet delivered by CUPTI"
 
     # -- building a trace ------------------------------------------------------------------
@@ -450,6 +477,7 @@ class StepResolver:
             "buffer_requests_refused": self.pool.counters["buffer_requests_refused"],
             "unreadable_names": self.names.unreadable,
             "forced_flushes": self.counters["forced_flushes"],
+            "held_buffers_at_serve": found.held_buffers,
             "gpu_lag_ns": max(
                 0, found.hi.end_ns - (found.hi_mark.launch_wall_ns + self.clock_offset_ns)
             ),

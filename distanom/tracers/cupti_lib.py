@@ -354,7 +354,8 @@ class CompletedBuffer:
 
 class _Buffer:
     __slots__ = (
-        "address", "completed_ns", "epoch", "pins", "raw", "seq", "size", "state", "valid_size",
+        "address", "completed_ns", "epoch", "pins", "raw", "requested_ns", "seq", "size", "state",
+        "valid_size",
     )  # fmt: skip
 
     def __init__(self, size: int) -> None:
@@ -368,6 +369,7 @@ class _Buffer:
         self.seq = -1
         self.valid_size = 0
         self.completed_ns = 0
+        self.requested_ns = 0
         self.epoch = 0
         self.pins = 0
 
@@ -447,6 +449,7 @@ class BufferPool:
             buf.state = "cupti"
             buf.valid_size = 0
             buf.seq = -1
+            buf.requested_ns = self._clock()
             return buf.address, buf.size
 
     def _evict_oldest_locked(self) -> _Buffer | None:
@@ -505,6 +508,18 @@ class BufferPool:
                 if buf.seq == seq and buf.pins > 0:
                     buf.pins -= 1
                     return
+
+    def held_since(self, before_ns: int) -> int:
+        """How many buffers CUPTI still holds that it asked for before `before_ns`: they
+        may hold records of work that ran before then. CUPTI keeps a buffer per launching
+        thread (the autograd thread launches the backward pass), so a step whose markers
+        have come back can still have records in a buffer CUPTI has not handed back."""
+        with self._lock:
+            return sum(
+                1
+                for b in self._by_address.values()
+                if b.state == "cupti" and b.requested_ns < before_ns
+            )
 
     def retained_bytes(self) -> int:
         with self._lock:

@@ -23,6 +23,7 @@ class Capture:
     documents: Mapping[int, Mapping[str, Any]]
     step_ms: float
     median_ms: float = 1.5
+    tracer_stats: Mapping[int, Mapping[str, int]] | None = None  # per rank, as the tracer left them
 
 
 def make_run(
@@ -85,6 +86,11 @@ def make_run(
                     "threshold_ms": 1.5 * capture.median_ms,
                     "slowest_rank": 0,
                     "tracer": "kineto",
+                    **(
+                        {"tracer_stats": dict(capture.tracer_stats[rank])}
+                        if capture.tracer_stats and rank in capture.tracer_stats
+                        else {}
+                    ),
                 }
             )
     (base / "latest").symlink_to(run_id)

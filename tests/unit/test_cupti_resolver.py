@@ -42,6 +42,7 @@ class _Launch:
     grid_x: int = 1
     zero: bool = False
     drop: bool = False
+    thread: str = "main"
 
 
 class FakeCupti:
@@ -59,9 +60,13 @@ class FakeCupti:
         self.lagging = False
         self.gpu_delay = 3_000  # launch-to-start latency of the emulated GPU
         self.busy = False  # a never-idle GPU: the default flush hands nothing back
+        # threads whose buffer holds a record still running (e.g. a collective waiting
+        # for another rank): the default flush keeps that thread's buffer
+        self.busy_threads: set[str] = set()
+        self.kept_threads: set[str] = set()  # ...and even a forced flush keeps it
         self.gpu_behind: set[int] = set()  # steps whose closing marker the GPU has not run
-        self.cur: tuple[int, int] | None = None
-        self.used = 0
+        # CUPTI's buffers, one per launching thread: [address, size, bytes used]
+        self.current: dict[str, list[int]] = {}
         self.dropped = 0
         self.flushes: list[bool] = []
         self.resolver = StepResolver(
@@ -84,9 +89,14 @@ class FakeCupti:
         self.wall += ns
         self.mono += ns
 
-    def launch(self, name: str, *, stream: int = 7, dur: int = 5_000, zero: bool = False) -> int:
+    def launch(
+        self, name: str, *, stream: int = 7, dur: int = 5_000, zero: bool = False,
+        thread: str = "main",
+    ) -> int:  # fmt: skip
         self.corr += 1
-        self.queue.append(_Launch("kernel", self.corr, name, stream, self.wall, dur, zero=zero))
+        self.queue.append(
+            _Launch("kernel", self.corr, name, stream, self.wall, dur, zero=zero, thread=thread)
+        )
         self._tick()
         if not self.lagging:
             self.run_gpu()
@@ -132,17 +142,19 @@ class FakeCupti:
 
     # -- GPU / CUPTI side --------------------------------------------------------------
 
-    def _room(self, size: int) -> int | None:
-        if self.cur is not None and self.used + size > self.cur[1]:
-            self.pool.complete(self.cur[0], self.used)
-            self.cur = None
-        if self.cur is None:
+    def _room(self, size: int, thread: str) -> int | None:
+        cur = self.current.get(thread)
+        if cur is not None and cur[2] + size > cur[1]:
+            self.pool.complete(cur[0], cur[2])
+            cur = None
+        if cur is None:
             got = self.pool.request()
             if got is None:
+                self.current.pop(thread, None)
                 return None
-            self.cur, self.used = got, 0
-        at = self.cur[0] + self.used
-        self.used += size
+            cur = self.current[thread] = [got[0], got[1], 0]
+        at = cur[0] + cur[2]
+        cur[2] += size
         return at
 
     def run_gpu(self) -> None:
@@ -154,7 +166,7 @@ class FakeCupti:
             if item.drop:
                 continue
             size = RECORD_SIZES[10] if item.kind != "memcpy" else RECORD_SIZES[1]
-            at = self._room(size)
+            at = self._room(size, item.thread)
             if at is None:
                 self.dropped += 1
                 continue
@@ -175,9 +187,12 @@ class FakeCupti:
         self.flushes.append(forced)
         if self.busy and not forced:
             return
-        if self.cur is not None and self.used:
-            self.pool.complete(self.cur[0], self.used)
-            self.cur = None
+        for thread, (address, _, used) in list(self.current.items()):
+            if thread in self.kept_threads:
+                continue
+            if used and (forced or thread not in self.busy_threads):
+                self.pool.complete(address, used)
+                del self.current[thread]
 
     def detach(self) -> None:
         """CuptiTracer switching off: the GPU is drained, every buffer handed back, CUPTI
@@ -265,6 +280,83 @@ def test_busy_gpu_forced_flush_before_the_step_ages_out() -> None:
     assert f.flushes[-1] is True
     assert f.resolver.counters["forced_flushes"] == 1
     assert kernel_names(f.trace(3)) == ["k0_s3", "k1_s3", "k2_s3"]
+
+
+def ddp_step(f: FakeCupti, step: int) -> None:
+    """A DDP step as CUPTI sees it: the forward pass and the optimizer launched by the
+    training thread, the backward pass (and its all-reduce) by the autograd thread."""
+    f.launch(f"fwd_s{step}")
+    f.launch(f"bwd_s{step}", thread="autograd")
+    f.launch(f"allreduce_s{step}", stream=17, thread="autograd")
+    f.launch(f"opt_s{step}")
+    f.mark(step)
+
+
+DDP_KERNELS = ["fwd_s3", "bwd_s3", "allreduce_s3", "opt_s3"]
+
+
+def test_a_step_waits_for_the_buffer_another_thread_still_fills() -> None:
+    # Measured on 2 H200s (DDP): the training thread's buffer, markers included, came
+    # back while the autograd thread's, behind an all-reduce waiting for the other rank,
+    # did not; the step was served with its backward pass missing.
+    f = FakeCupti(buffer_bytes=1 << 16)
+    f.busy_threads = {"autograd"}
+    for s in range(5):
+        ddp_step(f, s)
+    state, _, why = f.resolver.locate(3)
+    assert state is Availability.PENDING
+    assert why == "CUPTI still holds a buffer with its records"
+    assert f.flushes == [False]  # the training thread's buffer came back: markers found
+    f.busy_threads = set()  # the all-reduce finished: the next flush returns its buffer
+    f.mono += 100_000_000
+    assert kernel_names(f.trace(3)) == DDP_KERNELS
+    assert f.resolver.counters["awaiting_buffer_polls"] == 1
+    assert f.resolver.counters["forced_flushes"] == 0
+
+
+def test_a_buffer_asked_for_after_the_step_does_not_hold_it_up() -> None:
+    f = FakeCupti(buffer_bytes=1 << 16)
+    for s in range(4):
+        ddp_step(f, s)
+    f.flush(False)  # every buffer handed back: the next launches get new ones
+    f.mono += 100_000_000
+    f.busy_threads = {"autograd"}
+    ddp_step(f, 4)  # fills fresh buffers, asked for well after step 3 ended
+    f.mono += 100_000_000
+    t = f.trace(3)
+    assert kernel_names(t) == DDP_KERNELS
+    assert t.stats["held_buffers_at_serve"] == 0
+    assert f.resolver.counters["awaiting_buffer_polls"] == 0
+
+
+def test_a_held_buffer_is_forced_out_before_the_step_ages_out() -> None:
+    f = FakeCupti(buffer_bytes=1 << 16, history=16)
+    f.busy_threads = {"autograd"}  # never idle: only a forced flush returns it
+    for s in range(5):
+        ddp_step(f, s)
+    assert f.state(3) is Availability.PENDING
+    for s in range(5, 12):  # step 3 becomes history_steps / 2 old
+        ddp_step(f, s)
+        f.mono += 100_000_000
+        f.state(3)
+    assert f.resolver.counters["forced_flushes"] == 1
+    t = f.trace(3)
+    assert kernel_names(t) == DDP_KERNELS
+    assert t.stats["held_buffers_at_serve"] == 0
+
+
+def test_a_buffer_even_a_forced_flush_keeps_is_reported_not_waited_for_forever() -> None:
+    f = FakeCupti(buffer_bytes=1 << 16, history=16)
+    f.kept_threads = {"autograd"}
+    for s in range(12):
+        ddp_step(f, s)
+        f.mono += 100_000_000
+        f.state(3)
+    assert f.resolver.counters["forced_flushes"] == 1
+    t = f.trace(3)
+    assert kernel_names(t) == ["fwd_s3", "opt_s3"]
+    assert t.stats["held_buffers_at_serve"] == 1
+    assert f.resolver.counters["steps_served_with_held_buffers"] >= 1
 
 
 def test_first_old_and_untraced_steps_are_gone() -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 from distanom.analysis.report import build_report, render_text
 from distanom.analysis.run import load_run
 from distanom.rundir import write_json_atomic
-from tests.unit.rungen import make_run
+from tests.unit.rungen import Capture, make_run
+from tests.unit.stepgen import gpu_job
 
 
 def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> None:
@@ -80,3 +81,13 @@ def test_header_without_the_detectors_median_still_names_it(tmp_path: Path) -> N
     text = render_text(build_report(load_run(str(run.path))))
     header = "median 1.5 ms over the run   detector threshold 2.2 ms (1.5 x its rolling median)"
     assert header in text
+
+
+def test_a_trace_that_may_lack_records_is_named_among_the_problems(tmp_path: Path) -> None:
+    stats = {0: {"held_buffers_at_serve": 0}, 1: {"held_buffers_at_serve": 1}}
+    run = make_run(tmp_path, [Capture(40, "anomaly", gpu_job(), 4.1, 1.2, stats)], hosts=["a"] * 4)
+    report = build_report(load_run(str(run.path)))
+    assert report["problems"] == [
+        "step 40 rank 1: trace may lack records (a CUPTI buffer was not handed back in time)"
+    ]
+    assert "step 40 rank 1: trace may lack records" in render_text(report)
