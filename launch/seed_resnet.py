@@ -62,6 +62,15 @@ def main() -> None:
         extra_a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
         extra_b = torch.randn(8192, 8192, device="cuda", dtype=dtype)
 
+    # Run each injected kernel once first: its first launch loads its module (CUDA lazy
+    # loading) and, for the matmuls, sets cuBLAS up; on an H200 that stalled the host
+    # 5-14 ms, which would have blurred an injected GPU delay into a host stall.
+    if args.sleep_steps or args.all_sleep_steps:
+        torch.cuda._sleep(1000)
+    if extra_a is not None and extra_b is not None:
+        (extra_a @ extra_b).sum()
+    torch.cuda.synchronize()
+
     for step in range(args.steps):
         if rank == args.stall_rank and step in args.stall_steps:
             time.sleep(args.stall_s)

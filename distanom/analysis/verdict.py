@@ -15,13 +15,19 @@ window outside the timeline's span). The culprit is the rank with the most extra
 time and the least waiting; its victims show the same amount as exposed communication.
 
 1. No slowdown (step below `SLOWDOWN_FRACTION` over its baseline): cause "unknown".
+   Work everyone did: with a reference for every rank, when every rank's computation
+   (or exposed memcpy) grew by `GLOBAL_SHARE` of the slowdown, the cause is "global"
+   with no culprit, however the waiting moved between ranks (which rank's host comes
+   last to a collective is jitter between evenly matched hosts).
 2. Stand-out: split the ranks' own times at their largest gap; ranks whose own time
    exceeds the lower group's median by `STANDOUT_FRACTION` of the step are culprits,
    provided they are at most `MAX_CULPRIT_SHARE` of the ranks and the others waited
    (their exposed communication exceeds the worst culprit's by `WAIT_SHARE` of its extra
-   time). Among several culprits, the one that arrived last at the slowest matched
-   collective (else the one with most own time) is named; when the culprits are
-   exactly the ranks of one host, that host is `culprit_node`. Cause: the part of the
+   time). With a reference for every rank, own time and waiting are what grew since the
+   reference (waiting: also as measured), so a rank that is always last is not the
+   culprit of every slow step. Among several culprits, the one that arrived last at
+   the slowest matched collective (else the one with most own time) is named; when the
+   culprits are exactly the ranks of one host, that host is `culprit_node`. Cause: the part of the
    culprit's time (computation → "compute", idle → "host_stall", exposed memcpy →
    "memcpy") that exceeds both the others' median and the culprit's own reference by
    at least `CAUSE_SHARE` of its extra time; none → "unknown".
@@ -321,15 +327,15 @@ def _standout(
 ) -> _Standout | None:
     own = {r: e.breakdown.own_ms for r, e in current.items()}
     comm = {r: e.breakdown.exposed_comm_ms for r, e in current.items()}
+    comm_growth: dict[int, float] | None = None
     if all(r in reference for r in current):
         # Compare what changed since the reference: a rank whose host always launches
         # later (it idles while the others wait for it every step) is not this step's
         # culprit. Measured on 2 H200s with DDP: one rank idles ~10 ms of a 13 ms step in
         # every step, and a slowdown on both ranks named it.
-        for r, e in reference.items():
-            if r in own:
-                own[r] -= e.breakdown.own_ms
-                comm[r] -= e.breakdown.exposed_comm_ms
+        for r in own:
+            own[r] -= reference[r].breakdown.own_ms
+        comm_growth = {r: comm[r] - reference[r].breakdown.exposed_comm_ms for r in comm}
         notes["standout_basis"] = "growth over the reference step"
     order = sorted(own, key=lambda r: (own[r], r))
     gap_at = max(range(len(order) - 1), key=lambda i: own[order[i + 1]] - own[order[i]])
@@ -348,6 +354,10 @@ def _standout(
     worst = max(culprits, key=lambda r: (own[r], -r))
     excess = own[worst] - _median(own[r] for r in others)
     waited = _median(comm[r] for r in others) - comm[worst]
+    if comm_growth is not None:
+        # others that always wait for this rank already waited in the reference: what
+        # they wait now counts, and so does what they wait more
+        waited = max(waited, _median(comm_growth[r] for r in others) - comm_growth[worst])
     if waited < WAIT_SHARE * excess:
         notes["standout"] = (
             f"{_ranks_word(culprits)} had {_ms(excess)} ms extra own time but the others "
@@ -506,6 +516,34 @@ def _late_arrival_verdict(
     return Verdict(late, None, cause, text, details)
 
 
+def _common_work_verdict(
+    current: Mapping[int, RankEvidence],
+    reference: Mapping[int, RankEvidence],
+    reference_step: int | None,
+    base: _Baseline,
+    details: dict[str, Any],
+) -> Verdict | None:
+    """Every rank did the same extra work (computation or memcpy): a global slowdown,
+    even when the idle / exposed-comm split moved between ranks. Measured on 2 H200s
+    (DDP): a 10 ms kernel on both ranks, and the rank that usually waited idled instead."""
+    if base.slowdown_ms <= 0 or not all(r in reference for r in current):
+        return None
+    where = f"reference step {reference_step}" if reference_step is not None else "reference"
+    for part in (p for p in _PARTS if p.cause != "host_stall"):
+        grown = [
+            part.read(e.breakdown) - part.read(reference[r].breakdown) for r, e in current.items()
+        ]
+        if min(grown) >= GLOBAL_SHARE * base.slowdown_ms:
+            details["global_part"] = part.cause
+            details["growth_ms"] = {part.cause: round(_median(grown), 4)}
+            text = (
+                f"all {len(current)} ranks: {part.label} {_change(grown, where)} against a "
+                f"slowdown of {_ms(base.slowdown_ms)} ms: every rank slowed together"
+            )
+            return Verdict(None, None, "global", text, details)
+    return None
+
+
 def _everyone_verdict(
     current: Mapping[int, RankEvidence],
     reference: Mapping[int, RankEvidence],
@@ -612,6 +650,10 @@ def decide(
                 f"{_ms(base.baseline_ms)} ms ({base.what})"
             )
             return Verdict(None, None, "unknown", text, details)
+    if base is not None and len(current) >= 2:
+        common = _common_work_verdict(current, before, reference_step, base, details)
+        if common is not None:
+            return common
     hosts = {r: e.host for r, e in current.items()}
     arrival = arrival_order(collectives, hosts)
     if arrival is not None:
