@@ -37,6 +37,9 @@ from distanom.world import WorldInfo
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
+# A tracer lookup this long is work to charge to the steps it overlapped (the cupti
+# tracer indexing buffers: ~1 ms per 1,000 records on a 2-core VM); a shorter one is a poll.
+HEAVY_LOOKUP_NS = 1_000_000
 
 
 @dataclass
@@ -180,7 +183,14 @@ class CaptureWorker:
             held.add(decision.kind)
             self._index("written", decision, self._run.trace_path(decision.step, rank), 0, {})
             return True
+        asked = time.monotonic_ns()
         availability = self._tracer.availability(decision.step)
+        locate_ns = time.monotonic_ns() - asked
+        if locate_ns >= HEAVY_LOOKUP_NS:
+            # finding the step can be real work (the cupti tracer indexes the buffers
+            # that came back since); a cheap poll is not charged, or every step waiting
+            # for CUPTI would count as disturbed
+            self._busy_ns += locate_ns
         if availability is Availability.PENDING and not (
             self._closing and time.monotonic() > self._close_deadline
         ):
@@ -188,7 +198,7 @@ class CaptureWorker:
         if availability is not Availability.READY:
             self._missed(decision.step)
             return True
-        self._busy_since = time.monotonic_ns()
+        self._busy_since = built = time.monotonic_ns()
         try:
             try:
                 trace = self._tracer.step_trace(decision.step)
@@ -197,7 +207,8 @@ class CaptureWorker:
                 # buffer recycled while reading): this capture is missed, not the worker
                 self._missed(decision.step)
                 return True
-            self._write(decision, trace)
+            cost = {"locate_ms": locate_ns / 1e6, "build_ms": (time.monotonic_ns() - built) / 1e6}
+            self._write(decision, trace, cost)
         finally:
             self._busy_ns += time.monotonic_ns() - self._busy_since
             self._busy_since = None
@@ -233,10 +244,12 @@ class CaptureWorker:
         document["traceEvents"] = trace.events
         return document
 
-    def _write(self, decision: CaptureDecision, trace: StepTrace) -> None:
+    def _write(self, decision: CaptureDecision, trace: StepTrace, cost: dict[str, float]) -> None:
         rank = self._world.rank
+        started = time.monotonic_ns()
         payload = json.dumps(self._document(decision, trace), allow_nan=False).encode()
         data = gzip.compress(payload, compresslevel=self._config.capture.gzip_level, mtime=0)
+        cost["encode_ms"] = (time.monotonic_ns() - started) / 1e6
         if self.stats.bytes_written + len(data) > self._max_bytes:
             self.stats.skipped_disk += 1
             if self.stats.skipped_disk == 1:
@@ -247,6 +260,7 @@ class CaptureWorker:
                 )
             return
         path = self._run.trace_path(decision.step, rank)
+        started = time.monotonic_ns()
         try:
             self._run.write_capture_file(path, data)
         except CaptureFolderContendedError as err:
@@ -263,7 +277,8 @@ class CaptureWorker:
         self.stats.written += 1
         self.stats.bytes_written += len(data)
         self._kinds[decision.step] = {decision.kind}
-        self._index("written", decision, path, len(data), trace.stats)
+        cost["write_ms"] = (time.monotonic_ns() - started) / 1e6
+        self._index("written", decision, path, len(data), trace.stats, cost)
         log.info(
             "captured step %d (%s%s) -> %s",
             decision.step,
@@ -345,6 +360,7 @@ class CaptureWorker:
         path: Any,
         size: int,
         stats: dict[str, int],
+        cost: dict[str, float] | None = None,
     ) -> None:
         self._run.append_index(
             {
@@ -363,6 +379,9 @@ class CaptureWorker:
                 "request": decision.request_id,
                 "tracer": self._tracer_name,
                 "tracer_stats": stats,
+                # where the capture worker's time went (ms): finding the step in the
+                # tracer, building its trace, json + gzip, writing the file
+                **({"cost_ms": {k: round(v, 3) for k, v in cost.items()}} if cost else {}),
                 "time": time.time(),
             }
         )

@@ -283,3 +283,35 @@ def test_a_replaced_kind_leaves_the_report_when_another_kind_keeps_the_file(
     assert worker.active, worker.stats.failed
     kinds = {info.step: info.kinds for info in load_run(str(run.path)).captures}
     assert kinds == {40: {"requested"}, 90: {"anomaly"}}
+
+
+class SlowLookupTracer(ReadyTracer):
+    """Finding step 7 takes `lookup_s` (the cupti tracer indexing buffers); step 8 is a
+    quick poll that stays PENDING."""
+
+    def __init__(self, lookup_s: float) -> None:
+        super().__init__(pending={8})
+        self.lookup_s = lookup_s
+
+    def availability(self, step: int) -> Availability:
+        if step == 7:
+            time.sleep(self.lookup_s)
+        return super().availability(step)
+
+
+def test_a_heavy_lookup_is_charged_to_the_steps_a_quick_poll_is_not(tmp_path: Path) -> None:
+    run = RunDir(create_run(tmp_path, "cost"))
+    tracer = SlowLookupTracer(0.03)
+    worker = rank_worker(run, 0, 1, tracer)
+    worker.submit([decision(8)])
+    time.sleep(0.3)  # several polls of the pending step
+    assert worker.busy_ns() == 0
+    worker.submit([decision(7)])
+    wait_for(lambda: run.trace_path(7, 0).exists())
+    worker.close(0.1)
+    assert worker.busy_ns() >= 30_000_000  # the lookup, and the build and write after it
+    written = [r for r in run.read_index()[0] if r["event"] == "written"]
+    assert [r["step"] for r in written] == [7]
+    cost = written[0]["cost_ms"]
+    assert set(cost) == {"locate_ms", "build_ms", "encode_ms", "write_ms"}
+    assert cost["locate_ms"] >= 30.0
