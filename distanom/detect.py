@@ -50,8 +50,12 @@ from distanom.config import CaptureConfig, DetectConfig
 
 CaptureKind = Literal["anomaly", "reference", "requested"]
 
-# A reference step must be no slower than this multiple of the median: a typical step.
+# A reference step must be a typical step: within these multiples of the median. Not
+# faster either: on an H200 the step right after a slow one ran 2.3-3 ms against an 11 ms
+# median (the host caught up with a GPU that had run ahead), and was taken as the
+# healthy step that every later capture is compared with.
 REFERENCE_MAX_RATIO = 1.1
+REFERENCE_MIN_RATIO = 0.9
 # Within an episode, a step with this many times the slowdown (step / median - 1) of the
 # episode's last capture is captured too. Measured on the slowdown, not the whole step:
 # on an H200, a 10 ms GPU stall (0.8 medians) came 3 steps after a 1.55x jitter step and
@@ -302,7 +306,8 @@ class Detector:
         if every <= 0 or not sample.traced:
             return []
         due = self._last_reference_at is None or sample.step - self._last_reference_at >= every
-        if not due or sample.disturbed or judged > REFERENCE_MAX_RATIO * median:
+        typical = REFERENCE_MIN_RATIO * median <= judged <= REFERENCE_MAX_RATIO * median
+        if not due or sample.disturbed or not typical:
             return []
         previous = self._reference_step
         self._reference_step = self._last_reference_at = sample.step
