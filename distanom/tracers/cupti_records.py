@@ -89,17 +89,23 @@ def iterate_by_size(view: U8Array) -> list[int]:
     know (it could not find the next record) and when the records do not end exactly at
     the buffer's valid size (a wrong size would misalign every later record)."""
     offsets: list[int] = []
-    pos = 0
+    append = offsets.append
     data = view.tobytes()
-    while pos + 4 <= len(data):
-        (kind,) = struct.unpack_from("<i", data, pos)
-        size = RECORD_SIZES.get(kind)
+    end = len(data)
+    # Records start 8-byte aligned, so each kind is one int32 of this view: indexing it
+    # is ~3x faster than struct.unpack_from, and this loop holds the GIL (the training
+    # thread waits) for every record of every buffer a capture has to walk.
+    kinds = memoryview(data)[: end - end % 4].cast("i")
+    sizes = RECORD_SIZES
+    pos = 0
+    while pos + 4 <= end:
+        size = sizes.get(kinds[pos >> 2])
         if size is None:
-            raise ValueError(f"unknown record kind {kind} at offset {pos}")
-        offsets.append(pos)
+            raise ValueError(f"unknown record kind {kinds[pos >> 2]} at offset {pos}")
+        append(pos)
         pos += size
-    if pos != len(data):
-        raise ValueError(f"records end at {pos}, the buffer's valid size is {len(data)}")
+    if pos != end:
+        raise ValueError(f"records end at {pos}, the buffer's valid size is {end}")
     return offsets
 
 
