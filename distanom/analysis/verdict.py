@@ -15,10 +15,12 @@ window outside the timeline's span). The culprit is the rank with the most extra
 time and the least waiting; its victims show the same amount as exposed communication.
 
 1. No slowdown (step below `SLOWDOWN_FRACTION` over its baseline): cause "unknown".
-   Work everyone did: with a reference for every rank, when every rank's computation
-   (or exposed memcpy) grew by `GLOBAL_SHARE` of the slowdown, the cause is "global"
-   with no culprit, however the waiting moved between ranks (which rank's host comes
-   last to a collective is jitter between evenly matched hosts).
+   Extra work: with a reference for every rank, when every rank's computation (or
+   exposed memcpy) grew by `GLOBAL_SHARE` of the slowdown, the cause is "global" with
+   no culprit; when only some ranks' did (at most `MAX_CULPRIT_SHARE`, the others'
+   grew by less than half that), they are the culprits and the part is the cause.
+   However the waiting moved between ranks: which rank's host comes last to a
+   collective is jitter between evenly matched hosts.
 2. Stand-out: split the ranks' own times at their largest gap; ranks whose own time
    exceeds the lower group's median by `STANDOUT_FRACTION` of the step are culprits,
    provided they are at most `MAX_CULPRIT_SHARE` of the ranks and the others waited
@@ -516,31 +518,61 @@ def _late_arrival_verdict(
     return Verdict(late, None, cause, text, details)
 
 
-def _common_work_verdict(
+def _extra_work_verdict(
     current: Mapping[int, RankEvidence],
     reference: Mapping[int, RankEvidence],
     reference_step: int | None,
     base: _Baseline,
     details: dict[str, Any],
 ) -> Verdict | None:
-    """Every rank did the same extra work (computation or memcpy): a global slowdown,
-    even when the idle / exposed-comm split moved between ranks. Measured on 2 H200s
-    (DDP): a 10 ms kernel on both ranks, and the rank that usually waited idled instead."""
+    """Extra work (computation or memcpy over the reference) that explains the slowdown.
+
+    On every rank: a global slowdown. On a few ranks only (at most `MAX_CULPRIT_SHARE`),
+    the others clearly without it: those ranks are the culprits. Kernel time is the
+    part of a breakdown that does not move between ranks; idle and exposed comm do.
+    Measured on 2 H200s (DDP, launch-bound): which rank's host comes last to a
+    collective changes from step to step, so a 10 ms kernel on both ranks showed as one
+    rank's idle, and a 10 ms kernel on one rank filled idle time it would have had
+    anyway while the other rank idled instead of waiting.
+    """
     if base.slowdown_ms <= 0 or not all(r in reference for r in current):
         return None
     where = f"reference step {reference_step}" if reference_step is not None else "reference"
+    enough = GLOBAL_SHARE * base.slowdown_ms
     for part in (p for p in _PARTS if p.cause != "host_stall"):
-        grown = [
-            part.read(e.breakdown) - part.read(reference[r].breakdown) for r, e in current.items()
-        ]
-        if min(grown) >= GLOBAL_SHARE * base.slowdown_ms:
+        grown = {
+            r: part.read(e.breakdown) - part.read(reference[r].breakdown)
+            for r, e in current.items()
+        }
+        if min(grown.values()) >= enough:
             details["global_part"] = part.cause
-            details["growth_ms"] = {part.cause: round(_median(grown), 4)}
+            details["growth_ms"] = {part.cause: round(_median(grown.values()), 4)}
             text = (
-                f"all {len(current)} ranks: {part.label} {_change(grown, where)} against a "
-                f"slowdown of {_ms(base.slowdown_ms)} ms: every rank slowed together"
+                f"all {len(current)} ranks: {part.label} {_change(list(grown.values()), where)}"
+                f" against a slowdown of {_ms(base.slowdown_ms)} ms: every rank slowed together"
             )
             return Verdict(None, None, "global", text, details)
+        culprits = sorted(r for r, g in grown.items() if g >= enough)
+        others = [r for r in grown if r not in culprits]
+        if (
+            culprits
+            and len(culprits) <= MAX_CULPRIT_SHARE * len(grown)
+            and max(grown[r] for r in others) < enough / 2
+        ):
+            worst = max(culprits, key=lambda r: (grown[r], -r))
+            node = _node_of(culprits, {r: e.host for r, e in current.items()})
+            who = _ranks_word(culprits) + (f" (all of node {node})" if node else "")
+            text = (
+                f"{who}: {part.label} {_change([grown[r] for r in culprits], where)} vs "
+                f"{_span([grown[r] for r in others])} on {_ranks_word(others)}, against a "
+                f"slowdown of {_ms(base.slowdown_ms)} ms"
+            )
+            details.update(
+                culprit_ranks=culprits,
+                growth_ms={part.cause: round(grown[worst], 4)},
+                work_part=part.cause,
+            )
+            return Verdict(worst, node, part.cause, text, details)
     return None
 
 
@@ -650,10 +682,6 @@ def decide(
                 f"{_ms(base.baseline_ms)} ms ({base.what})"
             )
             return Verdict(None, None, "unknown", text, details)
-    if base is not None and len(current) >= 2:
-        common = _common_work_verdict(current, before, reference_step, base, details)
-        if common is not None:
-            return common
     hosts = {r: e.host for r, e in current.items()}
     arrival = arrival_order(collectives, hosts)
     if arrival is not None:
@@ -664,12 +692,30 @@ def decide(
             "clock": arrival.clock,
             "matched_collectives": arrival.matched,
         }
+    work = None
+    if base is not None and len(current) >= 2:
+        work = _extra_work_verdict(current, before, reference_step, base, dict(details))
+        if work is not None and work.culprit_rank is None:
+            return work  # the same extra work on every rank
+
+    def agreeing(verdict: Verdict) -> Verdict:
+        """The verdict found from own time and waiting, unless extra kernel time on some
+        ranks says otherwise (then that says who and why)."""
+        if work is None:
+            return verdict
+        culprits = work.details.get("culprit_ranks", [])
+        if verdict.culprit_rank in culprits and verdict.cause == work.cause:
+            return verdict
+        return work
+
     if len(current) >= 2:
         found = _standout(current, before, step, details)
         if found is not None:
-            return _culprit_verdict(found, current, before, reference_step, arrival, details)
+            return agreeing(
+                _culprit_verdict(found, current, before, reference_step, arrival, details)
+            )
         if arrival is not None:
             late = _late_arrival_verdict(arrival, current, before, step, details)
             if late is not None:
-                return late
-    return _everyone_verdict(current, before, reference_step, base, details)
+                return agreeing(late)
+    return agreeing(_everyone_verdict(current, before, reference_step, base, details))

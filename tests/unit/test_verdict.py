@@ -401,3 +401,31 @@ def test_extra_work_on_one_rank_only_is_not_global() -> None:
     now = [ev(0, 2.03, 15.15, idle=0.43), ev(1, 12.01, 0.13, idle=13.64)]
     verdict = decide(now, reference=reference, reference_step=253, step_ms=27.3, expected_ms=17.0)
     assert (verdict.culprit_rank, verdict.cause) == (1, "compute")
+
+
+# bench/results/multigpu_h200x2.json, third run: a 10 ms kernel on rank 1 only, reference
+# step 254 (rank 0 waits for rank 1 in NCCL every step, rank 1 idles on its host)
+H200_REFERENCE = [
+    ev(0, 2.04, 12.24, idle=0.39, memcpy=0.11),
+    ev(1, 1.92, 0.13, idle=11.16, memcpy=0.13),
+]
+
+
+@pytest.mark.parametrize(
+    ("now", "step_ms", "expected_ms"),
+    [
+        # step 190: rank 0 came last to the all-reduce and idled; rank 1 waited
+        ([ev(0, 1.92, 0.13, idle=10.2, memcpy=0.13), ev(1, 12.13, 11.75, idle=0.38)], 24.36, 14.0),
+        # step 100: the kernel filled idle time rank 1 had anyway
+        ([ev(0, 1.97, 4.52, idle=6.55, memcpy=0.11), ev(1, 12.02, 0.13, idle=10.34)], 23.61, 13.5),
+    ],
+)
+def test_extra_kernel_time_on_one_rank_names_it_however_the_waiting_moved(
+    now: list[RankEvidence], step_ms: float, expected_ms: float
+) -> None:
+    verdict = decide(
+        now, reference=H200_REFERENCE, reference_step=254, step_ms=step_ms, expected_ms=expected_ms
+    )
+    assert (verdict.culprit_rank, verdict.cause) == (1, "compute")
+    assert verdict.evidence.startswith("rank 1: computation grew over reference step 254 by 10.")
+    assert verdict.details["culprit_ranks"] == [1]
