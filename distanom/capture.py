@@ -84,6 +84,8 @@ class CaptureWorker:
         self._busy_ns = 0
         self._analysis_failed = False  # warn once, then leave the tables to the report
         self._busy_since: int | None = None
+        # (step, kind) -> time spent asking the tracer for it so far (ns), and how often
+        self._lookups: dict[tuple[int, str], tuple[int, int]] = {}
         self._thread = threading.Thread(target=self._loop, name="distanom-capture", daemon=True)
         self._thread.start()
 
@@ -191,6 +193,9 @@ class CaptureWorker:
         asked = time.monotonic_ns()
         availability = self._tracer.availability(decision.step)
         locate_ns = time.monotonic_ns() - asked
+        key = (decision.step, decision.kind)
+        spent, polls = self._lookups.pop(key, (0, 0))
+        spent, polls = spent + locate_ns, polls + 1
         if locate_ns >= HEAVY_LOOKUP_NS:
             # finding the step can be real work (the cupti tracer indexes the buffers
             # that came back since); a cheap poll is not charged, or every step waiting
@@ -199,6 +204,8 @@ class CaptureWorker:
         if availability is Availability.PENDING and not (
             self._closing and time.monotonic() > self._close_deadline
         ):
+            if len(self._lookups) < 4096:  # decisions still pending; bounded all the same
+                self._lookups[key] = (spent, polls)
             return False
         if availability is not Availability.READY:
             self._missed(decision.step)
@@ -212,7 +219,11 @@ class CaptureWorker:
                 # buffer recycled while reading): this capture is missed, not the worker
                 self._missed(decision.step)
                 return True
-            cost = {"locate_ms": locate_ns / 1e6, "build_ms": (time.monotonic_ns() - built) / 1e6}
+            cost = {
+                "locate_ms": spent / 1e6,  # every lookup while it was pending, and the last
+                "lookups": polls,
+                "build_ms": (time.monotonic_ns() - built) / 1e6,
+            }
             self._write(decision, trace, cost)
         finally:
             self._busy_ns += time.monotonic_ns() - self._busy_since

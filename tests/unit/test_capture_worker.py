@@ -313,5 +313,6 @@ def test_a_heavy_lookup_is_charged_to_the_steps_a_quick_poll_is_not(tmp_path: Pa
     written = [r for r in run.read_index()[0] if r["event"] == "written"]
     assert [r["step"] for r in written] == [7]
     cost = written[0]["cost_ms"]
-    assert set(cost) == {"locate_ms", "build_ms", "encode_ms", "write_ms"}
+    assert set(cost) == {"locate_ms", "lookups", "build_ms", "encode_ms", "write_ms"}
+    assert cost["lookups"] == 1
     assert cost["locate_ms"] >= 30.0
