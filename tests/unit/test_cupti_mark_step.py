@@ -259,6 +259,31 @@ def test_a_detach_marks_the_next_step_as_carrying_its_cost() -> None:
     assert t.boundary_flushes == before + 1
 
 
+def test_a_re_attach_marks_the_next_step_as_carrying_its_cost() -> None:
+    # on the H200 the step after the attach ran ~20 ms over a ~16 ms median and was
+    # captured as an anomaly in every run (step 145, after the first probe window)
+    t, _ = running_tracer()
+    t.mark_step(1, 100)
+    t.set_tracing(False)
+    t.mark_step(2, 200)
+    before = t.boundary_flushes
+    t.set_tracing(True)
+    assert t.boundary_flushes == before + 1
+    t.mark_step(3, 300)
+    t.set_tracing(True)  # already on: nothing to carry
+    assert t.boundary_flushes == before + 1
+
+
+def test_enabling_without_a_detach_before_carries_nothing() -> None:
+    t, _ = running_tracer(can_detach=False)
+    t.mark_step(1, 100)
+    t.set_tracing(False)
+    t.mark_step(2, 200)
+    before = t.boundary_flushes
+    t.set_tracing(True)
+    assert t.boundary_flushes == before
+
+
 def test_end_of_training_disables_without_draining_the_gpu() -> None:
     t, log = running_tracer()
     t.mark_step(1, 100)
