@@ -32,7 +32,10 @@ How records are numbered to steps (the part that must never be silently wrong):
   condition for a forced CUPTI flush (see `StepResolver.locate`).
 - Step N is served only if markers N-1 and N were both found and no other marker lies
   between them (`marker_verified` = 1 in its stats); else it is GONE, with the reason
-  logged and counted.
+  logged and counted. It stays PENDING while CUPTI still holds a buffer it asked for
+  before marker N ran (one buffer per launching thread: the autograd thread's may hold
+  the backward pass); a forced flush ends the wait, and a buffer even that keeps is
+  counted in the step's stats (`held_buffers_at_serve`).
 
 Where the data goes: `step_trace` returns a `StepTrace` to the capture module, which
 writes it; nothing here touches disk.
