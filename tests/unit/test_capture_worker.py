@@ -316,3 +316,14 @@ def test_a_heavy_lookup_is_charged_to_the_steps_a_quick_poll_is_not(tmp_path: Pa
     assert set(cost) == {"locate_ms", "lookups", "build_ms", "encode_ms", "write_ms"}
     assert cost["lookups"] == 1
     assert cost["locate_ms"] >= 30.0
+
+
+def test_documents_encode_with_orjson_and_fall_back_for_what_it_refuses() -> None:
+    import json
+
+    from distanom.capture import encode_document
+
+    document = {"traceEvents": [{"name": "k", "ph": "X", "ts": 1.5, "dur": 2}], "n": 3}
+    assert json.loads(encode_document(document)) == document
+    wide = {"traceEvents": [], "id": 1 << 70}  # past orjson's 64 bits: json.dumps writes it
+    assert json.loads(encode_document(wide)) == wide
