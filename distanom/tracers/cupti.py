@@ -214,6 +214,7 @@ class StepResolver:
         self._ambiguous: list[tuple[int, int]] = []  # step ranges the lag probe flagged
         self._last_flush_ns = -(1 << 62)
         self._forced_for: set[int] = set()
+        self._kept_before_ns = 0  # buffers asked for before the last forced flush
         self.counters: dict[str, int] = {
             "buffers_indexed": 0,
             "records_indexed": 0,
@@ -313,6 +314,7 @@ class StepResolver:
     def _try_locate(
         self, marks: list[StepMark], lo: StepMark, hi: StepMark
     ) -> tuple[_Located | None, str]:
+        completed_before = self.pool.counters["buffers_completed"]
         indexes = self.index_since(lo.launch_mono_ns)
         markers = [m for idx in indexes for m in idx.markers]
         assigned, unmatched = assign_markers(
@@ -339,9 +341,17 @@ class StepResolver:
         # backward pass's records (autograd thread) can sit in a buffer it still holds,
         # e.g. behind a collective kernel still waiting for another rank. Measured on 2
         # H200s with DDP: steps served without them lost ~60% of their kernels.
-        held = self.pool.held_since(self._host_mono_of(hi, m_hi.end_ns) + HELD_BUFFER_MARGIN_NS)
-        if held and hi.step not in self._forced_for:
+        closed_ns = self._host_mono_of(hi, m_hi.end_ns) + HELD_BUFFER_MARGIN_NS
+        # buffers older than the last forced flush survived it: they will not come back,
+        # so they are not waited for (but still reported below)
+        awaited = self.pool.held_since(closed_ns, self._kept_before_ns)
+        if awaited and hi.step not in self._forced_for:
             return None, "held"
+        if self.pool.counters["buffers_completed"] != completed_before:
+            # a buffer came back after the index was taken and before the held count:
+            # neither indexed nor counted as held; look again at the next poll
+            return None, "pending"
+        held = self.pool.held_since(closed_ns)
         if held:  # a forced flush did not return them: serve what there is, and say so
             self.counters["steps_served_with_held_buffers"] += 1
         return _Located(lo, hi, m_lo, m_hi, held), "ready"
@@ -405,7 +415,10 @@ class StepResolver:
                 if len(self._forced_for) > 4 * self.history_steps:
                     self._forced_for.clear()
                 self._forced_for.add(step)
+                flushed_at = self._now()
                 self._flush(True)
+                # what CUPTI still holds now survived a forced flush: not waited for again
+                self._kept_before_ns = flushed_at
                 self.counters["forced_flushes"] += 1
                 log.info(
                     "step %d: forced CUPTI flush after %.1f s pending",

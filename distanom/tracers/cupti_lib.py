@@ -509,16 +509,18 @@ class BufferPool:
                     buf.pins -= 1
                     return
 
-    def held_since(self, before_ns: int) -> int:
-        """How many buffers CUPTI still holds that it asked for before `before_ns`: they
-        may hold records of work that ran before then. CUPTI keeps a buffer per launching
-        thread (the autograd thread launches the backward pass), so a step whose markers
-        have come back can still have records in a buffer CUPTI has not handed back."""
+    def held_since(self, before_ns: int, not_before_ns: int = 0) -> int:
+        """How many buffers CUPTI still holds that it asked for in [not_before_ns,
+        before_ns): they may hold records of work that ran before then. CUPTI keeps a
+        buffer per launching thread (the autograd thread launches the backward pass), so
+        a step whose markers have come back can still have records in a buffer CUPTI has
+        not handed back. (`not_before_ns`: buffers older than a forced flush that kept
+        them will not come back; they are not waited for again.)"""
         with self._lock:
             return sum(
                 1
                 for b in self._by_address.values()
-                if b.state == "cupti" and b.requested_ns < before_ns
+                if b.state == "cupti" and not_before_ns <= b.requested_ns < before_ns
             )
 
     def retained_bytes(self) -> int:

@@ -580,3 +580,43 @@ def test_a_buffer_that_cannot_be_walked_is_tried_once() -> None:
     for _ in range(3):
         assert f.state(4) is not Availability.READY
     assert f.resolver.counters["index_errors"] == buffers
+
+
+def test_a_buffer_that_comes_back_while_the_step_is_located_is_not_missed() -> None:
+    # the autograd thread's buffer returns after the index was taken and before the held
+    # count: neither indexed nor held, it would have been silently missed
+    f = FakeCupti(buffer_bytes=1 << 16)
+    f.busy_threads = {"autograd"}
+    for s in range(5):
+        ddp_step(f, s)
+    original = f.pool.held_since
+    returned = []
+
+    def held_since(before_ns: int, not_before_ns: int = 0) -> int:
+        if not returned:
+            returned.append(True)
+            address, _, used = f.current.pop("autograd")
+            f.pool.complete(address, used)
+        return original(before_ns, not_before_ns)
+
+    f.pool.held_since = held_since  # type: ignore[method-assign]
+    state, _, _ = f.resolver.locate(3)  # flushes: the training thread's buffer returns
+    assert returned and state is Availability.PENDING
+    assert kernel_names(f.trace(3)) == DDP_KERNELS  # the next look indexes it
+
+
+def test_a_buffer_a_forced_flush_kept_does_not_hold_up_later_steps() -> None:
+    f = FakeCupti(buffer_bytes=1 << 16, history=16)
+    f.kept_threads = {"autograd"}
+    for s in range(12):
+        ddp_step(f, s)
+        f.mono += 100_000_000
+        f.state(3)
+    assert f.resolver.counters["forced_flushes"] == 1
+    ddp_step(f, 12)
+    ddp_step(f, 13)
+    f.mono += 100_000_000
+    t = f.trace(12)  # served without waiting for another forced flush
+    assert f.resolver.counters["forced_flushes"] == 1
+    assert kernel_names(t) == ["fwd_s12", "opt_s12"]
+    assert t.stats["held_buffers_at_serve"] == 1  # and said to be possibly incomplete
