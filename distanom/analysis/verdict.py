@@ -584,6 +584,7 @@ def _everyone_verdict(
     details: dict[str, Any],
 ) -> Verdict:
     common = sorted(r for r in current if r in reference)
+    with_reference = bool(common)
     if common:
         where = f"reference step {reference_step}" if reference_step is not None else "reference"
 
@@ -633,7 +634,8 @@ def _everyone_verdict(
         label = _PART_OF[cause].label
         medians = {c: _median(v.values()) for c, v in parts.items()}
         growth = f"{everyone}: {label} {amount(list(parts[cause].values()))}"
-        also = _also(medians, cause, slowdown)
+        # without a reference the parts are absolute times, not growth: nothing to add
+        also = _also(medians, cause, slowdown) if with_reference else []
         growth += "".join(f", {_PART_OF[c].label} {amount(list(parts[c].values()))}" for c in also)
         growth += f", exposed comm {amount(list(comm.values()))}"
         if also:
@@ -699,14 +701,29 @@ def decide(
             return work  # the same extra work on every rank
 
     def agreeing(verdict: Verdict) -> Verdict:
-        """The verdict found from own time and waiting, unless extra kernel time on some
-        ranks says otherwise (then that says who and why)."""
-        if work is None:
+        """The verdict found from own time and waiting, unless extra kernel time on other
+        ranks says otherwise and their step windows grew while the named rank's did not:
+        then the waiting only moved between ranks (it turned into the named rank's idle),
+        and the extra kernel time says who and why."""
+        if work is None or base is None:
             return verdict
         culprits = work.details.get("culprit_ranks", [])
-        if verdict.culprit_rank in culprits and verdict.cause == work.cause:
-            return verdict
-        return work
+        if verdict.culprit_rank in culprits:
+            return verdict  # the same rank; its other grown parts are named as "also"
+
+        def window_growth(ranks: Iterable[int]) -> float:
+            return _median(
+                current[r].breakdown.total_ms - before[r].breakdown.total_ms for r in ranks
+            )
+
+        named = (
+            [verdict.culprit_rank]
+            if verdict.culprit_rank is not None
+            else [r for r in current if r not in culprits]
+        )
+        if window_growth(culprits) - window_growth(named) >= GLOBAL_SHARE * base.slowdown_ms:
+            return work
+        return verdict
 
     if len(current) >= 2:
         found = _standout(current, before, step, details)

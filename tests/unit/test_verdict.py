@@ -376,11 +376,11 @@ def test_a_small_second_part_is_not_named() -> None:
 
 
 def test_a_culprits_second_part_is_named_too() -> None:
-    now = [ev(0, 5.2, 13.0), ev(1, 5.2, 13.1), ev(2, 11.2, 0.5, idle=7.5), ev(3, 5.2, 12.9)]
+    now = [ev(0, 5.2, 13.0), ev(1, 5.2, 13.1), ev(2, 11.7, 0.5, idle=7.5), ev(3, 5.2, 12.9)]
     verdict = decide(now, reference=healthy(4), reference_step=9, step_ms=19.0, expected_ms=7.0)
     assert (verdict.culprit_rank, verdict.cause) == (2, "host_stall")
     assert verdict.details["also"] == ["compute"]
-    assert "computation also +6.00 ms" in verdict.evidence
+    assert "computation also +6.50 ms" in verdict.evidence
 
 
 def test_extra_work_on_every_rank_is_global_even_when_the_waiting_changed_hands() -> None:
@@ -429,3 +429,37 @@ def test_extra_kernel_time_on_one_rank_names_it_however_the_waiting_moved(
     assert (verdict.culprit_rank, verdict.cause) == (1, "compute")
     assert verdict.evidence.startswith("rank 1: computation grew over reference step 254 by 10.")
     assert verdict.details["culprit_ranks"] == [1]
+
+
+# Extra kernel time on a rank other than the one own time names overrides it only when
+# the waiting moved: the kernel rank's step window grew and the named rank's did not.
+REF4 = [ev(r, 5.0, 1.0, idle=1.0) for r in range(4)]
+
+
+def test_extra_kernel_time_hidden_in_a_wait_does_not_override_a_host_stall() -> None:
+    now = [ev(0, 5.0, 1.0, idle=31.0), ev(1, 5.0, 31.0, idle=1.0), ev(2, 5.0, 31.0, idle=1.0)]
+    now.append(ev(3, 21.0, 15.0, idle=1.0))  # +16 ms of kernels, inside its 30 ms wait
+    verdict = decide(now, reference=REF4, reference_step=9, step_ms=37.0, expected_ms=7.0)
+    assert (verdict.culprit_rank, verdict.cause) == (0, "host_stall")
+
+
+def test_extra_kernel_time_filling_idle_does_not_override_a_global_stall() -> None:
+    now = [ev(0, 5, 1, idle=41), ev(1, 25, 1, idle=21), ev(2, 5, 1, idle=41), ev(3, 5, 1, idle=41)]
+    verdict = decide(now, reference=REF4, reference_step=9, step_ms=47.0, expected_ms=7.0)
+    assert (verdict.culprit_rank, verdict.cause) == (None, "global")
+
+
+def test_a_rank_with_a_stall_and_extra_kernels_keeps_the_larger_as_cause() -> None:
+    now = [ev(0, 5, 31.5, idle=1), ev(1, 5, 31.5, idle=1), ev(2, 15.5, 1, idle=21)]
+    now.append(ev(3, 5, 31.5, idle=1))
+    verdict = decide(now, reference=REF4, reference_step=9, step_ms=37.5, expected_ms=7.0)
+    assert (verdict.culprit_rank, verdict.cause) == (2, "host_stall")
+    assert verdict.details["also"] == ["compute"]
+
+
+def test_without_a_reference_absolute_parts_are_not_named_as_also() -> None:
+    # a rank that always computes 20 ms and now idles 30 ms more: no reference to tell
+    verdict = decide([ev(0, 20.0, 0.0, idle=30.5)], step_ms=51.0, expected_ms=20.5)
+    assert verdict.cause == "host_stall"
+    assert "also" not in verdict.details
+    assert "computation" not in verdict.evidence
