@@ -54,7 +54,8 @@ def encode_document(document: dict[str, Any]) -> bytes:
     training thread would wait; json.dumps takes what orjson refuses (an integer wider
     than 64 bits, a key that is not a string)."""
     try:
-        return orjson.dumps(document)
+        # NaN and infinities become null (json.dumps refused them, failing the capture)
+        return orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError:  # orjson.JSONEncodeError is one
         return json.dumps(document, allow_nan=False).encode()
 
@@ -96,16 +97,31 @@ class CaptureWorker:
         self._busy_ns = 0
         self._analysis_failed = False  # warn once, then leave the tables to the report
         self._busy_since: int | None = None
+        self._busy_lookup = False  # the current work is a tracer lookup (see busy_ns)
         # (step, kind) -> time spent asking the tracer for it so far (ns), and how often
         self._lookups: dict[tuple[int, str], tuple[int, int]] = {}
         self._thread = threading.Thread(target=self._loop, name="distanom-capture", daemon=True)
         self._thread.start()
 
     def busy_ns(self) -> int:
-        """Total time spent writing captures so far, the current one included."""
-        since = self._busy_since
+        """Total time spent on captures so far, the current work included: a tracer
+        lookup in progress counts once it has run HEAVY_LOOKUP_NS (so that a long one is
+        charged to every step it overlaps, not only to the one it ends in)."""
+        since, lookup = self._busy_since, self._busy_lookup
         ongoing = time.monotonic_ns() - since if since is not None else 0
+        if lookup and ongoing < HEAVY_LOOKUP_NS:
+            ongoing = 0
         return self._busy_ns + ongoing
+
+    def _end_busy(self, started: int, charged: bool = True) -> int:
+        """Close the work begun at `started`; returns its length (ns). The start is
+        cleared before the total grows: a reader in between sees a little less, never
+        the same work twice."""
+        spent = time.monotonic_ns() - started
+        self._busy_since, self._busy_lookup = None, False
+        if charged:
+            self._busy_ns += spent
+        return spent
 
     @property
     def active(self) -> bool:
@@ -175,11 +191,13 @@ class CaptureWorker:
                 continue
             try:
                 if (decision.step, decision.kind) in superseded:
+                    self._lookups.pop((decision.step, decision.kind), None)
                     self._drop_replaced(decision)  # what it replaced goes all the same
                     continue
                 if not self._handle(decision):
                     still.append(decision)
             except Exception as err:  # never let one capture take the worker down silently
+                self._lookups.pop((decision.step, decision.kind), None)
                 self._fail(f"writing capture of step {decision.step} failed: {err}")
         self._pending = still
 
@@ -202,17 +220,19 @@ class CaptureWorker:
             held.add(decision.kind)
             self._index("written", decision, self._run.trace_path(decision.step, rank), 0, {})
             return True
+        # Finding the step can be real work (the cupti tracer indexes the buffers that
+        # came back since); a cheap poll is not charged, or every step waiting for CUPTI
+        # would count as disturbed.
         asked = time.monotonic_ns()
-        availability = self._tracer.availability(decision.step)
-        locate_ns = time.monotonic_ns() - asked
+        self._busy_since, self._busy_lookup = asked, True
+        try:
+            availability = self._tracer.availability(decision.step)
+        finally:
+            ongoing = time.monotonic_ns() - asked
+            locate_ns = self._end_busy(asked, charged=ongoing >= HEAVY_LOOKUP_NS)
         key = (decision.step, decision.kind)
         spent, polls = self._lookups.pop(key, (0, 0))
         spent, polls = spent + locate_ns, polls + 1
-        if locate_ns >= HEAVY_LOOKUP_NS:
-            # finding the step can be real work (the cupti tracer indexes the buffers
-            # that came back since); a cheap poll is not charged, or every step waiting
-            # for CUPTI would count as disturbed
-            self._busy_ns += locate_ns
         if availability is Availability.PENDING and not (
             self._closing and time.monotonic() > self._close_deadline
         ):
@@ -238,8 +258,7 @@ class CaptureWorker:
             }
             self._write(decision, trace, cost)
         finally:
-            self._busy_ns += time.monotonic_ns() - self._busy_since
-            self._busy_since = None
+            self._end_busy(built)
         return True
 
     def _missed(self, step: int) -> None:

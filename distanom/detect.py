@@ -171,6 +171,7 @@ class Detector:
     _last_capture_step: int | None = None
     _reference_step: int | None = None
     _last_reference_at: int | None = None
+    _fast_while_due: int = 0  # due steps passed over as too fast since the last reference
     _max_episodes_kept: int = 1000
 
     def __post_init__(self) -> None:
@@ -306,9 +307,16 @@ class Detector:
         if every <= 0 or not sample.traced:
             return []
         due = self._last_reference_at is None or sample.step - self._last_reference_at >= every
-        typical = REFERENCE_MIN_RATIO * median <= judged <= REFERENCE_MAX_RATIO * median
-        if not due or sample.disturbed or not typical:
+        if not due or sample.disturbed or judged > REFERENCE_MAX_RATIO * median:
             return []
+        if judged < REFERENCE_MIN_RATIO * median:
+            # too fast to be typical; but when the steps alternate between two speeds the
+            # median lies between them and no step is "typical": after `every` such steps
+            # the fast ones are taken as they are
+            self._fast_while_due += 1
+            if self._fast_while_due < every:
+                return []
+        self._fast_while_due = 0
         previous = self._reference_step
         self._reference_step = self._last_reference_at = sample.step
         self.counts.references += 1

@@ -327,3 +327,26 @@ def test_documents_encode_with_orjson_and_fall_back_for_what_it_refuses() -> Non
     assert json.loads(encode_document(document)) == document
     wide = {"traceEvents": [], "id": 1 << 70}  # past orjson's 64 bits: json.dumps writes it
     assert json.loads(encode_document(wide)) == wide
+
+
+def test_a_long_lookup_counts_while_it_runs(tmp_path: Path) -> None:
+    run = RunDir(create_run(tmp_path, "cost"))
+    tracer = SlowLookupTracer(0.3)
+    worker = rank_worker(run, 0, 1, tracer)
+    worker.submit([decision(7)])
+    time.sleep(0.15)  # halfway through the lookup: the steps it overlaps are charged now
+    assert worker.busy_ns() >= 50_000_000
+    wait_for(lambda: run.trace_path(7, 0).exists())
+    worker.close(0.1)
+    assert worker.busy_ns() >= 300_000_000
+
+
+def test_numpy_numbers_encode_without_the_slow_path() -> None:
+    import json
+
+    import numpy as np
+
+    from distanom.capture import encode_document
+
+    document = {"ts": np.float64(1.5), "n": np.int64(3), "bad": float("nan")}
+    assert json.loads(encode_document(document)) == {"ts": 1.5, "n": 3, "bad": None}

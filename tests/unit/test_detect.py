@@ -156,6 +156,14 @@ def test_a_step_much_faster_than_the_median_is_no_reference() -> None:
     assert references == [10, 23]  # not 21 (2.5 ms) nor 22 (8 ms)
 
 
+def test_steps_of_two_speeds_still_get_a_reference() -> None:
+    # alternating 8 and 12 ms: the median (10) lies between them, no step is within
+    # 0.9-1.1 x of it; after 10 due steps passed over, a fast one is taken
+    detector = make(capture={"reference_every_steps": 10})
+    references = [d.step for d in feed(detector, [8.0, 12.0] * 40) if d.kind == "reference"]
+    assert references and references[0] <= 30
+
+
 def test_same_input_same_decisions_on_every_rank() -> None:
     rng = random.Random(7)
     times = [10.0 + rng.random() * 3 + (50.0 if rng.random() < 0.03 else 0.0) for _ in range(500)]
