@@ -60,6 +60,13 @@ def test_stalled_rank_steps_are_captured_on_every_rank(
             names = {e.get("name") for e in document["traceEvents"]}
             assert f"distanom step {step}" in names
             assert any(e.get("cat") == "cpu_op" for e in document["traceEvents"])
+    index = (Path(report["run_dir"]) / "index.jsonl").read_text().splitlines()
+    written = [r for r in map(json.loads, index) if r["event"] == "written" and r["bytes"]]
+    assert written
+    for record in written:  # where each rank's capture time went
+        cost = record["cost_ms"]
+        assert set(cost) == {"locate_ms", "lookups", "build_ms", "encode_ms", "write_ms"}
+        assert cost["lookups"] >= 1 and all(cost[k] >= 0 for k in cost)
     steps_file = Path(report["run_dir"]) / "steps" / "rank2.csv"
     rows = steps_file.read_text().splitlines()
     assert rows[0] == "step,duration_ms,traced,after_flush,self_ms" and len(rows) >= 95
