@@ -11,6 +11,7 @@ trace path) is also written as its `summary.json`.
 from __future__ import annotations
 
 import contextlib
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,9 +68,35 @@ def build_report(data: RunData, *, engine: str = "auto") -> dict[str, Any]:
             "consensus_error": status.get("consensus_error"),
         },
         "captures": captures,
+        "capture_cost": capture_cost(data),
         "problems": list(data.problems),
     }
     return report
+
+
+COST_PARTS = ("locate_ms", "build_ms", "encode_ms", "write_ms")
+
+
+def capture_cost(data: RunData) -> dict[str, Any] | None:
+    """What writing a capture cost one rank's capture worker (median over every rank's
+    written files): time the training thread shares the GIL with. None before any
+    capture recorded it."""
+    costs = [
+        held.cost_ms
+        for info in data.captures
+        for held in info.ranks.values()
+        if all(part in held.cost_ms for part in COST_PARTS)
+    ]
+    if not costs:
+        return None
+    return {
+        "files": len(costs),
+        "median_ms": round(statistics.median(sum(c[p] for p in COST_PARTS) for c in costs), 3),
+        "max_ms": round(max(sum(c[p] for p in COST_PARTS) for c in costs), 3),
+        "parts_median_ms": {
+            p: round(statistics.median(c[p] for c in costs), 3) for p in COST_PARTS
+        },
+    }
 
 
 def _state(status: dict[str, Any]) -> str:
@@ -325,6 +352,16 @@ def render_text(report: dict[str, Any]) -> str:
                 if detector.get("anomalous_untraced")
                 else ""
             )
+        )
+    cost = report.get("capture_cost")
+    if cost:
+        parts = ", ".join(
+            f"{p.removesuffix('_ms')} {v:.1f}" for p, v in cost["parts_median_ms"].items()
+        )
+        lines.append(
+            f"  capture work: {cost['median_ms']:.1f} ms per rank and capture (median of "
+            f"{cost['files']} files; {parts}; max {cost['max_ms']:.1f}), on each rank's "
+            "capture thread"
         )
     state = report.get("capture_state") or {}
     if state.get("skipped_disk"):

@@ -31,6 +31,7 @@ class RankCapture:
     bytes: int
     tracer: str | None
     tracer_stats: dict[str, Any]
+    cost_ms: dict[str, float] = field(default_factory=dict)  # the capture worker's time
 
 
 @dataclass
@@ -183,6 +184,7 @@ def _fold_index(data: RunData) -> list[CaptureInfo]:
                 bytes=_int(record.get("bytes")) or 0,
                 tracer=_text(record.get("tracer")),
                 tracer_stats=stats if isinstance(stats, dict) else {},
+                cost_ms=_costs(record.get("cost_ms")),
             )
         else:
             held.kinds.add(kind)
@@ -199,6 +201,17 @@ def _fold_index(data: RunData) -> list[CaptureInfo]:
         if any(run.capture_dir(step).glob("rank*.trace.json.gz")):
             data.problems.append(f"step {step}: trace files on disk but not in the index")
     return sorted(kept, key=lambda info: info.step)
+
+
+def _costs(value: Any) -> dict[str, float]:
+    """An index line's cost_ms, numbers only (a damaged or older line gives none)."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        str(k): float(v)
+        for k, v in value.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 def _expected_ranks(data: RunData, info: CaptureInfo, records: list[dict[str, Any]]) -> list[int]:

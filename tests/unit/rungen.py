@@ -24,6 +24,7 @@ class Capture:
     step_ms: float
     median_ms: float = 1.5
     tracer_stats: Mapping[int, Mapping[str, int]] | None = None  # per rank, as the tracer left them
+    cost_ms: Mapping[int, Mapping[str, float]] | None = None  # per rank, the capture worker's
 
 
 def make_run(
@@ -89,6 +90,11 @@ def make_run(
                     **(
                         {"tracer_stats": dict(capture.tracer_stats[rank])}
                         if capture.tracer_stats and rank in capture.tracer_stats
+                        else {}
+                    ),
+                    **(
+                        {"cost_ms": dict(capture.cost_ms[rank])}
+                        if capture.cost_ms and rank in capture.cost_ms
                         else {}
                     ),
                 }

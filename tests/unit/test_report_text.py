@@ -91,3 +91,32 @@ def test_a_trace_that_may_lack_records_is_named_among_the_problems(tmp_path: Pat
         "step 40 rank 1: trace may lack records (a CUPTI buffer was not handed back in time)"
     ]
     assert "step 40 rank 1: trace may lack records" in render_text(report)
+
+
+def test_the_capture_workers_cost_is_summarised(tmp_path: Path) -> None:
+    def cost(locate: float) -> dict[str, float]:
+        return {"locate_ms": locate, "lookups": 2, "build_ms": 8.0, "encode_ms": 6.0,
+                "write_ms": 1.0}  # fmt: skip
+
+    costs = {0: cost(5.0), 1: cost(9.0), 2: {"locate_ms": "x"}}  # rank 2: an older line
+    run = make_run(
+        tmp_path, [Capture(40, "anomaly", gpu_job(), 4.1, 1.2, None, costs)], hosts=["a"] * 4
+    )
+    report = build_report(load_run(str(run.path)))
+    assert report["capture_cost"] == {
+        "files": 2,
+        "median_ms": 22.0,
+        "max_ms": 24.0,
+        "parts_median_ms": {"locate_ms": 7.0, "build_ms": 8.0, "encode_ms": 6.0, "write_ms": 1.0},
+    }
+    assert (
+        "capture work: 22.0 ms per rank and capture (median of 2 files; locate 7.0, build 8.0, "
+        "encode 6.0, write 1.0; max 24.0)" in render_text(report)
+    )
+
+
+def test_no_capture_cost_line_without_recorded_costs(tmp_path: Path) -> None:
+    run = make_run(tmp_path, [Capture(40, "anomaly", gpu_job(), 4.1, 1.2)], hosts=["a"] * 4)
+    report = build_report(load_run(str(run.path)))
+    assert report["capture_cost"] is None
+    assert "capture work" not in render_text(report)
