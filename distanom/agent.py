@@ -277,7 +277,10 @@ class Agent:
         capture = self.capture
         if capture is None:
             return 0.0
-        busy = capture.busy_ns()
+        # monotone: a reading that ran a little ahead of the worker (it read a lookup
+        # as heavy just before the worker measured it under the threshold) is absorbed
+        # by later work instead of giving a step a negative share
+        busy = max(capture.busy_ns(), self._last_busy_ns)
         spent, self._last_busy_ns = busy - self._last_busy_ns, busy
         return spent / 1e6
 

@@ -107,19 +107,22 @@ class CaptureWorker:
         """Total time spent on captures so far, the current work included: a tracer
         lookup in progress counts once it has run HEAVY_LOOKUP_NS (so that a long one is
         charged to every step it overlaps, not only to the one it ends in)."""
+        done = self._busy_ns  # first: work that ends meanwhile is then counted once at most
         since, lookup = self._busy_since, self._busy_lookup
         ongoing = time.monotonic_ns() - since if since is not None else 0
         if lookup and ongoing < HEAVY_LOOKUP_NS:
             ongoing = 0
-        return self._busy_ns + ongoing
+        return done + ongoing
 
-    def _end_busy(self, started: int, charged: bool = True) -> int:
-        """Close the work begun at `started`; returns its length (ns). The start is
-        cleared before the total grows: a reader in between sees a little less, never
-        the same work twice."""
+    def _end_busy(self, started: int, lookup: bool = False) -> int:
+        """Close the work begun at `started` (a lookup is charged only if it was heavy);
+        returns its length (ns). The start is cleared before the total grows, so a
+        reader in between sees a little less; the agent keeps its total monotone, so a
+        reader that saw a little more (a lookup just over the threshold on its clock)
+        cannot make a step's share negative."""
         spent = time.monotonic_ns() - started
         self._busy_since, self._busy_lookup = None, False
-        if charged:
+        if not lookup or spent >= HEAVY_LOOKUP_NS:
             self._busy_ns += spent
         return spent
 
@@ -228,8 +231,7 @@ class CaptureWorker:
         try:
             availability = self._tracer.availability(decision.step)
         finally:
-            ongoing = time.monotonic_ns() - asked
-            locate_ns = self._end_busy(asked, charged=ongoing >= HEAVY_LOOKUP_NS)
+            locate_ns = self._end_busy(asked, lookup=True)
         key = (decision.step, decision.kind)
         spent, polls = self._lookups.pop(key, (0, 0))
         spent, polls = spent + locate_ns, polls + 1

@@ -56,6 +56,10 @@ CaptureKind = Literal["anomaly", "reference", "requested"]
 # healthy step that every later capture is compared with.
 REFERENCE_MAX_RATIO = 1.1
 REFERENCE_MIN_RATIO = 0.9
+# When no step has been typical for this many due steps (steps of two speeds), a faster
+# one is taken after all, but never one under half the median.
+REFERENCE_FAST_PATIENCE = 10
+REFERENCE_FLOOR_RATIO = 0.5
 # Within an episode, a step with this many times the slowdown (step / median - 1) of the
 # episode's last capture is captured too. Measured on the slowdown, not the whole step:
 # on an H200, a 10 ms GPU stall (0.8 medians) came 3 steps after a 1.55x jitter step and
@@ -311,10 +315,13 @@ class Detector:
             return []
         if judged < REFERENCE_MIN_RATIO * median:
             # too fast to be typical; but when the steps alternate between two speeds the
-            # median lies between them and no step is "typical": after `every` such steps
-            # the fast ones are taken as they are
+            # median lies between them and no step is "typical": after enough such steps
+            # a fast one is taken, if it is not absurdly fast (a near-empty step)
             self._fast_while_due += 1
-            if self._fast_while_due < every:
+            if (
+                self._fast_while_due < max(every, REFERENCE_FAST_PATIENCE)
+                or judged < REFERENCE_FLOOR_RATIO * median
+            ):
                 return []
         self._fast_while_due = 0
         previous = self._reference_step

@@ -203,15 +203,16 @@ def _fold_index(data: RunData) -> list[CaptureInfo]:
     return sorted(kept, key=lambda info: info.step)
 
 
+MAX_COST_MS = 86_400_000.0
+
+
 def _costs(value: Any) -> dict[str, float]:
     """An index line's cost_ms, numbers only (a damaged or older line gives none)."""
     if not isinstance(value, dict):
         return {}
-    return {
-        str(k): float(v)
-        for k, v in value.items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    }
+    costs = {str(k): _number(v) for k, v in value.items()}
+    # a real cost is a few ms: anything negative or beyond a day is damage, not data
+    return {k: v for k, v in costs.items() if v is not None and 0 <= v < MAX_COST_MS}
 
 
 def _expected_ranks(data: RunData, info: CaptureInfo, records: list[dict[str, Any]]) -> list[int]:
@@ -280,7 +281,11 @@ def load_steps(data: RunData) -> StepSeries:
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        number = float(value)  # an integer too large for a float raises
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _int(value: Any) -> int | None:

@@ -713,7 +713,7 @@ def decide(
 
         def window_growth(ranks: Iterable[int]) -> float:
             return _median(
-                current[r].breakdown.total_ms - before[r].breakdown.total_ms for r in ranks
+                current[r].breakdown.step_ms - before[r].breakdown.step_ms for r in ranks
             )
 
         named = (

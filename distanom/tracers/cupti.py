@@ -345,13 +345,13 @@ class StepResolver:
         # buffers older than the last forced flush survived it: they will not come back,
         # so they are not waited for (but still reported below)
         awaited = self.pool.held_since(closed_ns, self._kept_before_ns)
-        if awaited and hi.step not in self._forced_for:
-            return None, "held"
+        held = self.pool.held_since(closed_ns)
         if self.pool.counters["buffers_completed"] != completed_before:
-            # a buffer came back after the index was taken and before the held count:
+            # a buffer came back after the index was taken and before the held counts:
             # neither indexed nor counted as held; look again at the next poll
             return None, "pending"
-        held = self.pool.held_since(closed_ns)
+        if awaited and hi.step not in self._forced_for:
+            return None, "held"
         if held:  # a forced flush did not return them: serve what there is, and say so
             self.counters["steps_served_with_held_buffers"] += 1
         return _Located(lo, hi, m_lo, m_hi, held), "ready"

@@ -291,3 +291,24 @@ def test_the_governor_waits_for_a_whole_gathering_round(tmp_path: Path) -> None:
         assert agent._governor.params.lag_steps == 16 + 4
     finally:
         agent.close()
+
+
+def test_a_capture_readings_step_back_never_gives_a_negative_share(tmp_path: Path) -> None:
+    # the worker may end a lookup just under the heavy threshold after a reading saw it
+    # just over: the next reading is lower, and that step's share must not be negative
+    agent = make_agent(tmp_path)
+    real = agent.capture
+    try:
+        readings = iter([20_000_000, 10_000_000, 25_000_000])
+
+        class Capture:
+            def busy_ns(self) -> int:
+                return next(readings)
+
+        agent.capture = Capture()  # type: ignore[assignment]
+        agent._last_busy_ns = 0
+        shares = [agent._self_ms_of_ended_step() for _ in range(3)]
+        assert shares == [20.0, 0.0, 5.0]
+    finally:
+        agent.capture = real
+        agent.close()

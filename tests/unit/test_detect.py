@@ -213,3 +213,12 @@ def test_without_a_tracer_the_untraced_steps_are_the_main_condition() -> None:
     assert decisions == []  # nothing was recorded, so nothing to capture
     assert detector.counts.anomalous == detector.counts.anomalous_untraced == 1
     assert detector.median_ms == 10.0 and detector.threshold_ms == 15.0
+
+
+def test_a_near_empty_step_never_becomes_the_reference() -> None:
+    # every=1: the patience still holds; and a 1 ms step is never taken
+    detector = make(capture={"reference_every_steps": 1})
+    times = [10.0] * 12 + [2.0] + [8.0, 12.0] * 20 + [1.0] * 5
+    decisions = feed(detector, times)
+    steps = {d.step: t for d in decisions if d.kind == "reference" for t in [times[d.step]]}
+    assert 12 not in steps and all(t >= 5.0 for t in steps.values())

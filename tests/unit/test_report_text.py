@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from distanom.analysis.report import build_report, render_text
@@ -120,3 +121,20 @@ def test_no_capture_cost_line_without_recorded_costs(tmp_path: Path) -> None:
     report = build_report(load_run(str(run.path)))
     assert report["capture_cost"] is None
     assert "capture work" not in render_text(report)
+
+
+def test_damaged_costs_in_the_index_are_left_out(tmp_path: Path) -> None:
+    good = {"locate_ms": 5.0, "build_ms": 8.0, "encode_ms": 6.0, "write_ms": 1.0}
+    costs = {
+        0: good,
+        1: {**good, "build_ms": 10**400},  # too large for a float
+        2: {**good, "locate_ms": -3.0},
+        3: {**good, "encode_ms": 1e308, "write_ms": 1e308},  # would sum to inf
+    }
+    run = make_run(
+        tmp_path, [Capture(40, "anomaly", gpu_job(), 4.1, 1.2, None, costs)], hosts=["a"] * 4
+    )
+    report = build_report(load_run(str(run.path)))
+    assert report["capture_cost"]["files"] == 1
+    assert report["capture_cost"]["median_ms"] == 20.0
+    json.dumps(report, allow_nan=False)  # what `distanom report --json` does

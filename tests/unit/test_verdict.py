@@ -463,3 +463,13 @@ def test_without_a_reference_absolute_parts_are_not_named_as_also() -> None:
     assert verdict.cause == "host_stall"
     assert "also" not in verdict.details
     assert "computation" not in verdict.evidence
+
+
+def test_a_stall_before_the_first_op_keeps_its_window_in_the_comparison() -> None:
+    # CPU-only traces: rank 0 stalled 30 ms before its first op (outside the ops' span);
+    # rank 3's ops ran 16 ms longer inside its wait (cores shared with the stall)
+    now = [ev(0, 5.0, 1.0, idle=1.0, outside=30.0), ev(1, 5.0, 31.0), ev(2, 5.0, 31.0)]
+    now.append(ev(3, 21.0, 15.0))
+    ref = [ev(r, 5.0, 1.0) for r in range(4)]
+    verdict = decide(now, reference=ref, reference_step=9, step_ms=37.0, expected_ms=7.0)
+    assert (verdict.culprit_rank, verdict.cause) == (0, "host_stall")
