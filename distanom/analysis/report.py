@@ -89,10 +89,11 @@ def capture_cost(data: RunData) -> dict[str, Any] | None:
     ]
     if not costs:
         return None
+    totals = [sum(c[p] for p in COST_PARTS) for c in costs]
     return {
         "files": len(costs),
-        "median_ms": round(statistics.median(sum(c[p] for p in COST_PARTS) for c in costs), 3),
-        "max_ms": round(max(sum(c[p] for p in COST_PARTS) for c in costs), 3),
+        "median_ms": round(statistics.median(totals), 3),
+        "max_ms": round(max(totals), 3),
         "parts_median_ms": {
             p: round(statistics.median(c[p] for c in costs), 3) for p in COST_PARTS
         },

@@ -15,13 +15,14 @@ window outside the timeline's span). The culprit is the rank with the most extra
 time and the least waiting; its victims show the same amount as exposed communication.
 
 1. No slowdown (step below `SLOWDOWN_FRACTION` over its baseline): cause "unknown".
-   Extra work: with a reference for every rank, when every rank's computation (or
+2. Extra work, with a reference for every rank: when every rank's computation (or
    exposed memcpy) grew by `GLOBAL_SHARE` of the slowdown, the cause is "global" with
-   no culprit; when only some ranks' did (at most `MAX_CULPRIT_SHARE`, the others'
-   grew by less than half that), they are the culprits and the part is the cause.
-   However the waiting moved between ranks: which rank's host comes last to a
-   collective is jitter between evenly matched hosts.
-2. Stand-out: split the ranks' own times at their largest gap; ranks whose own time
+   no culprit, however the waiting moved between ranks (which rank's host comes last
+   to a collective is jitter between evenly matched hosts). When only some ranks' did
+   (at most `MAX_CULPRIT_SHARE`, the others' grew by less than half that), those ranks
+   and that part replace the verdict of steps 3-5 if it names another rank (or none)
+   and their step windows grew by `GLOBAL_SHARE` of the slowdown more than its.
+3. Stand-out: split the ranks' own times at their largest gap; ranks whose own time
    exceeds the lower group's median by `STANDOUT_FRACTION` of the step are culprits,
    provided they are at most `MAX_CULPRIT_SHARE` of the ranks and the others waited
    (their exposed communication exceeds the worst culprit's by `WAIT_SHARE` of its extra
@@ -33,10 +34,10 @@ time and the least waiting; its victims show the same amount as exposed communic
    culprit's time (computation → "compute", idle → "host_stall", exposed memcpy →
    "memcpy") that exceeds both the others' median and the culprit's own reference by
    at least `CAUSE_SHARE` of its extra time; none → "unknown".
-3. Late arrival: no stand-out, but at a matched collective one rank started
+4. Late arrival: no stand-out, but at a matched collective one rank started
    `STANDOUT_FRACTION` of the step after the first and waited least: it is the culprit;
    without extra own time its delay came from its host ("host_stall").
-4. Everyone: every rank's exposed communication grew by `GLOBAL_SHARE` of the slowdown
+5. Everyone: every rank's exposed communication grew by `GLOBAL_SHARE` of the slowdown
    over the reference → "communication" (the collective itself is slow); every rank's
    own time did → "global". Both with no culprit.
 
@@ -652,6 +653,36 @@ def _everyone_verdict(
     return Verdict(None, None, "unknown", text, details)
 
 
+def _prefer_extra_work(
+    verdict: Verdict,
+    work: Verdict | None,
+    current: Mapping[int, RankEvidence],
+    reference: Mapping[int, RankEvidence],
+    base: _Baseline | None,
+) -> Verdict:
+    """The verdict found from own time and waiting, unless extra kernel time on other
+    ranks (`work`) says otherwise and their step windows grew while the named rank's did
+    not: then the waiting only moved between ranks (it turned into the named rank's
+    idle), and the extra kernel time says who and why."""
+    if work is None or base is None:
+        return verdict
+    culprits = work.details.get("culprit_ranks", [])
+    if verdict.culprit_rank in culprits:
+        return verdict  # the same rank; its other grown parts are named as "also"
+
+    def window_growth(ranks: Iterable[int]) -> float:
+        return _median(current[r].breakdown.step_ms - reference[r].breakdown.step_ms for r in ranks)
+
+    named = (
+        [verdict.culprit_rank]
+        if verdict.culprit_rank is not None
+        else [r for r in current if r not in culprits]
+    )
+    if window_growth(culprits) - window_growth(named) >= GLOBAL_SHARE * base.slowdown_ms:
+        return work
+    return verdict
+
+
 def decide(
     ranks: Iterable[RankEvidence],
     *,
@@ -701,29 +732,7 @@ def decide(
             return work  # the same extra work on every rank
 
     def agreeing(verdict: Verdict) -> Verdict:
-        """The verdict found from own time and waiting, unless extra kernel time on other
-        ranks says otherwise and their step windows grew while the named rank's did not:
-        then the waiting only moved between ranks (it turned into the named rank's idle),
-        and the extra kernel time says who and why."""
-        if work is None or base is None:
-            return verdict
-        culprits = work.details.get("culprit_ranks", [])
-        if verdict.culprit_rank in culprits:
-            return verdict  # the same rank; its other grown parts are named as "also"
-
-        def window_growth(ranks: Iterable[int]) -> float:
-            return _median(
-                current[r].breakdown.step_ms - before[r].breakdown.step_ms for r in ranks
-            )
-
-        named = (
-            [verdict.culprit_rank]
-            if verdict.culprit_rank is not None
-            else [r for r in current if r not in culprits]
-        )
-        if window_growth(culprits) - window_growth(named) >= GLOBAL_SHARE * base.slowdown_ms:
-            return work
-        return verdict
+        return _prefer_extra_work(verdict, work, current, before, base)
 
     if len(current) >= 2:
         found = _standout(current, before, step, details)
