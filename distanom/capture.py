@@ -114,6 +114,12 @@ class CaptureWorker:
             ongoing = 0
         return done + ongoing
 
+    def _begin_busy(self, lookup: bool = False) -> int:
+        """Mark work begun now (see busy_ns); returns its start for `_end_busy`."""
+        started = time.monotonic_ns()
+        self._busy_since, self._busy_lookup = started, lookup
+        return started
+
     def _end_busy(self, started: int, lookup: bool = False) -> int:
         """Close the work begun at `started` (a lookup is charged only if it was heavy);
         returns its length (ns). The start is cleared before the total grows, so a
@@ -226,8 +232,7 @@ class CaptureWorker:
         # Finding the step can be real work (the cupti tracer indexes the buffers that
         # came back since); a cheap poll is not charged, or every step waiting for CUPTI
         # would count as disturbed.
-        asked = time.monotonic_ns()
-        self._busy_since, self._busy_lookup = asked, True
+        asked = self._begin_busy(lookup=True)
         try:
             availability = self._tracer.availability(decision.step)
         finally:
@@ -244,7 +249,7 @@ class CaptureWorker:
         if availability is not Availability.READY:
             self._missed(decision.step)
             return True
-        self._busy_since = built = time.monotonic_ns()
+        built = self._begin_busy()
         try:
             try:
                 trace = self._tracer.step_trace(decision.step)
