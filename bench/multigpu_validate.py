@@ -38,6 +38,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 260
+# ~20 ms of GPU spin (10M cycles ~ 5 ms on an H200). 10 ms was marginal on two H200s:
+# their step time drifted 12 -> 17 ms within a run, so the 200-step rolling median sat at
+# 14.6 ms and an injected step of 21.3 ms stayed under 1.5x of it (not an anomaly).
+SLEEP_CYCLES = 40_000_000
 CASES = {
     "compute": {"steps": [100, 190], "expect_cause": "compute"},
     # not 129-144: the first untraced (probe) window of a run without a budget
@@ -56,7 +60,7 @@ def run_job(nproc: int, runs: Path, backend: str, compute_rank: int, stall_rank:
         "--set", "detect.min_steps=30", "--set", "detect.merge_gap_steps=2",
         "--set", "capture.reference_every_steps=50",
         str(REPO / "launch" / "seed_resnet.py"), "--steps", str(STEPS),
-        "--sleep-rank", str(compute_rank),
+        "--sleep-rank", str(compute_rank), "--sleep-cycles", str(SLEEP_CYCLES),
         "--sleep-steps", ",".join(map(str, CASES["compute"]["steps"])),
         "--stall-rank", str(stall_rank), "--stall-s", "0.05",
         "--stall-steps", ",".join(map(str, CASES["host_stall"]["steps"])),
@@ -75,6 +79,23 @@ def median_step_ms(runs: Path) -> float:
     rows = (runs / "latest" / "steps" / "rank0.csv").read_text().splitlines()[1:]
     times = [float(r.split(",")[1]) for r in rows if int(r.split(",")[0]) >= 30]
     return statistics.median(times)
+
+
+def missed_step_ms(runs: Path, step: int, nproc: int) -> dict[str, Any]:
+    """Why an injected step may not have been captured: its time on each rank and the
+    median of the 200 steps before it (the detector's default window)."""
+    per_rank: dict[int, dict[int, float]] = {}
+    for rank in range(nproc):
+        rows = (runs / "latest" / "steps" / f"rank{rank}.csv").read_text().splitlines()[1:]
+        per_rank[rank] = {int(r.split(",")[0]): float(r.split(",")[1]) for r in rows}
+    slowest = {s: max(t[s] for t in per_rank.values() if s in t) for s in per_rank[0]}
+    before = [slowest[s] for s in range(step - 200, step) if s in slowest]
+    median = statistics.median(before) if before else float("nan")
+    return {
+        "step_ms": {r: t.get(step) for r, t in per_rank.items()},
+        "median_before_ms": round(median, 3),
+        "ratio_to_median": round(slowest.get(step, float("nan")) / median, 3),
+    }
 
 
 def nccl_metadata(trace: Path) -> dict[str, Any]:
@@ -103,6 +124,7 @@ def check(runs: Path, nproc: int, compute_rank: int, stall_rank: int) -> dict[st
             entry: dict[str, Any] = {"captured": capture is not None}
             if capture is None:
                 all_captured = culprit_ok = False
+                entry.update(missed_step_ms(runs, step, nproc))
                 cases[f"{case}@{step}"] = entry
                 continue
             ranks = sorted(int(r) for r in capture["ranks"])

@@ -526,8 +526,26 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def parse_cpus(text: str) -> list[int]:
+    """CPU numbers from a list like "0-3,8": the cores every run is pinned to."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    if not cpus:
+        raise ValueError(f"no CPU in {text!r}")
+    return cpus
+
+
 def _child(spec: dict[str, Any], conn: Any) -> None:
     try:
+        if spec.get("cpus"):
+            # the same cores for both runs of a pair: a launch-bound step's speed depends
+            # on where the scheduler puts the process (its core, its distance to the GPU)
+            os.sched_setaffinity(0, spec["cpus"])
         conn.send(("ok", run_variant(spec)))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -648,6 +666,7 @@ def bench_workload(
         "pairs": args.pairs, "steps": steps, "warmup": warmup, "variants": list(variants),
         "governor_window": window, "transformer_batch": args.transformer_batch,
         "inject_cycles": INJECT_CYCLES, "isolation": "forkserver process per run",
+        "cpus": args.cpus or "any",
     }  # fmt: skip
     out_path = Path(args.out) / f"overhead_{workload}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -665,7 +684,8 @@ def bench_workload(
                     "per_step": args.per_step,
                     "block_pairs": (args.block_pairs if args.block_pairs is not None
                                     else defaults["block_pairs"]),
-                    "transformer_batch": args.transformer_batch}  # fmt: skip
+                    "transformer_batch": args.transformer_batch,
+                    "cpus": parse_cpus(args.cpus) if args.cpus else None}  # fmt: skip
             a = run_once(ctx, {**base, "variant": "none"}, args.child_timeout)
             b = run_once(ctx, {**base, "variant": variant}, args.child_timeout)
             runs[variant].append((a, b))
@@ -758,7 +778,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="cupti_budget1: keep every block step's host time in the result",
     )
     parser.add_argument("--child-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--cpus",
+        default="",
+        help='pin every run to these cores, e.g. "0-3" (default: wherever the OS puts it)',
+    )
     args = parser.parse_args(argv)
+    if args.cpus:
+        try:
+            parse_cpus(args.cpus)
+        except ValueError:
+            parser.error(f"--cpus: not a CPU list: {args.cpus!r}")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in (*VARIANTS, *CONTROL_VARIANTS)]
     if unknown or not variants:
