@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -62,8 +62,16 @@ from distanom.detect import (
     StepSample,
 )
 from distanom.errors import CaptureRequestError, RunDirError
+from distanom.gc_pauses import GcPauses
 from distanom.governor import GovernorNotReadyError, GovernorParams, OverheadGovernor
-from distanom.rundir import RunDir, create_run, json_number, update_latest, write_json_atomic
+from distanom.rundir import (
+    STEPS_CSV_HEADER,
+    RunDir,
+    create_run,
+    json_number,
+    update_latest,
+    write_json_atomic,
+)
 from distanom.tracers import Tracer, create_tracer
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
 
@@ -76,6 +84,17 @@ FINAL_ROUND_TIMEOUT_S = 10.0
 # The last step boundaries are normally a few ms behind the host: wait for them at least
 # this long at exit even when analysis.exit_timeout_s is 0.
 EXIT_DRAIN_FLOOR_S = 5.0
+
+
+class StepRecord(NamedTuple):
+    """One resolved step, from the training thread to the control thread."""
+
+    step: int
+    duration_ms: float
+    flags: int  # STEP_* bits
+    self_ms: float  # distanom's capture work during the step
+    gc_ms: float  # Python garbage collection during the step (host time)
+    gc_generation: int  # the highest generation collected, -1 for none
 
 
 def active_agent() -> Agent | None:
@@ -110,6 +129,8 @@ class Agent:
         self._boundaries_off = False  # step bookkeeping failed: training goes on unwatched
         self._last_busy_ns = 0
         self._self_ms: dict[int, float] = {}  # capture work during steps not yet resolved
+        self._gc_pauses = GcPauses()
+        self._gc: dict[int, tuple[float, int]] = {}  # collections during steps not yet resolved
         self._tracing_during = False  # whether the tracer records the step in progress
         self._tracer_started = False
         self._closed = False
@@ -150,6 +171,7 @@ class Agent:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._hook_handle = register_optimizer_step_post_hook(self._on_optimizer_step)
+        self._gc_pauses.install()
         self._control.start()
 
     def _warn_once(self, key: str, message: str, *args: Any) -> None:
@@ -235,6 +257,9 @@ class Agent:
         self._step_flags[step] = self._flags_of_ended_step() | (STEP_DISTURBED if self_ms else 0)
         if self_ms:
             self._self_ms[step] = self_ms
+        gc_ms, gc_generation = self._gc_pauses.take()
+        if gc_ms > 0:
+            self._gc[step] = (gc_ms, gc_generation)
         tracer = self.tracer
         if tracer is not None and not inside_optimizer:
             flushes = getattr(tracer, "boundary_flushes", 0)
@@ -257,12 +282,20 @@ class Agent:
                 self._tracer_failed(err)
             self._next_after_flush = getattr(tracer, "boundary_flushes", 0) != flushes
         for resolved_step, duration in resolved:
-            flags = self._step_flags.pop(resolved_step, 0)
-            self._inbox.put((resolved_step, duration, flags, self._self_ms.pop(resolved_step, 0.0)))
+            self._inbox.put(self._resolved(resolved_step, duration))
         if len(self._step_flags) > 4096:  # boundaries the clock gave up on
             for old in [s for s in self._step_flags if s < step - 2048]:
                 del self._step_flags[old]
                 self._self_ms.pop(old, None)
+                self._gc.pop(old, None)
+
+    def _resolved(self, step: int, duration: float) -> StepRecord:
+        """What the control thread gets of a step whose time is known."""
+        gc_ms, gc_generation = self._gc.pop(step, (0.0, -1))
+        return StepRecord(
+            step, duration, self._step_flags.pop(step, 0), self._self_ms.pop(step, 0.0),
+            gc_ms, gc_generation,
+        )  # fmt: skip
 
     def _flags_of_ended_step(self) -> int:
         """STEP_* bits of the step that just ended: traced, after a flush, disturbed by
@@ -376,7 +409,7 @@ class Agent:
             if item is _FINAL:
                 return
             if item is not None:
-                self._log_step(*item)
+                self._log_step(item)
             now = time.monotonic()
             if self.world.rank == 0 and now >= next_status:
                 next_status = now + self.config.control.status_interval_s
@@ -413,7 +446,7 @@ class Agent:
             run.steps_csv(world.rank).parent.mkdir(exist_ok=True)
             self._steps_file = open(run.steps_csv(world.rank), "a", encoding="ascii")  # noqa: SIM115
             if self._steps_file.tell() == 0:
-                self._steps_file.write("step,duration_ms,traced,after_flush,self_ms\n")
+                self._steps_file.write(STEPS_CSV_HEADER)
         except OSError as err:
             self._capture_off(f"{run.path}: not writable ({err.strerror})")
             return
@@ -482,9 +515,8 @@ class Agent:
                 if item is _FINAL:
                     final = True
                     continue
-                step, duration, step_flags, self_ms = item
-                builder.add(step, duration, step_flags, self_ms)
-                self._log_step(step, duration, step_flags, self_ms)
+                builder.add(item.step, item.duration_ms, item.flags, item.self_ms)
+                self._log_step(item)
             self._flush_steps()
             now = time.monotonic()
             if self.world.rank == 0 and now >= next_poll:
@@ -579,13 +611,16 @@ class Agent:
                 report["stats"] = stats()
         return report
 
-    def _log_step(self, step: int, duration: float, step_flags: int, self_ms: float) -> None:
+    def _log_step(self, item: StepRecord) -> None:
         if self._steps_file is None:
             return
         try:
-            traced = int(bool(step_flags & STEP_TRACED))
-            flushed = int(bool(step_flags & STEP_AFTER_FLUSH))
-            self._steps_file.write(f"{step},{duration:.4f},{traced},{flushed},{self_ms:.3f}\n")
+            traced = int(bool(item.flags & STEP_TRACED))
+            flushed = int(bool(item.flags & STEP_AFTER_FLUSH))
+            self._steps_file.write(
+                f"{item.step},{item.duration_ms:.4f},{traced},{flushed},{item.self_ms:.3f},"
+                f"{item.gc_ms:.3f},{item.gc_generation}\n"
+            )
         except (OSError, ValueError):
             self._steps_file = None
 
@@ -710,8 +745,7 @@ class Agent:
             try:
                 drained, gpu_done = self.clock.drain(drain_s)
                 for step, duration in drained:
-                    flags = self._step_flags.pop(step, 0)
-                    self._inbox.put((step, duration, flags, self._self_ms.pop(step, 0.0)))
+                    self._inbox.put(self._resolved(step, duration))
                 if not gpu_done:
                     log.warning(
                         "distanom: the GPU did not reach the last step boundaries within "
@@ -738,6 +772,7 @@ class Agent:
                 tracer.close()
         if self._group is not None and not self._control.is_alive():
             self._group.close()
+        self._gc_pauses.uninstall()
         if _ACTIVE is self:
             _ACTIVE = None
         with contextlib.suppress(Exception):

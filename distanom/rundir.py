@@ -4,7 +4,7 @@
 <base>/<run-id>/
   run.json                         config snapshot, world, hosts, versions (rank 0)
   status.json                      live state of the job, rewritten by rank 0
-  steps/rank<R>.csv                every step's duration on rank R (append-only)
+  steps/rank<R>.csv                every step on rank R (append-only): STEPS_CSV_HEADER
   captures/step_<N>/
       rank<R>.trace.json.gz        rank R's Kineto chrome trace of step N
       rank<R>.gpu_timeline.csv     TraceLens-compatible tables of that trace
@@ -41,6 +41,10 @@ from typing import Any
 
 from distanom.errors import RunDirError
 
+# step, its duration (ms, as the clock measured it), traced / after a tracer flush (0|1),
+# distanom's capture work during it (ms), Python garbage collection during it (ms, and
+# the highest generation collected, -1 for none)
+STEPS_CSV_HEADER = "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen\n"
 INDEX_NAME = "index.jsonl"
 RUN_JSON = "run.json"
 STATUS_JSON = "status.json"

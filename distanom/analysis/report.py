@@ -17,7 +17,7 @@ from typing import Any
 
 from distanom.analysis.crossrank import add_cross_rank, breakdown, outside_ms, verdict_line
 from distanom.analysis.kernel_diff import kernel_diff_lines
-from distanom.analysis.run import CaptureInfo, RunData, load_steps
+from distanom.analysis.run import CaptureInfo, RunData, StepSeries, load_steps
 from distanom.analysis.tables_io import BREAKDOWN_ROWS, rank_tables, timeline_json
 from distanom.errors import DistanomError
 from distanom.rundir import json_number, write_json_atomic
@@ -32,6 +32,8 @@ OUTSIDE_NOTE = (
 def build_report(data: RunData, *, engine: str = "auto") -> dict[str, Any]:
     series = load_steps(data)
     captures = [_capture_json(data, info, engine) for info in data.captures]
+    for capture in captures:
+        _add_gc(capture, series)
     add_cross_rank(data, captures)
     for info, capture in zip(data.captures, captures, strict=True):
         _write_summary(data, info, capture)
@@ -140,6 +142,37 @@ def _capture_json(data: RunData, info: CaptureInfo, engine: str) -> dict[str, An
                 f"step {info.step} rank {rank}: trace may lack records ({'; '.join(gaps)})"
             )
     return capture
+
+
+# Garbage collection shorter than this in a captured step is not worth a line: young
+# collections take tens of µs each; a full one takes milliseconds.
+GC_NOTE_MS = 1.0
+
+
+def _add_gc(capture: dict[str, Any], series: StepSeries) -> None:
+    """Each rank's Python garbage collection during the captured step (from its step file)."""
+    pauses = {
+        str(rank): {"ms": round(found[0], 3), "generation": found[1]}
+        for rank, by_step in sorted(series.gc.items())
+        if (found := by_step.get(capture["step"])) is not None
+    }
+    if pauses:
+        capture["python_gc"] = pauses
+
+
+def _gc_lines(capture: Mapping[str, Any]) -> list[str]:
+    pauses = {
+        rank: pause
+        for rank, pause in (capture.get("python_gc") or {}).items()
+        if pause["ms"] >= GC_NOTE_MS
+    }
+    if not pauses:
+        return []
+    parts = [
+        f"rank {rank} {pause['ms']:.2f} ms (generation {pause['generation']})"
+        for rank, pause in pauses.items()
+    ]
+    return ["  python garbage collection during the step: " + ", ".join(parts)]
 
 
 # Tracer stats of a served step that mean records of it may be missing from its trace.
@@ -406,6 +439,7 @@ def render_text(report: dict[str, Any]) -> str:
         ]
         for capture in captures:
             lines += _breakdown_lines(capture)
+            lines += _gc_lines(capture)
             lines += _cross_rank_lines(capture)
         for capture in captures:
             if capture["missing_ranks"]:

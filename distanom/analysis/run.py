@@ -66,6 +66,8 @@ class StepSeries:
     traced: list[bool]  # on every rank
     after_flush: list[bool] = field(default_factory=list)  # on any rank
     self_ms: list[float] = field(default_factory=list)  # the longest on any rank
+    # Python garbage collection per rank and step: (ms, highest generation or -1)
+    gc: dict[int, dict[int, tuple[float, int]]] = field(default_factory=dict)
 
     def samples(self) -> list[StepSample]:
         """The steps as the detector saw them (same fields the consensus gathers)."""
@@ -247,11 +249,13 @@ def _request_ranks(data: RunData, number: str) -> list[int] | None:
 def load_steps(data: RunData) -> StepSeries:
     """Every rank's steps/rank<R>.csv, aligned by step; damaged rows become problems."""
     per_rank_rows: dict[int, dict[int, tuple[float, bool, bool, float]]] = {}
+    collections: dict[int, dict[int, tuple[float, int]]] = {}
     for rank in range(data.world_size):
         path = data.run.steps_csv(rank)
         if not path.exists():
             continue
         rows: dict[int, tuple[float, bool, bool, float]] = {}
+        pauses: dict[int, tuple[float, int]] = {}
         bad = 0
         with open(path, encoding="ascii", errors="replace", newline="") as handle:
             for number, row in enumerate(csv.reader(handle)):
@@ -260,12 +264,18 @@ def load_steps(data: RunData) -> StepSeries:
                 try:
                     after = len(row) > 3 and row[3].strip() == "1"
                     spent = float(row[4]) if len(row) > 4 else 0.0
-                    rows[int(row[0])] = (float(row[1]), row[2].strip() == "1", after, spent)
+                    step = int(row[0])
+                    rows[step] = (float(row[1]), row[2].strip() == "1", after, spent)
                 except (ValueError, IndexError):
                     bad += 1
+                    continue
+                pause = _gc_pause(row)
+                if pause is not None:
+                    pauses[step] = pause
         if bad:
             data.problems.append(f"{data.run.relative(path)}: {bad} unreadable row(s) skipped")
         per_rank_rows[rank] = rows
+        collections[rank] = pauses
     steps = sorted(set().union(*(rows.keys() for rows in per_rank_rows.values())))
     missing = (math.nan, True, False, 0.0)
     per_rank = {
@@ -275,7 +285,17 @@ def load_steps(data: RunData) -> StepSeries:
     traced = [all(rows.get(step, missing)[1] for rows in every) for step in steps]
     flushed = [any(rows.get(step, missing)[2] for rows in every) for step in steps]
     own = [max((rows.get(step, missing)[3] for rows in every), default=0.0) for step in steps]
-    return StepSeries(steps, per_rank, traced, flushed, own)
+    return StepSeries(steps, per_rank, traced, flushed, own, collections)
+
+
+def _gc_pause(row: list[str]) -> tuple[float, int] | None:
+    """A step row's garbage collection (ms, generation), None for none or unreadable
+    (runs written before these columns existed have none)."""
+    try:
+        spent, generation = float(row[5]), int(row[6])
+    except (ValueError, IndexError):
+        return None
+    return (spent, generation) if math.isfinite(spent) and spent > 0 else None
 
 
 def _number(value: Any) -> float | None:
