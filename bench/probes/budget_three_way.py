@@ -19,7 +19,8 @@ per kind, ms per step over all blocks and the mean of per-rotation ratios agains
 with their standard error; `governed` also split into blocks that held a traced step and
 blocks that did not, the excess of each over the `off` block of its rotation as a share
 of governed time, and clean governed blocks against `never`. Writes budget_three_way.json
-under --out; `--summarize RESULT` recomputes the summary of a saved result anywhere.
+under --out; `--summarize RESULT [RESULT ...]` recomputes the summary of saved results
+anywhere, the rotations of several runs pooled (one run's +-0.7% cannot settle a 1% budget).
 `--simulate` runs the same rotation with no GPU: a CPU step and a tracer that burns the
 costs the cupti backend measured, so the governed loop's own cost can be seen apart from
 anything CUPTI or the GPU does (budget_three_way_simulated.json).
@@ -103,7 +104,7 @@ def _per_step(block: dict[str, Any]) -> float:
 
 def summarize(blocks: list[dict[str, Any]]) -> dict[str, Any]:
     """The figures the probe reports, from its blocks (also for a saved result)."""
-    by_triple: dict[int, dict[str, dict[str, Any]]] = {}
+    by_triple: dict[Any, dict[str, dict[str, Any]]] = {}
     for b in blocks:
         by_triple.setdefault(b["triple"], {})[b["kind"]] = b
     ratios: dict[str, list[float]] = {"never": [], "governed": [], "governed_clean": [],
@@ -168,12 +169,19 @@ def main() -> int:
         "governed loop itself costs anything",
     )
     parser.add_argument(
-        "--summarize", metavar="RESULT", help="print the summary of a saved result and exit"
+        "--summarize",
+        metavar="RESULT",
+        nargs="+",
+        help="print the summary of saved results and exit (several: their rotations pooled)",
     )
     args = parser.parse_args()
     if args.summarize:
-        saved = json.loads(Path(args.summarize).read_text())
-        print(json.dumps(summarize(saved["blocks"]), indent=1))
+        pooled: list[dict[str, Any]] = []
+        for number, path in enumerate(args.summarize):
+            blocks = json.loads(Path(path).read_text())["blocks"]
+            # each run numbers its rotations from 0: keep them apart
+            pooled += [{**b, "triple": (number, b["triple"])} for b in blocks]
+        print(json.dumps(summarize(pooled), indent=1))
         return 0
 
     import torch
