@@ -18,6 +18,18 @@ TOY = REPO / "launch" / "toy_train.py"
 DATA = Path(__file__).resolve().parent / "data"
 
 
+class Ticks:
+    """A fake nanosecond clock that advances `step_ns` at every reading."""
+
+    def __init__(self, step_ns: int = 1000) -> None:
+        self.now = 0
+        self.step_ns = step_ns
+
+    def __call__(self) -> int:
+        self.now += self.step_ns
+        return self.now
+
+
 def load_bench_script(name: str) -> ModuleType:
     """bench/<name>.py as a module (registered, so its dataclasses and pickling work)."""
     spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")

@@ -26,25 +26,17 @@ from distanom.tracers.cupti_lib import (
     libcupti_candidates,
 )
 from distanom.tracers.cupti_records import DecodeStats, NameTable, buffer_view, decode_records
+from tests.conftest import Ticks
 
 HERE = Path(__file__).resolve().parent
 T0 = 1_800_000_000_000_000_000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0
-
-    def __call__(self) -> int:
-        self.now += 1000
-        return self.now
 
 
 # -- BufferPool ------------------------------------------------------------------------
 
 
 def test_pool_hands_out_aligned_distinct_buffers_up_to_its_budget() -> None:
-    pool = BufferPool(4096, 3, clock=Clock())
+    pool = BufferPool(4096, 3, clock=Ticks())
     got = [pool.request() for _ in range(3)]
     assert all(g is not None for g in got)
     addrs = [g[0] for g in got if g is not None]
@@ -56,7 +48,7 @@ def test_pool_hands_out_aligned_distinct_buffers_up_to_its_budget() -> None:
 
 
 def test_pool_recycles_the_oldest_unpinned_completed_buffer() -> None:
-    clock = Clock()
+    clock = Ticks()
     pool = BufferPool(4096, 3, clock=clock)
     a, b, c = (pool.request() for _ in range(3))
     assert a and b and c
@@ -79,7 +71,7 @@ def test_pool_recycles_the_oldest_unpinned_completed_buffer() -> None:
 
 
 def test_pool_takes_back_empty_buffers_and_ignores_unknown_ones() -> None:
-    pool = BufferPool(4096, 2, clock=Clock())
+    pool = BufferPool(4096, 2, clock=Ticks())
     a = pool.request()
     assert a is not None
     pool.complete(a[0], 0)
@@ -103,7 +95,7 @@ def test_pool_sizes_for_ring_budget() -> None:
 
 
 def test_release_keeps_buffers_cupti_still_holds_alive() -> None:
-    pool = BufferPool(4096, 3, clock=Clock())
+    pool = BufferPool(4096, 3, clock=Ticks())
     a, b = pool.request(), pool.request()
     assert a and b
     pool.complete(a[0], 64)
@@ -114,7 +106,7 @@ def test_release_keeps_buffers_cupti_still_holds_alive() -> None:
 
 
 def test_callbacks_dispatch_to_the_active_pool() -> None:
-    pool = BufferPool(4096, 2, clock=Clock())
+    pool = BufferPool(4096, 2, clock=Ticks())
     buf, size, nrec = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t(7)
     cupti_lib._active_pool = pool
     try:
@@ -176,7 +168,7 @@ def session(fake_lib: CuptiLib) -> Iterator[ActivitySession]:
     dll.fake_set_busy(0)
     dll.fake_fail_enable(-1)
     dll.fake_fail_finalize(0)
-    s = ActivitySession(fake_lib, BufferPool(4096, 4, clock=Clock()))
+    s = ActivitySession(fake_lib, BufferPool(4096, 4, clock=Ticks()))
     try:
         yield s
     finally:
@@ -310,7 +302,7 @@ def test_failed_detach_leaves_the_session_attached_and_disabled(
 
 
 def test_pool_begin_epoch_abandons_buffers_cupti_still_holds() -> None:
-    pool = BufferPool(4096, 4, clock=Clock())
+    pool = BufferPool(4096, 4, clock=Ticks())
     held = pool.request()
     assert held is not None
     assert pool.begin_epoch() == 1

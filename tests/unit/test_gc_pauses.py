@@ -11,24 +11,14 @@ import torch
 from distanom.analysis.report import build_report, render_text
 from distanom.analysis.run import load_run, load_steps
 from distanom.gc_pauses import GcPauses
+from tests.conftest import Ticks
 from tests.unit.rungen import Capture, make_run
 from tests.unit.stepgen import gpu_job
 from tests.unit.test_agent_steps import make_agent
 
 
-class Ticks:
-    """A clock that advances 1 ms per reading."""
-
-    def __init__(self) -> None:
-        self.now = 0
-
-    def __call__(self) -> int:
-        self.now += 1_000_000
-        return self.now
-
-
 def test_collections_are_added_up_until_taken() -> None:
-    pauses = GcPauses(Ticks())
+    pauses = GcPauses(Ticks(1_000_000))
     pauses.install()
     try:
         gc.collect(0)
@@ -45,7 +35,7 @@ def test_collections_are_added_up_until_taken() -> None:
 
 
 def test_a_malformed_callback_never_raises() -> None:
-    pauses = GcPauses(Ticks())
+    pauses = GcPauses(Ticks(1_000_000))
     pauses._on_collection("stop", {})  # a stop without its start
     pauses._on_collection("start", {"generation": "2"})  # not an int: ignored
     pauses._on_collection("stop", {})
