@@ -90,11 +90,14 @@ def missed_step_ms(runs: Path, step: int, nproc: int) -> dict[str, Any]:
         per_rank[rank] = {int(r.split(",")[0]): float(r.split(",")[1]) for r in rows}
     slowest = {s: max(t[s] for t in per_rank.values() if s in t) for s in per_rank[0]}
     before = [slowest[s] for s in range(step - 200, step) if s in slowest]
-    median = statistics.median(before) if before else float("nan")
+    median = statistics.median(before) if before else None
+    slowest_ms = slowest.get(step)
     return {
         "step_ms": {r: t.get(step) for r, t in per_rank.items()},
-        "median_before_ms": round(median, 3),
-        "ratio_to_median": round(slowest.get(step, float("nan")) / median, 3),
+        "median_before_ms": None if median is None else round(median, 3),
+        "ratio_to_median": (
+            round(slowest_ms / median, 3) if median and slowest_ms is not None else None
+        ),
     }
 
 
@@ -124,7 +127,10 @@ def check(runs: Path, nproc: int, compute_rank: int, stall_rank: int) -> dict[st
             entry: dict[str, Any] = {"captured": capture is not None}
             if capture is None:
                 all_captured = culprit_ok = False
-                entry.update(missed_step_ms(runs, step, nproc))
+                try:  # a diagnosis only: it must not cost the rest of the check
+                    entry.update(missed_step_ms(runs, step, nproc))
+                except (OSError, ValueError, ZeroDivisionError, statistics.StatisticsError) as err:
+                    entry["missed_diagnosis_error"] = f"{type(err).__name__}: {err}"
                 cases[f"{case}@{step}"] = entry
                 continue
             ranks = sorted(int(r) for r in capture["ranks"])

@@ -534,7 +534,10 @@ def parse_cpus(text: str) -> list[int]:
         if not part:
             continue
         first, _, last = part.partition("-")
-        cpus.extend(range(int(first), int(last or first) + 1))
+        low, high = int(first), int(last or first)
+        if high < low:
+            raise ValueError(f"reversed range {part!r}")
+        cpus.extend(range(low, high + 1))
     if not cpus:
         raise ValueError(f"no CPU in {text!r}")
     return cpus

@@ -171,8 +171,8 @@ class Agent:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._hook_handle = register_optimizer_step_post_hook(self._on_optimizer_step)
-        self._gc_pauses.install()
         self._control.start()
+        self._gc_pauses.install()  # last: nothing after it can fail and leave it installed
 
     def _warn_once(self, key: str, message: str, *args: Any) -> None:
         if key not in self._warned:

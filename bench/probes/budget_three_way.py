@@ -172,7 +172,8 @@ def main() -> int:
         "--summarize",
         metavar="RESULT",
         nargs="+",
-        help="print the summary of saved results and exit (several: their rotations pooled)",
+        help="print the summary of saved results and exit (several: their rotations "
+        "pooled; the work/rest split only if every result recorded it)",
     )
     args = parser.parse_args()
     if args.summarize:

@@ -219,6 +219,7 @@ def _write_summary(data: RunData, info: CaptureInfo, capture: dict[str, Any]) ->
         "verdict": capture.get("verdict"),
         "kernel_diff": capture.get("kernel_diff"),
         "merged_trace": capture.get("merged_trace"),
+        "python_gc": capture.get("python_gc", {}),
     }
     with contextlib.suppress(OSError):  # a read-only run directory still gets its report
         write_json_atomic(data.run.summary_json(info.step), summary)

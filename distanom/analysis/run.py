@@ -270,7 +270,9 @@ def load_steps(data: RunData) -> StepSeries:
                     bad += 1
                     continue
                 pause = _gc_pause(row)
-                if pause is not None:
+                if pause is None:
+                    pauses.pop(step, None)  # a repeated row replaces the whole step
+                else:
                     pauses[step] = pause
         if bad:
             data.problems.append(f"{data.run.relative(path)}: {bad} unreadable row(s) skipped")

@@ -4,6 +4,8 @@ beside a captured step by the report."""
 from __future__ import annotations
 
 import gc
+import json
+import threading
 from pathlib import Path
 
 import torch
@@ -42,23 +44,40 @@ def test_a_malformed_callback_never_raises() -> None:
     assert pauses.take() == (1.0, -1)
 
 
+def test_a_collection_in_progress_at_a_boundary_counts_in_the_step_it_ends() -> None:
+    pauses = GcPauses(Ticks(1_000_000))
+    pauses._on_collection("start", {"generation": 2})  # on another thread, say
+    assert pauses.take() == (0.0, -1)  # the boundary: nothing has ended yet
+    pauses._on_collection("stop", {"generation": 2})
+    assert pauses.take() == (1.0, 2)  # whole, with its generation
+
+
 def test_the_agent_writes_each_steps_collections(tmp_path: Path) -> None:
     agent = make_agent(tmp_path)
     model = torch.nn.Linear(8, 2)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(8):
-        model(torch.randn(4, 8)).sum().backward()
-        if step == 5:  # during step 5: between boundaries 4 and 5
-            gc.collect(2)
-        sgd.step()
-    agent.close()
+    gc.disable()  # no automatic collection: only the one planted below
+    try:
+        for step in range(8):
+            model(torch.randn(4, 8)).sum().backward()
+            if step == 5:  # during step 5 (between boundaries 4 and 5), on another thread
+                collector = threading.Thread(target=gc.collect, args=(2,))
+                collector.start()
+                collector.join()
+            sgd.step()
+        agent.close()
+    finally:
+        gc.enable()
     assert agent.run is not None
     rows = agent.run.steps_csv(0).read_text().splitlines()
     assert rows[0] == "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen"
     fields = {int(r.split(",")[0]): r.split(",") for r in rows[1:]}
-    assert int(fields[5][6]) == 2 and float(fields[5][5]) > 0
+    assert sorted(fields) == list(range(1, 8))
+    assert [s for s, f in fields.items() if f[6] != "-1"] == [5]
+    assert float(fields[5][5]) > 0 and fields[5][6] == "2"
+    assert all(float(f[5]) == 0 for s, f in fields.items() if s != 5)
     collections = load_steps(load_run(str(agent.run.path))).gc[0]
-    assert collections[5][1] == 2 and collections[5][0] > 0
+    assert list(collections) == [5] and collections[5][1] == 2
 
 
 def with_gc_columns(path: Path, pauses: dict[int, tuple[float, int]], damaged: int) -> None:
@@ -84,6 +103,8 @@ def test_the_report_names_a_long_collection_in_a_captured_step(tmp_path: Path) -
         "0": {"ms": 0.2, "generation": 0},
         "1": {"ms": 22.5, "generation": 2},
     }
+    summary = json.loads(run.summary_json(40).read_text())
+    assert summary["python_gc"] == capture["python_gc"]
     text = render_text(report)
     # rank 0's young collection is below the line's threshold; step 41 was not captured
     assert "python garbage collection during the step: rank 1 22.50 ms (generation 2)" in text
@@ -99,3 +120,11 @@ def test_runs_written_before_the_gc_columns_still_load(tmp_path: Path) -> None:
     report = build_report(load_run(str(run.path)))
     assert "python_gc" not in report["captures"][0]
     assert "python garbage collection" not in render_text(report)
+
+
+def test_a_repeated_step_row_replaces_that_steps_collection(tmp_path: Path) -> None:
+    run = make_run(tmp_path, [], hosts=["a"])
+    with_gc_columns(run.steps_csv(0), {41: (30.0, 2)}, damaged=-1)
+    with open(run.steps_csv(0), "a") as handle:
+        handle.write("41,1.5000,1,0,0.000,0.000,-1\n")  # written again, without one
+    assert load_steps(load_run(str(run.path))).gc[0] == {}
