@@ -30,6 +30,7 @@ from distanom.analysis.kernel_diff import top_changes
 from distanom.analysis.report import (
     OUTSIDE_NOTE,
     breakdown_numbers,
+    gc_sentence,
     median_parts,
     ranks_cell,
     shows_outside,
@@ -501,6 +502,9 @@ def render_html(
             culprit = (capture.get("verdict") or {}).get("culprit_rank")
             css = "verdict" if culprit is not None else "verdict none"
             body.append(f'<p class="{css}">Verdict: {_e(sentence)}</p>')
+        collections = gc_sentence(capture)
+        if collections:
+            body.append(f'<p class="facts">{_e(collections[0].upper() + collections[1:])}</p>')
         bars = _bars(capture)
         if bars is not None:
             png = _bars_png(figure_class, bars) if figure_class else None

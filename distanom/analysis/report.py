@@ -160,19 +160,19 @@ def _add_gc(capture: dict[str, Any], series: StepSeries) -> None:
         capture["python_gc"] = pauses
 
 
-def _gc_lines(capture: Mapping[str, Any]) -> list[str]:
-    pauses = {
-        rank: pause
-        for rank, pause in (capture.get("python_gc") or {}).items()
-        if pause["ms"] >= GC_NOTE_MS
-    }
-    if not pauses:
-        return []
+def gc_sentence(capture: Mapping[str, Any]) -> str | None:
+    """The ranks whose Python garbage collection took GC_NOTE_MS or more in the step."""
     parts = [
         f"rank {rank} {pause['ms']:.2f} ms (generation {pause['generation']})"
-        for rank, pause in pauses.items()
+        for rank, pause in (capture.get("python_gc") or {}).items()
+        if pause["ms"] >= GC_NOTE_MS
     ]
-    return ["  python garbage collection during the step: " + ", ".join(parts)]
+    return "python garbage collection during the step: " + ", ".join(parts) if parts else None
+
+
+def _gc_lines(capture: Mapping[str, Any]) -> list[str]:
+    sentence = gc_sentence(capture)
+    return [f"  {sentence}"] if sentence else []
 
 
 # Tracer stats of a served step that mean records of it may be missing from its trace.

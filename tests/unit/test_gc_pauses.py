@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from distanom.analysis.html_report import render_html
 from distanom.analysis.report import build_report, render_text
 from distanom.analysis.run import load_run, load_steps
 from distanom.gc_pauses import GcPauses
@@ -109,6 +110,8 @@ def test_the_report_names_a_long_collection_in_a_captured_step(tmp_path: Path) -
     # rank 0's young collection is below the line's threshold; step 41 was not captured
     assert "python garbage collection during the step: rank 1 22.50 ms (generation 2)" in text
     assert "rank 0 0.20" not in text and "30.00" not in text
+    page = render_html(report, load_steps(data), {"multiplier": 1.5}, use_matplotlib=False).html
+    assert "Python garbage collection during the step: rank 1 22.50 ms (generation 2)" in page
     # a damaged collection cell loses the collection, not the step; ranks 2-3 have the
     # older format
     assert not any("unreadable row" in p for p in report["problems"])
