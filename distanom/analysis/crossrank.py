@@ -46,7 +46,7 @@ from distanom.analysis.merge import MERGED_NAME, MergeWriter, estimate_offsets
 from distanom.analysis.run import RunData
 from distanom.analysis.tables_io import BREAKDOWN_ROWS
 from distanom.analysis.trace_io import read_trace_document, trace_from_document
-from distanom.analysis.verdict import Breakdown, RankEvidence, Verdict, decide
+from distanom.analysis.verdict import Breakdown, RankEvidence, Verdict, decide, note_python_gc
 from distanom.errors import DistanomError
 from distanom.rundir import write_bytes_atomic
 
@@ -304,6 +304,7 @@ def add_cross_rank(data: RunData, captures: list[dict[str, Any]]) -> None:
         ref_evidence = _evidence(reference, ref_facts) if reference is not None else []
         match = match_collectives({r: f.calls for r, f in mine.items()})
         verdict = _verdict(capture, evidence, ref_evidence, reference_step, match)
+        verdict = note_python_gc(verdict, capture.get("python_gc") or {})
         capture["verdict"] = verdict.as_json()
         capture["kernel_diff"] = _kernel_diff(
             capture, mine, reference_step, ref_facts, evidence, ref_evidence

@@ -19,6 +19,7 @@ from distanom.analysis.crossrank import add_cross_rank, breakdown, outside_ms, v
 from distanom.analysis.kernel_diff import kernel_diff_lines
 from distanom.analysis.run import CaptureInfo, RunData, StepSeries, load_steps
 from distanom.analysis.tables_io import BREAKDOWN_ROWS, rank_tables, timeline_json
+from distanom.analysis.verdict import GC_NOTE_MS
 from distanom.errors import DistanomError
 from distanom.rundir import json_number, write_json_atomic
 
@@ -142,11 +143,6 @@ def _capture_json(data: RunData, info: CaptureInfo, engine: str) -> dict[str, An
                 f"step {info.step} rank {rank}: trace may lack records ({'; '.join(gaps)})"
             )
     return capture
-
-
-# Garbage collection shorter than this in a captured step is not worth a line: young
-# collections take tens of µs each; a full one takes milliseconds.
-GC_NOTE_MS = 1.0
 
 
 def _add_gc(capture: dict[str, Any], series: StepSeries) -> None:

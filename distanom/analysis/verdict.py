@@ -41,6 +41,10 @@ time and the least waiting; its victims show the same amount as exposed communic
    over the reference → "communication" (the collective itself is slow); every rank's
    own time did → "global". Both with no culprit.
 
+A host stall gets its likely why from outside the trace (`note_python_gc`): when the
+culprit's Python garbage collection during the step (from its step file) took at least
+`GC_NOTE_MS` and `GC_SHARE` of the slowdown, the evidence says so.
+
 Arrival times compare clocks: ranks on one host share one, so their start times are
 compared directly; across hosts the starts are aligned by the collective's end (all
 ranks leave together), i.e. a rank's wait is its duration minus the shortest.
@@ -48,6 +52,7 @@ ranks leave together), i.e. a rank's wait is its duration minus the shortest.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,8 +69,14 @@ __all__ = [
     "Verdict",
     "arrival_order",
     "decide",
+    "note_python_gc",
     "rank_list",
 ]
+
+# A collection shorter than this is not worth naming: young ones take tens of µs each.
+GC_NOTE_MS = 1.0
+# ... nor one that explains less than this share of a host stall's slowdown.
+GC_SHARE = 0.25
 
 Cause = Literal["compute", "host_stall", "memcpy", "communication", "global", "unknown"]
 CAUSES: tuple[Cause, ...] = (
@@ -745,3 +756,24 @@ def decide(
             if late is not None:
                 return agreeing(late)
     return agreeing(_everyone_verdict(current, before, reference_step, base, details))
+
+
+def note_python_gc(verdict: Verdict, pauses: Mapping[str, Mapping[str, Any]]) -> Verdict:
+    """`verdict` with the culprit's Python garbage collection added to its evidence when
+    the cause is a host stall and the collection could account for it (see the module
+    docstring); `pauses` maps rank (as text) to {"ms", "generation"}."""
+    if verdict.cause != "host_stall" or verdict.culprit_rank is None:
+        return verdict
+    pause = pauses.get(str(verdict.culprit_rank))
+    if not pause:
+        return verdict
+    spent, generation = float(pause["ms"]), pause["generation"]
+    slowdown = verdict.details.get("slowdown_ms")
+    if spent < GC_NOTE_MS or (isinstance(slowdown, (int, float)) and spent < GC_SHARE * slowdown):
+        return verdict
+    evidence = (
+        f"{verdict.evidence}; Python garbage collection ran {_ms(spent)} ms on rank "
+        f"{verdict.culprit_rank} during the step (generation {generation})"
+    )
+    details = {**verdict.details, "python_gc_ms": round(spent, 3)}
+    return dataclasses.replace(verdict, evidence=evidence, details=details)

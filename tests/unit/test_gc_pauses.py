@@ -131,3 +131,17 @@ def test_a_repeated_step_row_replaces_that_steps_collection(tmp_path: Path) -> N
     with open(run.steps_csv(0), "a") as handle:
         handle.write("41,1.5000,1,0,0.000,0.000,-1\n")  # written again, without one
     assert load_steps(load_run(str(run.path))).gc[0] == {}
+
+
+def test_a_host_stall_verdict_names_the_culprits_collection(tmp_path: Path) -> None:
+    stalled = gpu_job(gap_us={1: 3000.0})  # rank 1's host stalls 3 ms
+    run = make_run(tmp_path, [Capture(40, "anomaly", stalled, 4.1, 1.2)], hosts=["a"] * 4)
+    with_gc_columns(run.steps_csv(0), {40: (2.5, 2)}, damaged=-1)  # not the culprit
+    with_gc_columns(run.steps_csv(1), {40: (2.9, 2)}, damaged=-1)
+    report = build_report(load_run(str(run.path)))
+    verdict = report["captures"][0]["verdict"]
+    assert (verdict["culprit_rank"], verdict["cause"]) == (1, "host_stall")
+    assert verdict["evidence"].endswith(
+        "; Python garbage collection ran 2.90 ms on rank 1 during the step (generation 2)"
+    )
+    assert verdict["details"]["python_gc_ms"] == 2.9

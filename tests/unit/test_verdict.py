@@ -10,8 +10,10 @@ from distanom.analysis.verdict import (
     CAUSES,
     Breakdown,
     RankEvidence,
+    Verdict,
     arrival_order,
     decide,
+    note_python_gc,
     rank_list,
 )
 from tests.unit.stepgen import MATMUL, cpu_job, gpu_job
@@ -473,3 +475,40 @@ def test_a_stall_before_the_first_op_keeps_its_window_in_the_comparison() -> Non
     ref = [ev(r, 5.0, 1.0) for r in range(4)]
     verdict = decide(now, reference=ref, reference_step=9, step_ms=37.0, expected_ms=7.0)
     assert (verdict.culprit_rank, verdict.cause) == (0, "host_stall")
+
+
+# -- a host stall's Python garbage collection ----------------------------------------------
+
+
+def stall(slowdown_ms: float | None = 40.0) -> Verdict:
+    details = {} if slowdown_ms is None else {"slowdown_ms": slowdown_ms}
+    return Verdict(2, None, "host_stall", "rank 2: idle grew by 39.0 ms", details)
+
+
+@pytest.mark.parametrize(
+    ("verdict", "pauses", "named"),
+    [
+        (stall(), {"2": {"ms": 31.2, "generation": 2}}, "31.2 ms on rank 2 during the step "
+         "(generation 2)"),
+        (stall(None), {"2": {"ms": 1.5, "generation": 1}}, "1.50 ms on rank 2 during the "
+         "step (generation 1)"),  # no slowdown known
+        (stall(), {"0": {"ms": 31.2, "generation": 2}}, None),  # another rank's
+        (stall(), {"2": {"ms": 9.0, "generation": 2}}, None),  # under a quarter of 40 ms
+        (stall(None), {"2": {"ms": 0.8, "generation": 0}}, None),  # under 1 ms
+        (
+            Verdict(2, None, "compute", "rank 2: computation grew", {"slowdown_ms": 40.0}),
+            {"2": {"ms": 31.2, "generation": 2}},
+            None,
+        ),
+    ],
+)  # fmt: skip
+def test_a_host_stalls_garbage_collection_joins_its_evidence(
+    verdict: Verdict, pauses: dict[str, dict[str, float]], named: str | None
+) -> None:
+    noted = note_python_gc(verdict, pauses)
+    if named is None:
+        assert noted == verdict
+        return
+    assert noted.evidence == f"{verdict.evidence}; Python garbage collection ran {named}"
+    assert noted.details["python_gc_ms"] == pauses["2"]["ms"]
+    assert (noted.cause, noted.culprit_rank) == (verdict.cause, verdict.culprit_rank)
