@@ -1,16 +1,18 @@
 """Python garbage-collection pauses, per step: how long the collector held the process.
 
-Owns one `gc.callbacks` hook (`GcPauses`) that records how long each collection ran. The
-thread that runs a collection does nothing else meanwhile and holds the GIL (but while
-finalisers it calls run Python code), so a collection on any thread stalls the training
-loop; a full (generation 2) collection of a process with torch loaded walks every
-tracked object (44 ms for 165k objects on a 2-core VM), as long as several steps of a
-launch-bound job: a classic cause of a rare slow step that the GPU trace shows only as
-idle time. The agent takes the finished collections at each step boundary (`take`) and
-writes them to the rank's step file (`gc_ms`, `gc_gen`), from where `distanom report`
-shows them beside a captured step. A collection is charged whole to the step in which
-it ends. It only watches: the collector's settings are the script's own (distanom never
-disables or freezes it in the training process).
+Owns one `gc.callbacks` hook (`GcPauses`) that records how long each collection ran.
+The thread that runs a collection does nothing else meanwhile and holds the GIL (other
+threads may get it only while finalisers the collection calls run Python code), so a
+collection on any thread stalls the training loop. A full (generation 2) collection of
+a process with torch loaded walks every tracked object (44 ms for 165k objects on a
+2-core VM), as long as several steps of a launch-bound job: a classic cause of a rare
+slow step that the GPU trace shows only as idle time.
+
+The agent takes the finished collections at each step boundary (`take`) and writes them
+to the rank's step file (`gc_ms`, `gc_gen`), from where `distanom report` shows them
+beside a captured step. A collection is charged whole to the step in which it ends. It
+only watches: the collector's settings are the script's own (distanom never disables or
+freezes it in the training process).
 """
 
 from __future__ import annotations
