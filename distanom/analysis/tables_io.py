@@ -41,12 +41,17 @@ BREAKDOWN_ROWS = (
 def write_rank_tables(run: RunDir, step: int, rank: int, trace: Path, engine: str) -> TraceTables:
     """Analyse one rank's trace of a capture and write its tables beside it."""
     tables = analyze_trace(trace, engine)
+    _write_tables(run, step, rank, tables)
+    return tables
+
+
+def _write_tables(run: RunDir, step: int, rank: int, tables: TraceTables) -> None:
+    """A GPU trace's timeline and kernel summary, or a CPU-only trace's timeline."""
     if tables.kind == "gpu":
         write_gpu_timeline_csv(run.timeline_csv(step, rank), tables.timeline)
         write_kernel_summary_csv(run.kernel_csv(step, rank), tables.kernel_summary)
     else:
         write_gpu_timeline_csv(run.cpu_timeline_csv(step, rank), tables.timeline)
-    return tables
 
 
 @dataclass(frozen=True)
@@ -66,11 +71,7 @@ def rank_tables(run: RunDir, step: int, rank: int, trace: Path, engine: str) -> 
                 return RankTables(read_gpu_timeline_csv(path), kind)
     tables = analyze_trace(trace, engine)
     with contextlib.suppress(OSError):  # a read-only run directory still gets its report
-        if tables.kind == "gpu":
-            write_gpu_timeline_csv(run.timeline_csv(step, rank), tables.timeline)
-            write_kernel_summary_csv(run.kernel_csv(step, rank), tables.kernel_summary)
-        else:
-            write_gpu_timeline_csv(run.cpu_timeline_csv(step, rank), tables.timeline)
+        _write_tables(run, step, rank, tables)
     return RankTables(tables.timeline, tables.kind)
 
 
