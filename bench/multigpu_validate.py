@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -82,22 +83,30 @@ def median_step_ms(runs: Path) -> float:
     return statistics.median(times)
 
 
-def missed_step_ms(runs: Path, step: int, nproc: int) -> dict[str, Any]:
+def missed_step_ms(runs: Path, step: int) -> dict[str, Any]:
     """Why an injected step may not have been captured: its time on each rank and the
     median of the 200 steps before it (the detector's default window)."""
-    per_rank: dict[int, dict[int, float]] = {}
-    for rank in range(nproc):
-        rows = (runs / "latest" / "steps" / f"rank{rank}.csv").read_text().splitlines()[1:]
-        per_rank[rank] = {int(r.split(",")[0]): float(r.split(",")[1]) for r in rows}
-    slowest = {s: max(t[s] for t in per_rank.values() if s in t) for s in per_rank[0]}
-    before = [slowest[s] for s in range(step - 200, step) if s in slowest]
+    sys.path.insert(0, str(REPO))
+    from distanom.analysis.run import load_run, load_steps
+
+    series = load_steps(load_run(str(runs)))
+    slowest = dict(zip(series.steps, series.step_ms(), strict=True))
+    before = [
+        slowest[s] for s in range(step - 200, step) if s in slowest and math.isfinite(slowest[s])
+    ]
     median = statistics.median(before) if before else None
     slowest_ms = slowest.get(step)
+    at = series.steps.index(step) if step in slowest else None
     return {
-        "step_ms": {r: t.get(step) for r, t in per_rank.items()},
+        "step_ms": {
+            r: None if at is None or not math.isfinite(t[at]) else t[at]
+            for r, t in series.per_rank.items()
+        },
         "median_before_ms": None if median is None else round(median, 3),
         "ratio_to_median": (
-            round(slowest_ms / median, 3) if median and slowest_ms is not None else None
+            round(slowest_ms / median, 3)
+            if median and slowest_ms is not None and math.isfinite(slowest_ms)
+            else None
         ),
     }
 
@@ -129,7 +138,7 @@ def check(runs: Path, nproc: int, compute_rank: int, stall_rank: int) -> dict[st
             if capture is None:
                 all_captured = culprit_ok = False
                 try:  # a diagnosis only: it must not cost the rest of the check
-                    entry.update(missed_step_ms(runs, step, nproc))
+                    entry.update(missed_step_ms(runs, step))
                 except (OSError, ValueError, ZeroDivisionError, statistics.StatisticsError) as err:
                     entry["missed_diagnosis_error"] = f"{type(err).__name__}: {err}"
                 cases[f"{case}@{step}"] = entry
