@@ -688,7 +688,7 @@ def bench_workload(
                     "block_pairs": (args.block_pairs if args.block_pairs is not None
                                     else defaults["block_pairs"]),
                     "transformer_batch": args.transformer_batch,
-                    "cpus": parse_cpus(args.cpus) if args.cpus else None}  # fmt: skip
+                    "cpus": args.cpu_list}  # fmt: skip
             a = run_once(ctx, {**base, "variant": "none"}, args.child_timeout)
             b = run_once(ctx, {**base, "variant": variant}, args.child_timeout)
             runs[variant].append((a, b))
@@ -787,9 +787,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help='pin every run to these cores, e.g. "0-3" (default: wherever the OS puts it)',
     )
     args = parser.parse_args(argv)
+    args.cpu_list = None
     if args.cpus:
         try:
-            parse_cpus(args.cpus)
+            args.cpu_list = parse_cpus(args.cpus)
         except ValueError:
             parser.error(f"--cpus: not a CPU list: {args.cpus!r}")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
