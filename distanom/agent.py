@@ -262,7 +262,7 @@ class Agent:
             self._gc[step] = (gc_ms, gc_generation)
         tracer = self.tracer
         if tracer is not None and not inside_optimizer:
-            flushes = getattr(tracer, "boundary_flushes", 0)
+            flushes = tracer.boundary_flushes
             try:
                 tracer.mark_step(step, host_ns)
                 if not self._tracer_started:
@@ -271,16 +271,16 @@ class Agent:
                     self._tracing_during = True
                     log.info(self.tracer_note)
                 elif self._capture_is_off():
-                    if getattr(tracer, "tracing", False):  # nothing will be captured
+                    if tracer.tracing:  # nothing will be captured
                         tracer.set_tracing(False)
                 else:
                     self._apply_duty_cycle(tracer, step + 1)
                 # what is in force for the next step: a backend may defer or refuse a
                 # switch, or make one asked for earlier at this boundary
-                self._tracing_during = bool(getattr(tracer, "tracing", self._tracing_during))
+                self._tracing_during = bool(tracer.tracing)
             except Exception as err:
                 self._tracer_failed(err)
-            self._next_after_flush = getattr(tracer, "boundary_flushes", 0) != flushes
+            self._next_after_flush = tracer.boundary_flushes != flushes
         for resolved_step, duration in resolved:
             self._inbox.put(self._resolved(resolved_step, duration))
         if len(self._step_flags) > 4096:  # boundaries the clock gave up on
@@ -335,7 +335,7 @@ class Agent:
                     want = governor.tracing_on(next_step)
                 except GovernorNotReadyError:
                     return
-        if want != bool(getattr(tracer, "tracing", self._tracing_during)):
+        if want != bool(tracer.tracing):
             tracer.set_tracing(want)
             self._tracing_during = want
 
@@ -605,10 +605,9 @@ class Agent:
             report["duty_cycle"] = duty
             report["overhead_pct"] = duty.get("measured_overhead_pct")
             report["traced_fraction"] = duty.get("traced_fraction")
-        stats = getattr(self.tracer, "stats", None)
-        if callable(stats):
+        if self.tracer is not None:
             with contextlib.suppress(Exception):
-                report["stats"] = stats()
+                report["stats"] = self.tracer.stats()
         return report
 
     def _log_step(self, item: StepRecord) -> None:

@@ -48,6 +48,8 @@ class Tracer(Protocol):
     from `mark_step`; `start`/`step_trace`/`close` may raise and are guarded by the agent."""
 
     name: str
+    # flushes made at step boundaries so far: a step that follows one carries its cost
+    boundary_flushes: int
 
     def start(self) -> None:
         """Begin recording. Called once, at the end of the first step (after the
@@ -76,6 +78,9 @@ class Tracer(Protocol):
 
     def step_trace(self, step: int) -> StepTrace:
         """The events of `step`. Raises KeyError if it is not READY."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters for the run's status (records dropped, buffers held, switches)."""
 
     def close(self) -> None:
         """Stop recording and free buffers. Idempotent."""

@@ -103,6 +103,8 @@ def test_a_failing_tracer_never_reaches_the_training_loop(
 ) -> None:
     class Broken:
         name = "broken"
+        boundary_flushes = 0
+        tracing = True
 
         def mark_step(self, step: int, host_end_ns: int) -> None:
             raise RuntimeError("disk on fire")
@@ -152,6 +154,9 @@ class SwitchingTracer:
         import threading
 
         self.calls.append(f"end_of_training on {threading.current_thread().name}")
+
+    def stats(self) -> dict[str, int]:
+        return {"boundary_flushes": self.boundary_flushes}
 
     def close(self) -> None:
         self.calls.append("close")
