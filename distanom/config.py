@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from distanom import safe_yaml
 from distanom.errors import ConfigError
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -277,7 +278,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except OSError as err:
         raise ConfigError(f"{path}: cannot read config file: {err.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = safe_yaml.load(text)
+    except safe_yaml.YamlRefused as err:
+        raise ConfigError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -302,7 +305,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if any(not part for part in parts):
         raise ConfigError(f"--set {text!r}: malformed key {key!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = safe_yaml.load(raw) if raw.strip() else None
+    except safe_yaml.YamlRefused as err:
+        raise ConfigError(f"--set {text!r}: {err}") from None
     except yaml.YAMLError:
         value = raw  # not YAML: take the text as a string, validation decides
     return parts, value
