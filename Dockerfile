@@ -10,7 +10,7 @@ WORKDIR /opt/distanom
 COPY pyproject.toml README.md ./
 COPY distanom ./distanom
 COPY configs ./configs
-COPY launch ./launch
+COPY examples ./examples
 # torch comes with the image; the low-overhead NVIDIA backend calls the libcupti that
 # CUDA builds of torch ship (no extra Python package)
 RUN pip install --no-cache-dir ".[plots]" \

@@ -3,7 +3,7 @@
     python3 bench/device_e2e.py --out $OUT [--backends cupti,kineto] [--nproc 1]
 
 For each tracer backend, runs `torchrun --nproc-per-node N -m distanom.launch` over
-launch/seed_resnet.py (ResNet18 bf16 batch 5) with `torch.cuda._sleep` injected on known
+examples/seed_resnet.py (ResNet18 bf16 batch 5) with `torch.cuda._sleep` injected on known
 steps and the seed's extra matmuls on others, then reads the run back through
 `distanom report --json` and checks, per injected step and rank:
 
@@ -47,7 +47,7 @@ def run_job(backend: str, nproc: int, runs: Path) -> dict[str, Any]:
         "--set", f"tracer.backend={backend}", "--set", "detect.warmup_steps=20",
         "--set", "detect.min_steps=30", "--set", "capture.reference_every_steps=60",
         "--set", "detect.merge_gap_steps=2",
-        str(REPO / "launch" / "seed_resnet.py"), "--steps", str(STEPS),
+        str(REPO / "examples" / "seed_resnet.py"), "--steps", str(STEPS),
         "--sleep-steps", ",".join(map(str, SLEEP_STEPS)), "--sleep-cycles", "20000000",
         "--matmul-steps", ",".join(map(str, MATMUL_STEPS)), "--matmul-count", "6",
     ]  # fmt: skip

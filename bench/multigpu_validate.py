@@ -2,7 +2,7 @@
 
     python3 bench/multigpu_validate.py --nproc 8 --out bench/results/multigpu_h200x8.json
 
-Runs `torchrun --nproc-per-node N -m distanom.launch` over launch/seed_resnet.py (DDP,
+Runs `torchrun --nproc-per-node N -m distanom.launch` over examples/seed_resnet.py (DDP,
 NCCL, one GPU per rank) with three kinds of injected slow steps on known steps:
 
   (a) extra GPU compute on one rank (torch.cuda._sleep on rank --compute-rank),
@@ -61,7 +61,7 @@ def run_job(nproc: int, runs: Path, backend: str, compute_rank: int, stall_rank:
         "--set", f"tracer.backend={backend}", "--set", "detect.warmup_steps=20",
         "--set", "detect.min_steps=30", "--set", "detect.merge_gap_steps=2",
         "--set", "capture.reference_every_steps=50",
-        str(REPO / "launch" / "seed_resnet.py"), "--steps", str(STEPS),
+        str(REPO / "examples" / "seed_resnet.py"), "--steps", str(STEPS),
         "--sleep-rank", str(compute_rank), "--sleep-cycles", str(SLEEP_CYCLES),
         "--sleep-steps", ",".join(map(str, CASES["compute"]["steps"])),
         "--stall-rank", str(stall_rank), "--stall-s", "0.05",

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-TOY = REPO / "launch" / "toy_train.py"
+TOY = REPO / "examples" / "toy_train.py"
 LAUNCH = [
     "--run-dir",
     "runs",

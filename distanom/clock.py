@@ -53,6 +53,7 @@ class StepClock:
         self.lost_boundaries = 0
 
     def mark(self, step: int) -> list[tuple[int, float]]:
+        """Mark the end of `step`; returns the (step, duration_ms) pairs that became known."""
         if self.mode == "cuda_event":
             return self._mark_event(step)
         if self.mode == "host_sync":

@@ -29,6 +29,8 @@ class _Section(BaseModel):
 
 
 class RunConfig(_Section):
+    """`run:` how the run directory's run id is named."""
+
     name: str | None = Field(
         None,
         description="prefix of the run id (letters, digits, '.', '_', '-'); "
@@ -47,6 +49,8 @@ class RunConfig(_Section):
 
 
 class StepConfig(_Section):
+    """`step:` what ends a training step (the optimizer's step() or distanom.step())."""
+
     source: Literal["optimizer", "manual"] = Field(
         "optimizer",
         description="what ends a step: 'optimizer' (every optimizer.step(), no change to "
@@ -60,6 +64,8 @@ class StepConfig(_Section):
 
 
 class ClockConfig(_Section):
+    """`clock:` how a step's duration is measured."""
+
     mode: Literal["auto", "cuda_event", "host_sync", "host"] = Field(
         "auto",
         description="how a step is timed: 'cuda_event' (GPU events, read without a "
@@ -70,6 +76,8 @@ class ClockConfig(_Section):
 
 
 class DetectConfig(_Section):
+    """`detect:` when a step counts as anomalous and which anomalies form one episode."""
+
     multiplier: float = Field(
         1.5, gt=1.0, le=1000.0, description="a step is anomalous above multiplier x median"
     )
@@ -93,6 +101,8 @@ class DetectConfig(_Section):
 
 
 class ConsensusConfig(_Section):
+    """`consensus:` the rounds in which ranks share their step times."""
+
     batch_steps: int = Field(
         1, ge=1, le=1000, description="steps per all-gather round of step times across ranks"
     )
@@ -112,6 +122,8 @@ class ConsensusConfig(_Section):
 
 
 class TracerConfig(_Section):
+    """`tracer:` which backend records events, how much history it keeps, its budget."""
+
     backend: Literal["auto", "kineto", "cupti", "none"] = Field(
         "auto",
         description="'cupti' (NVIDIA, raw CUPTI records, lowest overhead), 'kineto' "
@@ -149,6 +161,8 @@ class TracerConfig(_Section):
 
 
 class CaptureConfig(_Section):
+    """`capture:` how many traces are written, how large, and how often a reference."""
+
     max_captures: int = Field(
         50,
         ge=0,
@@ -172,6 +186,8 @@ class CaptureConfig(_Section):
 
 
 class AnalysisConfig(_Section):
+    """`analysis:` who computes the tables of a capture, and when."""
+
     engine: Literal["auto", "builtin", "tracelens"] = Field(
         "auto",
         description="who computes gpu_timeline and kernel_summary: 'tracelens' if importable "
@@ -193,6 +209,8 @@ class AnalysisConfig(_Section):
 
 
 class ControlConfig(_Section):
+    """`control:` how often on-demand requests are read and live status written."""
+
     poll_interval_s: float = Field(
         1.0, gt=0, le=3600, description="how often rank 0 looks for on-demand capture requests"
     )
@@ -202,12 +220,16 @@ class ControlConfig(_Section):
 
 
 class LogConfig(_Section):
+    """`log:` distanom's own log level."""
+
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="distanom's own log level (stderr, prefixed [distanom rR/W])"
     )
 
 
 class Config(_Section):
+    """The whole configuration: one frozen section per YAML top-level key."""
+
     run: RunConfig = Field(default_factory=RunConfig, description="run naming")
     step: StepConfig = Field(default_factory=StepConfig, description="what counts as a step")
     clock: ClockConfig = Field(default_factory=ClockConfig, description="step timing")

@@ -57,6 +57,7 @@ class CaptureRequest:
     ranges: tuple[tuple[int, int], ...] = ()  # inclusive rank ranges; () = every rank
 
     def ranks(self, world_size: int) -> tuple[int, ...] | None:
+        """The requested ranks that exist in this world, sorted (None: every rank)."""
         if not self.ranges:
             return None
         chosen = {r for lo, hi in self.ranges for r in range(lo, hi + 1) if 0 <= r < world_size}
@@ -87,17 +88,21 @@ class RoundResult:
 
     @property
     def last_step(self) -> int:
+        """The round's last step (-1 for an empty round)."""
         return self.samples[-1].step if self.samples else -1
 
     def ranks_with(self, flag: int) -> list[int]:
+        """The ranks whose round flags include `flag`."""
         return [rank for rank, flags in enumerate(self.rank_flags) if flags & flag]
 
 
 def row_length(batch_steps: int) -> int:
+    """Length of one rank's row for rounds of `batch_steps` steps."""
     return HEADER + RANGE_SLOTS + 3 * batch_steps
 
 
 def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
+    """This rank's round as its fixed-shape float64 row (NaN where empty)."""
     n = len(local.durations_ms)
     if n > batch_steps or len(local.step_flags) != n:
         raise ValueError("round larger than batch_steps or flags/durations mismatch")
@@ -211,6 +216,7 @@ class RoundBuilder:
     _max_step: int = 0
 
     def add(self, step: int, duration_ms: float, step_flags: int, self_ms: float = 0.0) -> None:
+        """Record a resolved step's duration and flags (steps already sent are ignored)."""
         if step >= self.next_first:
             self._durations[step] = (duration_ms, step_flags, self_ms)
             self._max_step = max(self._max_step, step)
@@ -220,6 +226,7 @@ class RoundBuilder:
         return self._max_step >= self.next_first + self.batch_steps - 1
 
     def pending_steps(self) -> int:
+        """How many steps (gaps included) are waiting for the next rounds."""
         return max(0, self._max_step - self.next_first + 1)
 
     def take(self, *, final: bool = False) -> LocalRound:

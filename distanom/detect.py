@@ -51,9 +51,8 @@ from distanom.config import CaptureConfig, DetectConfig
 CaptureKind = Literal["anomaly", "reference", "requested"]
 
 # A reference step must be a typical step: within these multiples of the median. Not
-# faster either: on an H200 the step right after a slow one ran 2.3-3 ms against an 11 ms
-# median (the host caught up with a GPU that had run ahead), and was taken as the
-# healthy step that every later capture is compared with.
+# faster either: the step right after a slow one can be a short catch-up step (the host
+# catching up with a GPU that ran ahead), no healthy step to compare later captures with.
 REFERENCE_MAX_RATIO = 1.1
 REFERENCE_MIN_RATIO = 0.9
 # When no step has been typical for this many due steps (steps of two speeds), a faster
@@ -61,14 +60,14 @@ REFERENCE_MIN_RATIO = 0.9
 REFERENCE_FAST_PATIENCE = 10
 REFERENCE_FLOOR_RATIO = 0.5
 # Within an episode, a step with this many times the slowdown (step / median - 1) of the
-# episode's last capture is captured too. Measured on the slowdown, not the whole step:
-# on an H200, a 10 ms GPU stall (0.8 medians) came 3 steps after a 1.55x jitter step and
-# was lost under the former rule (twice the whole step's ratio); a third more slowdown
-# keeps a lasting slowdown with +-8% noise at 1-2 captures per 100 steps.
+# episode's last capture is captured too. Measured on the slowdown, not the whole step,
+# so that jitter just over the threshold cannot hide a real stall of under one median a
+# few steps later; a third more slowdown keeps a lasting slowdown with +-8% noise at 1-2
+# captures per 100 steps.
 ESCALATION = 4 / 3
 
-# The most a step's own capture work may explain away, in medians (measured on an H200:
-# captures slowed 11 ms ResNet18 steps by up to 37 ms, 3.4 medians).
+# The most a step's own capture work may explain away, in medians: above what a capture
+# costs a short step (a few medians, docs/measurements.md), the rest is the step's own.
 SELF_DISCOUNT_CAP = 4.0
 
 # Steps a rarer condition needs before it is judged (after-flush steps come every
@@ -97,15 +96,18 @@ class StepSample:
 
     @property
     def condition(self) -> tuple[bool, bool]:
+        """(traced, after_flush): the condition whose baseline judges this step."""
         return (self.traced, self.after_flush)
 
     @property
     def step_ms(self) -> float:
+        """The step's time: the slowest rank's duration (NaN when no rank has one)."""
         finite = [t for t in self.times_ms if math.isfinite(t)]
         return max(finite) if finite else math.nan
 
     @property
     def slowest_rank(self) -> int:
+        """The rank with the longest duration (-1 when no rank has one)."""
         best, best_rank = -math.inf, -1
         for rank, t in enumerate(self.times_ms):
             if math.isfinite(t) and t > best:
@@ -130,6 +132,7 @@ class CaptureDecision:
 
     @property
     def ratio(self) -> float:
+        """The step's time over the median (NaN without a median)."""
         return self.step_ms / self.median_ms if self.median_ms > 0 else math.nan
 
 
@@ -149,6 +152,8 @@ class Episode:
 
 @dataclass
 class DetectorCounts:
+    """Running counts of what the detector judged, found, captured and skipped."""
+
     judged: int = 0
     anomalous: int = 0
     anomalous_untraced: int = 0
@@ -187,6 +192,7 @@ class Detector:
 
     @property
     def kept_anomalies(self) -> dict[int, float]:
+        """A copy of the anomaly captures kept: step -> ratio to the median."""
         return dict(self._kept)
 
     def _baseline(self, condition: tuple[bool, bool]) -> float | None:
@@ -330,6 +336,7 @@ class Detector:
         return [_decision(sample, "reference", judged, median, threshold, previous)]
 
     def episode_summaries(self) -> list[dict[str, float | int | None]]:
+        """One JSON-ready dict per kept episode (steps, worst ratio, captured step)."""
         return [
             {
                 "episode": e.index,

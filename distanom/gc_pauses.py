@@ -39,11 +39,13 @@ class GcPauses:
         self._installed = False
 
     def install(self) -> None:
+        """Add the hook to `gc.callbacks` (once)."""
         if not self._installed:
             gc.callbacks.append(self._on_collection)
             self._installed = True
 
     def uninstall(self) -> None:
+        """Remove the hook from `gc.callbacks`, if present."""
         if self._installed:
             with contextlib.suppress(ValueError):
                 gc.callbacks.remove(self._on_collection)

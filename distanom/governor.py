@@ -9,7 +9,7 @@ from elsewhere in the run would swamp a 1% budget): its cost is median(its step 
 median(baseline) - 1, and the overhead is the median cost over recent traced windows,
 plus the cost of switching. A median does not see a cost paid once per switch, so the
 two steps that carry one are kept apart: the first traced step after an untraced one
-carries the attach (CUPTI re-initialises: ~10 ms measured on an H200), the first
+carries the attach (CUPTI re-initialises: ~10 ms on an H200), the first
 untraced step after a traced one the drain and detach (~3-4 ms). Each kind's median
 excess (over its traced window's median, resp. the baseline), times its switches per
 traced window seen so far, is charged to tracing (per traced step); so is a traced step
@@ -59,6 +59,8 @@ class GovernorNotReadyError(LookupError):
 
 @dataclass(frozen=True)
 class GovernorParams:
+    """Tuning of the duty cycle: window size, decision lag, probes, bursts, hysteresis."""
+
     window_steps: int = 16  # steps per duty-cycle window
     lag_steps: int = 4  # data of the last `lag_steps` steps before a window are not used
     history_windows: int = 8  # traced / untraced windows the overhead is measured over
@@ -71,8 +73,8 @@ class GovernorParams:
     min_samples: int = 4  # step times each side needs before an overhead is trusted
     initial_fraction: float = 0.5  # before the first measurement (budgeted runs)
     # budgeted runs trace this many consecutive windows at a time: a switch costs about
-    # as much as a whole traced window of a launch-bound step (bench/results/
-    # cupti_switch_cost_probe_h200.json), so bursts leave more of the budget to tracing
+    # as much as a whole traced window of a launch-bound step (docs/measurements.md,
+    # switch cost), so bursts leave more of the budget to tracing
     burst_windows: int = 4
     # budgeted runs: at most this many traced windows in a row, then one untraced window,
     # which costs the run just traced: a wrong measurement is corrected within this many
@@ -241,6 +243,7 @@ class OverheadGovernor:
     def from_config(
         cls, config: TracerConfig, params: GovernorParams | None = None, first_step: int = 0
     ) -> OverheadGovernor:
+        """A governor for `config.overhead_budget_pct` (None: trace all but the probe windows)."""
         return cls(config.overhead_budget_pct, params, first_step)
 
     # -- data ------------------------------------------------------------------------
@@ -327,6 +330,7 @@ class OverheadGovernor:
         return self._n_windows >= self._usable_windows(self._window_of(step))
 
     def tracing_on(self, step: int) -> bool:
+        """Whether `step` is traced; `GovernorNotReadyError` if that cannot be answered now."""
         w = self._window_of(step)
         if w < self._decisions_base:
             raise GovernorNotReadyError(f"the decision for step {step} is no longer kept")

@@ -39,14 +39,17 @@ class WorldInfo:
 
     @property
     def is_distributed(self) -> bool:
+        """Whether the job has more than one rank."""
         return self.world_size > 1
 
     @property
     def label(self) -> str:
+        """The rank as `r<rank>/<world_size>`, as in log prefixes."""
         return f"r{self.rank}/{self.world_size}"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WorldInfo:
+        """This rank's place in the job, from torchrun's environment (defaults: one process)."""
         env = dict(os.environ) if env is None else env
 
         def number(key: str, default: int) -> int:
@@ -145,6 +148,7 @@ class AgentGroup:
         self._store = None
 
     def publish(self, key: str, value: str) -> None:
+        """Set `key` in distanom's store (a local dict when the job has one rank)."""
         if self._store is None:
             self._local[key] = value.encode()
             return

@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-TOY = REPO / "launch" / "toy_train.py"
+TOY = REPO / "examples" / "toy_train.py"
 DATA = Path(__file__).resolve().parent / "data"
 
 

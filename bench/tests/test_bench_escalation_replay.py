@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from types import ModuleType
 
-from tests.conftest import load_bench_script
+from bench.tests.scripts import load_bench_script
 
 
 def load_script() -> ModuleType:

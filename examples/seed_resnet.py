@@ -1,7 +1,7 @@
 """The seed's workload as an ordinary training script: ResNet18, bf16, batch 5, SGD.
 
 Knows nothing of distanom; run it as `torchrun --nproc-per-node N -m distanom.launch
-launch/seed_resnet.py ...` (one GPU per rank, NCCL when N > 1). Slow steps are injected
+examples/seed_resnet.py ...` (one GPU per rank, NCCL when N > 1). Slow steps are injected
 on known, 0-based optimizer steps:
 
   --sleep-steps 100,200 --sleep-cycles 20000000   GPU delay (torch.cuda._sleep, ~10 ms

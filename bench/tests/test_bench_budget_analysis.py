@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.conftest import load_bench_script
+from bench.tests.scripts import load_bench_script
 
 
 def load_script() -> ModuleType:

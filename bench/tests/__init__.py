@@ -1,0 +1,1 @@
+"""Tests of the bench scripts' own logic on synthetic data (no GPU)."""
