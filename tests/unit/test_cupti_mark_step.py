@@ -10,14 +10,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from distanom.tracers.cupti import (
-    MARKER_CODES,
-    STEP_EVENTS,
-    CuptiTracer,
-    StepResolver,
-)
-from distanom.tracers.cupti_lib import BufferPool, DetachError
-from distanom.tracers.cupti_records import NameTable
+from distanom.tracers.cupti import CuptiTracer
+from distanom.tracers.cupti.buffers import BufferPool
+from distanom.tracers.cupti.library import DetachError
+from distanom.tracers.cupti.matching import MARKER_CODES
+from distanom.tracers.cupti.names import NameTable
+from distanom.tracers.cupti.resolver import StepResolver
+from distanom.tracers.cupti.tracer import STEP_EVENTS
 
 
 class FakeEvent:
@@ -296,7 +295,7 @@ def test_end_of_training_disables_without_draining_the_gpu() -> None:
 
 
 def test_a_cupti_error_other_than_finalize_stops_the_tracer() -> None:
-    from distanom.tracers.cupti_lib import CuptiError
+    from distanom.tracers.cupti.library import CuptiError
 
     t, _ = running_tracer()
     assert t._session is not None

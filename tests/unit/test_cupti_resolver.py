@@ -15,16 +15,17 @@ from typing import Any
 import pytest
 
 from distanom.tracers.base import Availability, StepTrace
-from distanom.tracers.cupti import MARKER_CODES, StepMark, StepResolver, assign_markers
-from distanom.tracers.cupti_lib import BufferPool
-from distanom.tracers.cupti_records import (
+from distanom.tracers.cupti.buffers import BufferPool
+from distanom.tracers.cupti.matching import MARKER_CODES, StepMark, assign_markers
+from distanom.tracers.cupti.names import NameTable
+from distanom.tracers.cupti.records import (
     RECORD_SIZES,
     MarkerRecord,
-    NameTable,
     buffer_view,
     iterate_by_size,
 )
-from distanom.tracers.cupti_synth import NameBank, write_kernel, write_memcpy
+from distanom.tracers.cupti.resolver import StepResolver
+from tests.unit.cupti_synth import NameBank, write_kernel, write_memcpy
 
 T0 = 1_800_000_000_000_000_000
 K = MARKER_CODES

@@ -10,7 +10,7 @@ from distanom.config import TracerConfig
 from distanom.errors import TracerUnavailableError
 from distanom.tracers.base import Availability, Tracer
 from distanom.tracers.cupti import CuptiTracer, probe_cupti
-from distanom.tracers.step_marker import MARKER_PTX, marker_length
+from distanom.tracers.cupti.marker import MARKER_PTX, marker_length
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU paths")
@@ -65,7 +65,7 @@ def test_driver_marker_without_libcuda_is_unavailable_not_a_crash() -> None:
     import ctypes
 
     from distanom.errors import TracerUnavailableError
-    from distanom.tracers.step_marker import DriverMarker
+    from distanom.tracers.cupti.marker import DriverMarker
 
     try:
         ctypes.CDLL("libcuda.so.1")
