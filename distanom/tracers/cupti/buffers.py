@@ -117,6 +117,8 @@ class BufferPool:
     # -- CUPTI side (callbacks) ----------------------------------------------------
 
     def request(self) -> tuple[int, int] | None:
+        """A buffer for CUPTI as (address, size), or None when every buffer is held or pinned (CUPTI
+        then drops records and counts them)."""
         with self._lock:
             self.counters["buffer_requests"] += 1
             buf: _Buffer | None
@@ -147,6 +149,8 @@ class BufferPool:
         return None
 
     def complete(self, address: int | None, valid_size: int) -> None:
+        """CUPTI handed buffer `address` back with `valid_size` bytes of records: keep it (an empty
+        or unknown buffer is only counted)."""
         now = self._clock()
         with self._lock:
             buf = self._by_address.get(address) if address is not None else None
@@ -188,6 +192,7 @@ class BufferPool:
             return False
 
     def unpin(self, seq: int) -> None:
+        """Undo one `pin` of buffer `seq` (a no-op if it is gone or not pinned)."""
         with self._lock:
             for buf in self._done:
                 if buf.seq == seq and buf.pins > 0:
@@ -209,10 +214,12 @@ class BufferPool:
             )
 
     def retained_bytes(self) -> int:
+        """Bytes of every buffer the pool owns (free, held by CUPTI or completed)."""
         with self._lock:
             return sum(b.size for b in self._by_address.values())
 
     def stats(self) -> dict[str, int]:
+        """The pool's counters plus the buffers retained and held by CUPTI now."""
         with self._lock:
             out = dict(self.counters)
             out["buffers_retained"] = len(self._done)

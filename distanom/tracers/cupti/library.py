@@ -221,6 +221,7 @@ class CuptiLib:
     # -- error handling ------------------------------------------------------------
 
     def result_string(self, code: int) -> str:
+        """CUPTI's description of result `code` (a placeholder if it has none)."""
         text = ctypes.c_char_p()
         rc = self._get_result_string(code, ctypes.byref(text))
         if rc != CUPTI_SUCCESS or not text.value:
@@ -228,23 +229,27 @@ class CuptiLib:
         return text.value.decode("utf-8", errors="replace")
 
     def check(self, code: int, function: str) -> None:
+        """Raise CuptiError naming `function` unless `code` is CUPTI_SUCCESS."""
         if code != CUPTI_SUCCESS:
             raise CuptiError(function, code, self.result_string(code))
 
     # -- calls ---------------------------------------------------------------------
 
     def version(self) -> int:
+        """The CUPTI API version (`cuptiGetVersion`)."""
         value = ctypes.c_uint32()
         self.check(self._get_version(ctypes.byref(value)), "cuptiGetVersion")
         return int(value.value)
 
     def timestamp(self) -> int:
+        """CUPTI's current timestamp in ns, the clock its records use (`cuptiGetTimestamp`)."""
         value = ctypes.c_uint64()
         self.check(self._get_timestamp(ctypes.byref(value)), "cuptiGetTimestamp")
         return int(value.value)
 
     @property
     def can_detach(self) -> bool:
+        """Whether this libcupti has `cuptiFinalize` (CUPTI can be detached)."""
         return self._finalize is not None
 
     def finalize(self) -> None:
@@ -255,15 +260,19 @@ class CuptiLib:
         self.check(self._finalize(), "cuptiFinalize")
 
     def register_callbacks(self) -> None:
+        """Register distanom's process-wide buffer callbacks (see `callbacks`)."""
         self.check(self._register(REQUEST_CB, COMPLETE_CB), "cuptiActivityRegisterCallbacks")
 
     def enable(self, kind: int) -> None:
+        """Enable activity `kind` (`cuptiActivityEnable`)."""
         self.check(self._enable(kind), f"cuptiActivityEnable({KIND_NAMES.get(kind, kind)})")
 
     def disable(self, kind: int) -> None:
+        """Disable activity `kind` (`cuptiActivityDisable`)."""
         self.check(self._disable(kind), f"cuptiActivityDisable({KIND_NAMES.get(kind, kind)})")
 
     def flush_all(self, forced: bool = False) -> None:
+        """Ask CUPTI to hand back completed buffers (forced: every buffer, finished or not)."""
         flag = FLUSH_FORCED if forced else 0
         self.check(self._flush_all(flag), f"cuptiActivityFlushAll({flag})")
 

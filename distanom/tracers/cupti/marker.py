@@ -47,6 +47,8 @@ def marker_length(code: int) -> int:
 
 
 class StepMarker(Protocol):
+    """A way to launch the step marker for a code (see `create_marker`)."""
+
     kind: str
 
     def launch(self, code: int) -> None:
@@ -119,12 +121,14 @@ class DriverMarker:
             raise TracerUnavailableError(f"{call} failed: CUDA error {rc} ({text})")
 
     def launch(self, code: int) -> None:
+        """Launch the marker with grid `code + 1` on torch's current stream."""
         stream = self._torch.cuda.current_stream().cuda_stream
         rc = self._launch(self._function, code + 1, 1, 1, 1, 1, 1, 0, stream, None, None)
         if rc != 0:
             self._check(rc, "cuLaunchKernel")
 
     def close(self) -> None:
+        """Unload the PTX module (idempotent)."""
         if self._module.value:
             self._module_unload(self._module)
             self._module = ctypes.c_void_p()
@@ -148,9 +152,11 @@ class JiteratorMarker:
             self._fn(x)
 
     def launch(self, code: int) -> None:
+        """Launch the marker on the input whose length encodes `code`."""
         self._fn(self._inputs[code])
 
     def close(self) -> None:
+        """Drop the marker inputs."""
         self._inputs = []
 
 

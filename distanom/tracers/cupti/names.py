@@ -70,6 +70,7 @@ class SafeMemoryReader:
         return data
 
     def close(self) -> None:
+        """Close the pipe (idempotent)."""
         if self._pipe is not None:
             for fd in self._pipe:
                 with contextlib.suppress(OSError):
@@ -141,6 +142,7 @@ class NameTable:
         self.unreadable = 0
 
     def raw(self, pointer: int, epoch: int = 0) -> str:
+        """The name at `pointer` as CUPTI wrote it (mangled), read once per `epoch`."""
         key = (epoch << 64) | pointer
         name = self._raw.get(key)
         if name is None:
@@ -157,6 +159,7 @@ class NameTable:
         return name
 
     def display(self, pointer: int, epoch: int = 0) -> str:
+        """The name at `pointer` as Kineto shows it (demangled), cached per `epoch`."""
         key = (epoch << 64) | pointer
         shown = self._shown.get(key)
         if shown is None:
@@ -165,5 +168,6 @@ class NameTable:
         return shown
 
     def close(self) -> None:
+        """Release the memory reader this table opened, if any."""
         if self._reader is not None:
             self._reader.close()

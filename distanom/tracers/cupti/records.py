@@ -130,10 +130,12 @@ class BufferIndex:
 
     @property
     def min_correlation(self) -> int:
+        """The smallest correlation id in the buffer (0 if it has no records)."""
         return int(self.correlation.min()) if len(self.correlation) else 0
 
     @property
     def max_correlation(self) -> int:
+        """The largest correlation id in the buffer (0 if it has no records)."""
         return int(self.correlation.max()) if len(self.correlation) else 0
 
 
@@ -242,6 +244,7 @@ def memcpy_name(copy_kind: int, src: int, dst: int) -> str:
 
 
 def memset_name(memory_kind: int) -> str:
+    """Kineto's memset event name, e.g. 'Memset (Device)'."""
     return f"Memset ({MEMORY_KIND_NAMES.get(memory_kind, 'Unknown')})"
 
 

@@ -144,6 +144,7 @@ class StepResolver:
     # -- training thread -------------------------------------------------------------
 
     def record_mark(self, mark: StepMark) -> None:
+        """Remember a step boundary the training thread just marked."""
         with self._marks_lock:
             self._marks.append(mark)
 
@@ -166,10 +167,12 @@ class StepResolver:
             return any(a <= step <= b for a, b in self._ambiguous)
 
     def last_step(self) -> int | None:
+        """The newest marked step (None before the first)."""
         with self._marks_lock:
             return self._marks[-1].step if self._marks else None
 
     def last_mark(self) -> StepMark | None:
+        """The newest `StepMark` (None before the first)."""
         with self._marks_lock:
             return self._marks[-1] if self._marks else None
 
@@ -250,8 +253,8 @@ class StepResolver:
             return None, "inconsistent"
         # Both markers are back, but CUPTI fills one buffer per launching thread: the
         # backward pass's records (autograd thread) can sit in a buffer it still holds,
-        # e.g. behind a collective kernel still waiting for another rank. Measured on 2
-        # H200s with DDP: steps served without them lost ~60% of their kernels.
+        # e.g. behind a collective kernel still waiting for another rank: a step served
+        # without that buffer misses most of its kernels (docs/cupti.md).
         closed_ns = self._host_mono_of(hi, m_hi.end_ns) + HELD_BUFFER_MARGIN_NS
         # buffers older than the last forced flush survived it: they will not come back,
         # so they are not waited for (but still reported below)
@@ -379,6 +382,8 @@ class StepResolver:
         return records, stats
 
     def build(self, step: int, found: _Located, extra_stats: Mapping[str, int]) -> StepTrace:
+        """The `StepTrace` of `step` from its located markers, with its stats plus `extra_stats`;
+        KeyError if a buffer was recycled meanwhile."""
         t0 = time.perf_counter()
         records, dstats = self.collect(found)
         if self.pool.lost_through_ns >= found.lo_mark.launch_mono_ns:

@@ -70,6 +70,7 @@ class ActivitySession:
             self.is_open = True
 
     def enable(self) -> None:
+        """Enable every traced kind; on a failure, disable those already enabled and raise."""
         done: list[int] = []
         with self._lock:
             try:
@@ -99,10 +100,10 @@ class ActivitySession:
     def detach(self) -> None:
         """Disable, hand every buffer back, and detach CUPTI from the process.
 
-        Disabled kinds alone leave CUPTI's per-launch cost in place (measured on an H200:
-        ~1.2x per step on a launch-bound workload, the same as tracing); detached, none
-        is left. The caller must first make sure every instrumented launch has completed
-        (a device synchronize): CUPTI's condition for detaching outside its callbacks.
+        Disabled kinds alone leave CUPTI's per-launch cost in place (about as much as
+        tracing itself, docs/cupti.md); detached, none is left. The caller must first
+        make sure every instrumented launch has completed (a device synchronize):
+        CUPTI's condition for detaching outside its callbacks.
         """
         with self._lock:
             if not self.attached:
@@ -154,6 +155,8 @@ class ActivitySession:
             return self.lib.record_offsets(address, valid_size)
 
     def poll_dropped(self) -> int:
+        """Add the records CUPTI dropped since the last poll (while attached); returns the running
+        total."""
         with self._lock:
             if self.attached:
                 self.dropped_records += self.lib.dropped_records()

@@ -145,6 +145,8 @@ class CuptiTracer:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
+        """Load CUPTI, warm the marker, open the session, calibrate, and start tracing;
+        TracerUnavailableError when the backend cannot run."""
         if self._state != "new":
             raise RuntimeError(f"CuptiTracer.start() called in state {self._state}")
         reason = cuda_reason()
@@ -239,6 +241,7 @@ class CuptiTracer:
         return self._session.record_offsets(address, valid_size)
 
     def close(self) -> None:
+        """Stop tracing, hand CUPTI's buffers back and free what `start` loaded. Idempotent."""
         with self._read_lock:  # never free buffers under a reader
             if self._state == "closed":
                 return
@@ -315,6 +318,7 @@ class CuptiTracer:
             self._fail(f"set_tracing({on}) after step {step}: {type(err).__name__}: {err}")
 
     def mark_step(self, step: int, host_end_ns: int) -> None:
+        """Step `step` ended: launch its marker and remember it (training thread; never raises)."""
         if self._state == "new":
             self._boundary_before_start = (step, host_end_ns)  # start() marks it
             return
@@ -411,10 +415,9 @@ class CuptiTracer:
             self.counters["enables"] += 1
             if was_detached:
                 self.boundary_flushes += 1
-            # The next step carries the attach (~9-13 ms measured on an H200 against a
-            # 10-16 ms ResNet18 step): judged under the after-flush condition, or it is
-            # an anomaly distanom made (step 145, the first after the probe window, was
-            # captured in every H200 run).
+            # The next step carries the attach (milliseconds, as long as a short step):
+            # it is judged under the after-flush condition, or distanom would report an
+            # anomaly it caused itself (docs/cupti.md).
         elif self._detach_when_off and session.lib.can_detach:
             self._detach(session)
         else:
@@ -433,7 +436,7 @@ class CuptiTracer:
         instrumented. Only the current device is drained: one device per rank."""
         session.disable()
         self._torch.cuda.synchronize()
-        # The next step carries the drain and the detach (2-5 ms measured): the agent
+        # The next step carries the drain and the detach (milliseconds): the agent
         # judges it under the after-flush condition, not as an ordinary untraced step.
         self.boundary_flushes += 1
         try:
@@ -480,6 +483,7 @@ class CuptiTracer:
     # -- capture thread ----------------------------------------------------------------
 
     def availability(self, step: int) -> Availability:
+        """Whether `step_trace(step)` can answer now."""
         return self.explain(step)[0]
 
     def explain(self, step: int) -> tuple[Availability, str]:
@@ -493,6 +497,7 @@ class CuptiTracer:
             return state, reason
 
     def step_trace(self, step: int) -> StepTrace:
+        """The events of `step` as a `StepTrace`; KeyError unless it is READY."""
         with self._read_lock:
             if self._resolver is None or self._state == "closed":
                 raise KeyError(f"step {step}: cupti tracer is not running")
