@@ -22,6 +22,18 @@ def test_implements_the_tracer_protocol() -> None:
     assert tracer.name == "cupti"
 
 
+def test_the_class_has_every_member_of_the_tracer_protocol() -> None:
+    declared = set(Tracer.__annotations__) | {n for n in vars(Tracer) if not n.startswith("_")}
+    assert {"name", "boundary_flushes", "tracing", "stats", "mark_step"} <= declared
+    data = set(Tracer.__annotations__)  # set per instance, in __init__
+    on_class = {n for n in declared - data if hasattr(CuptiTracer, n)}
+    assert on_class == declared - data
+    assert all(callable(getattr(CuptiTracer, n)) for n in declared - data - {"tracing"})
+    assert isinstance(vars(CuptiTracer)["tracing"], property)
+    tracer = CuptiTracer(TracerConfig(backend="cupti"), rank=0)
+    assert all(hasattr(tracer, n) for n in data)
+
+
 def test_probe_gives_a_one_line_reason() -> None:
     reason = probe_cupti()
     assert isinstance(reason, str) and reason and "\n" not in reason
