@@ -3,7 +3,8 @@
 Owns the conversion of `GpuActivity` values (see `records`) into the 'X' span events
 and the 'M' metadata events a CUDA-only torch.profiler trace holds, so a CUPTI trace
 reads the same in Perfetto, HTA, TraceLens and distanom's analysis. The events go into
-the `StepTrace` the resolver builds. Pure: no CUPTI, no torch.
+the `StepTrace` the resolver builds; `device_properties` gives the trace's
+`deviceProperties` metadata. Pure: no CUPTI, and torch only as an argument.
 """
 
 from __future__ import annotations
@@ -134,3 +135,32 @@ def kineto_events(
     first_ts = spans[0]["ts"] if spans else 0.0
     meta = metadata_events(((r.device, r.stream) for r in ordered), first_ts, process_name)
     return meta + spans
+
+
+def device_properties(torch: Any) -> list[dict[str, Any]]:
+    """Kineto's `deviceProperties` trace entries, one per visible CUDA device (`torch` is
+    the imported module, passed in so this module never imports it)."""
+    out: list[dict[str, Any]] = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        entry = {
+            "id": i,
+            "name": p.name,
+            "totalGlobalMem": int(p.total_memory),
+            "computeMajor": int(p.major),
+            "computeMinor": int(p.minor),
+            "numSms": int(p.multi_processor_count),
+        }
+        for key, attr in (
+            ("maxThreadsPerMultiprocessor", "max_threads_per_multi_processor"),
+            ("warpSize", "warp_size"),
+            ("regsPerMultiprocessor", "regs_per_multiprocessor"),
+            ("sharedMemPerBlock", "shared_memory_per_block"),
+            ("sharedMemPerBlockOptin", "shared_memory_per_block_optin"),
+            ("sharedMemPerMultiprocessor", "shared_memory_per_multiprocessor"),
+        ):
+            value = getattr(p, attr, None)
+            if value is not None:
+                entry[key] = int(value)
+        out.append(entry)
+    return out

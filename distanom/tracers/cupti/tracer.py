@@ -32,6 +32,7 @@ from distanom.tracers.base import Availability, StepTrace
 from distanom.tracers.cupti import callbacks
 from distanom.tracers.cupti.buffers import DEFAULT_BUFFER_BYTES, BufferPool
 from distanom.tracers.cupti.calibration import Calibration, calibrate
+from distanom.tracers.cupti.events import device_properties
 from distanom.tracers.cupti.library import CuptiLib, DetachError
 from distanom.tracers.cupti.marker import StepMarker, create_marker
 from distanom.tracers.cupti.matching import MARKER_CODES, StepMark
@@ -50,33 +51,6 @@ LAG_PROBE_AGE = 12  # markers after which a marker's event must have completed (
 LAG_PROBE_EVERY = 4  # markers between two lag checks (each check is an event query)
 MAX_ABANDONED_BUFFERS = 8  # buffers CUPTI may keep through detaches before we stop detaching
 STEP_EVENTS = 64  # CUDA events kept, one per recent marker
-
-
-def _device_properties(torch: Any) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for i in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(i)
-        entry = {
-            "id": i,
-            "name": p.name,
-            "totalGlobalMem": int(p.total_memory),
-            "computeMajor": int(p.major),
-            "computeMinor": int(p.minor),
-            "numSms": int(p.multi_processor_count),
-        }
-        for key, attr in (
-            ("maxThreadsPerMultiprocessor", "max_threads_per_multi_processor"),
-            ("warpSize", "warp_size"),
-            ("regsPerMultiprocessor", "regs_per_multiprocessor"),
-            ("sharedMemPerBlock", "shared_memory_per_block"),
-            ("sharedMemPerBlockOptin", "shared_memory_per_block_optin"),
-            ("sharedMemPerMultiprocessor", "shared_memory_per_multiprocessor"),
-        ):
-            value = getattr(p, attr, None)
-            if value is not None:
-                entry[key] = int(value)
-        out.append(entry)
-    return out
 
 
 class CuptiTracer:
@@ -158,7 +132,7 @@ class CuptiTracer:
         lib = CuptiLib.load()
         version = lib.version()
         device = torch.cuda.current_device()
-        self._device_properties = _device_properties(torch)
+        self._device_properties = device_properties(torch)
         num_sms = self._device_properties[device]["numSms"]
 
         # Load and warm the marker before CUPTI sees anything.
