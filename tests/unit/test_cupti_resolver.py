@@ -297,9 +297,9 @@ DDP_KERNELS = ["fwd_s3", "bwd_s3", "allreduce_s3", "opt_s3"]
 
 
 def test_a_step_waits_for_the_buffer_another_thread_still_fills() -> None:
-    # Measured on 2 H200s (DDP): the training thread's buffer, markers included, came
-    # back while the autograd thread's, behind an all-reduce waiting for the other rank,
-    # did not; the step was served with its backward pass missing.
+    # Under DDP the training thread's buffer, markers included, can come back while the
+    # autograd thread's, behind an all-reduce waiting for the other rank, does not: the
+    # step must wait, or it is served without its backward pass (docs/cupti.md).
     f = FakeCupti(buffer_bytes=1 << 16)
     f.busy_threads = {"autograd"}
     for s in range(5):
