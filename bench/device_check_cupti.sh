@@ -20,7 +20,7 @@ print("python", sys.version.split()[0])
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name())
-from distanom.tracers import cupti_lib
+from distanom.tracers.cupti import library as cupti_lib
 print("libcupti candidates", cupti_lib.libcupti_candidates())
 from distanom.tracers.cupti import probe_cupti
 print("probe_cupti():", probe_cupti())

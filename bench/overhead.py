@@ -443,10 +443,12 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         result["tracer_stats"] = tracer.stats()
 
     elif variant == "raw_cupti":
-        from distanom.tracers import cupti_lib
+        from distanom.tracers.cupti.buffers import BufferPool
+        from distanom.tracers.cupti.library import CuptiLib
+        from distanom.tracers.cupti.session import ActivitySession
 
-        lib = cupti_lib.CuptiLib.load()
-        session = cupti_lib.ActivitySession(lib, cupti_lib.BufferPool.for_ring(256))
+        lib = CuptiLib.load()
+        session = ActivitySession(lib, BufferPool.for_ring(256))
         session.open()
         for _ in range(warmup):
             work.step(0)

@@ -89,7 +89,9 @@ class Cupti:
     """distanom's binding plus the two calls this probe needs beyond it."""
 
     def __init__(self) -> None:
-        from distanom.tracers import cupti_lib
+        from distanom.tracers.cupti import library as cupti_lib
+        from distanom.tracers.cupti.buffers import BufferPool
+        from distanom.tracers.cupti.session import ActivitySession
 
         self.mod = cupti_lib
         self.lib = cupti_lib.CuptiLib.load()
@@ -100,7 +102,7 @@ class Cupti:
         self._set_attr = dll.cuptiActivitySetAttribute
         self._set_attr.restype = ctypes.c_int
         self._set_attr.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p]
-        self.session = cupti_lib.ActivitySession(self.lib, cupti_lib.BufferPool.for_ring(256))
+        self.session = ActivitySession(self.lib, BufferPool.for_ring(256))
 
     def open(self) -> None:
         self.session.open()

@@ -102,7 +102,7 @@ def main() -> int:
         torch.cuda.synchronize()
         return round(took, 2)
 
-    from distanom.tracers.step_marker import DriverMarker, JiteratorMarker
+    from distanom.tracers.cupti.marker import DriverMarker, JiteratorMarker
 
     driver, jit = DriverMarker(torch, 16), JiteratorMarker(torch, 16)
     event = torch.cuda.Event()

@@ -16,9 +16,9 @@ Step intervals come from `mark_step`'s host timestamps (`time.time_ns()`, the cl
 Kineto's `baseTimeNanoseconds` + `ts` uses). Costs: Kineto records every runtime call,
 so on kernel-dense GPU steps it is the expensive backend (see reference measurements).
 With CUDA activities a window is written to a private temporary file as soon as its
-cycle ends: exported later, after the next cycle has started, torch 2.11 gave its GPU
-and runtime events timestamps near zero instead of Unix-epoch times (seen on an H200),
-which no cut can use. Without CUDA the export waits until a capture needs it.
+cycle ends: exported after the next cycle has started, torch can give its GPU and
+runtime events timestamps near zero instead of Unix-epoch times (docs/cupti.md), which
+no cut can use. Without CUDA the export waits until a capture needs it.
 """
 
 from __future__ import annotations
@@ -119,6 +119,8 @@ class KinetoTracer:
         self._window_first = None if self._last_step is None else self._last_step + 1
 
     def mark_step(self, step: int, host_end_ns: int) -> None:
+        """Step `step` ended: record the boundary and advance the profiler schedule (which hands a
+        full window over)."""
         with self._lock:
             self._boundaries[step] = (host_end_ns, time.monotonic_ns())
             self._last_step = step
@@ -156,6 +158,7 @@ class KinetoTracer:
 
     @property
     def tracing(self) -> bool:
+        """Whether the step after the last boundary is being recorded."""
         return self._profiler is not None
 
     def end_of_training(self) -> None:
@@ -198,6 +201,7 @@ class KinetoTracer:
         return None
 
     def availability(self, step: int) -> Availability:
+        """Whether `step_trace(step)` can answer now."""
         with self._lock:
             if self._windows_for(step) is not None and step - 1 in self._boundaries:
                 return Availability.READY
@@ -209,6 +213,7 @@ class KinetoTracer:
             return Availability.PENDING
 
     def step_trace(self, step: int) -> StepTrace:
+        """The events of `step` as a `StepTrace`; KeyError unless it is READY."""
         with self._lock:
             windows = self._windows_for(step)
             start = self._boundaries.get(step - 1)
@@ -240,6 +245,7 @@ class KinetoTracer:
         return {"boundary_flushes": self.boundary_flushes}
 
     def close(self) -> None:
+        """Stop the profiler, drop the windows and the scratch folder. Idempotent."""
         if self._closed:
             return
         with contextlib.suppress(Exception):

@@ -26,7 +26,7 @@ import torch
 
 from distanom.errors import TracerUnavailableError
 from distanom.tracers.cupti import CuptiTracer, probe_cupti
-from distanom.tracers.step_marker import MARKER_SOURCE, marker_length
+from distanom.tracers.cupti.marker import MARKER_SOURCE, marker_length
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 

@@ -123,10 +123,10 @@ def test_calibration_learned_distinct_marker_grids(make_tracer: Any) -> None:
 def test_jiterator_fallback_marker_serves_steps(
     make_tracer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import distanom.tracers.cupti as cupti_mod
-    from distanom.tracers.step_marker import JiteratorMarker
+    import distanom.tracers.cupti.tracer as tracer_mod
+    from distanom.tracers.cupti.marker import JiteratorMarker
 
-    monkeypatch.setattr(cupti_mod, "create_marker", JiteratorMarker)
+    monkeypatch.setattr(tracer_mod, "create_marker", JiteratorMarker)
     tracer = make_tracer()
     cal = tracer.calibration
     assert cal is not None and cal.marker == "jiterator"

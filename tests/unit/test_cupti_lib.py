@@ -17,15 +17,12 @@ from typing import Any
 import pytest
 
 from distanom.errors import TracerUnavailableError
-from distanom.tracers import cupti_lib
-from distanom.tracers.cupti_lib import (
-    ActivitySession,
-    BufferPool,
-    CuptiError,
-    CuptiLib,
-    libcupti_candidates,
-)
-from distanom.tracers.cupti_records import DecodeStats, NameTable, buffer_view, decode_records
+from distanom.tracers.cupti import buffers, callbacks, library
+from distanom.tracers.cupti.buffers import BufferPool
+from distanom.tracers.cupti.library import CuptiError, CuptiLib, libcupti_candidates
+from distanom.tracers.cupti.names import NameTable
+from distanom.tracers.cupti.records import DecodeStats, buffer_view, decode_records
+from distanom.tracers.cupti.session import ActivitySession
 from tests.conftest import Ticks
 
 HERE = Path(__file__).resolve().parent
@@ -99,24 +96,24 @@ def test_release_keeps_buffers_cupti_still_holds_alive() -> None:
     a, b = pool.request(), pool.request()
     assert a and b
     pool.complete(a[0], 64)
-    before = len(cupti_lib._UNRETURNED_BUFFERS)
+    before = len(buffers._UNRETURNED_BUFFERS)
     assert pool.release() == 1
-    assert len(cupti_lib._UNRETURNED_BUFFERS) == before + 1
+    assert len(buffers._UNRETURNED_BUFFERS) == before + 1
     assert pool.completed() == []
 
 
 def test_callbacks_dispatch_to_the_active_pool() -> None:
     pool = BufferPool(4096, 2, clock=Ticks())
     buf, size, nrec = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t(7)
-    cupti_lib._active_pool = pool
+    callbacks.active_pool = pool
     try:
-        cupti_lib._REQUEST_CB(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(nrec))
+        callbacks.REQUEST_CB(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(nrec))
         assert buf.value and size.value == 4096 and nrec.value == 0
-        cupti_lib._COMPLETE_CB(None, 0, buf.value, 4096, 216)
+        callbacks.COMPLETE_CB(None, 0, buf.value, 4096, 216)
         assert [b.valid_size for b in pool.completed()] == [216]
     finally:
-        cupti_lib._active_pool = None
-    cupti_lib._REQUEST_CB(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(nrec))
+        callbacks.active_pool = None
+    callbacks.REQUEST_CB(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(nrec))
     assert not buf.value and size.value == 0  # no session: CUPTI gets no buffer
 
 
@@ -173,7 +170,7 @@ def session(fake_lib: CuptiLib) -> Iterator[ActivitySession]:
         yield s
     finally:
         s.close()
-    assert cupti_lib._active_pool is None
+    assert callbacks.active_pool is None
 
 
 def test_plain_calls_and_error_strings(fake_lib: CuptiLib) -> None:
@@ -191,7 +188,7 @@ def test_plain_calls_and_error_strings(fake_lib: CuptiLib) -> None:
 def test_session_collects_records_through_the_callbacks(session: ActivitySession) -> None:
     dll: Any = session.lib._dll
     session.open()
-    assert all(dll.fake_enabled(k) for k in cupti_lib.TRACED_KINDS)
+    assert all(dll.fake_enabled(k) for k in library.TRACED_KINDS)
     assert dll.fake_subscribed() == 0  # the subscriber check unsubscribed again
     names = [f"kernel_{i}".encode() for i in range(30)]
     corrs = [dll.fake_emit_kernel(T0 + i * 100, T0 + i * 100 + 50, names[i], 1) for i in range(30)]
@@ -225,16 +222,16 @@ def test_another_subscriber_makes_the_backend_unavailable(session: ActivitySessi
     dll.fake_set_busy(1)
     with pytest.raises(TracerUnavailableError, match="already has a subscriber"):
         session.open()
-    assert cupti_lib._active_pool is None
+    assert callbacks.active_pool is None
 
 
 def test_enable_failure_rolls_back_and_names_the_kind(session: ActivitySession) -> None:
     dll: Any = session.lib._dll
-    dll.fake_fail_enable(cupti_lib.KIND_MEMSET)
+    dll.fake_fail_enable(library.KIND_MEMSET)
     with pytest.raises(CuptiError, match=r"cuptiActivityEnable\(MEMSET\)"):
         session.open()
-    assert not any(dll.fake_enabled(k) for k in cupti_lib.TRACED_KINDS)
-    assert cupti_lib._active_pool is None
+    assert not any(dll.fake_enabled(k) for k in library.TRACED_KINDS)
+    assert callbacks.active_pool is None
 
 
 def test_only_one_session_per_process_and_close_is_idempotent(session: ActivitySession) -> None:
@@ -244,7 +241,7 @@ def test_only_one_session_per_process_and_close_is_idempotent(session: ActivityS
         other.open()
     session.close()
     session.close()
-    assert cupti_lib._active_pool is None
+    assert callbacks.active_pool is None
 
 
 def test_detach_hands_every_buffer_back_and_attach_starts_a_new_epoch(
@@ -257,7 +254,7 @@ def test_detach_hands_every_buffer_back_and_attach_starts_a_new_epoch(
     finalized = dll.fake_finalized()
     session.detach()
     assert dll.fake_finalized() == finalized + 1 and not session.attached
-    assert not any(dll.fake_enabled(k) for k in cupti_lib.TRACED_KINDS)
+    assert not any(dll.fake_enabled(k) for k in library.TRACED_KINDS)
     done = session.pool.completed()
     assert [(b.valid_size, b.epoch) for b in done] == [(3 * 216, 0)]  # flushed before detaching
     assert session.pool.epoch == 1 and session.detaches == 1
@@ -266,7 +263,7 @@ def test_detach_hands_every_buffer_back_and_attach_starts_a_new_epoch(
     session.detach()  # idempotent
     assert dll.fake_emit_kernel(T0, T0 + 1, b"off", 1) == -1
     session.attach()
-    assert session.attached and all(dll.fake_enabled(k) for k in cupti_lib.TRACED_KINDS)
+    assert session.attached and all(dll.fake_enabled(k) for k in library.TRACED_KINDS)
     assert dll.fake_subscribed() == 0  # the subscriber check ran and unsubscribed
     again = [dll.fake_emit_kernel(T0 + 9, T0 + 10, b"after", 1) for _ in range(2)]
     assert again[0] <= first[-1]  # the fake restarts correlation ids, as CUPTI may
@@ -294,7 +291,7 @@ def test_failed_detach_leaves_the_session_attached_and_disabled(
     dll: Any = session.lib._dll
     session.open()
     dll.fake_fail_finalize(1)
-    with pytest.raises(cupti_lib.DetachError, match="cuptiFinalize"):
+    with pytest.raises(library.DetachError, match="cuptiFinalize"):
         session.detach()
     assert session.attached and not session.enabled and session.pool.epoch == 0
     session.flush()  # still attached: flushes go to CUPTI

@@ -10,14 +10,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from distanom.tracers.cupti import (
-    MARKER_CODES,
-    STEP_EVENTS,
-    CuptiTracer,
-    StepResolver,
-)
-from distanom.tracers.cupti_lib import BufferPool, DetachError
-from distanom.tracers.cupti_records import NameTable
+from distanom.tracers.cupti import CuptiTracer
+from distanom.tracers.cupti.buffers import BufferPool
+from distanom.tracers.cupti.library import DetachError
+from distanom.tracers.cupti.matching import MARKER_CODES
+from distanom.tracers.cupti.names import NameTable
+from distanom.tracers.cupti.resolver import StepResolver
+from distanom.tracers.cupti.tracer import STEP_EVENTS
 
 
 class FakeEvent:
@@ -260,8 +259,8 @@ def test_a_detach_marks_the_next_step_as_carrying_its_cost() -> None:
 
 
 def test_a_re_attach_marks_the_next_step_as_carrying_its_cost() -> None:
-    # on the H200 the step after the attach ran ~20 ms over a ~16 ms median and was
-    # captured as an anomaly in every run (step 145, after the first probe window)
+    # the step after an attach carries its cost: judged as ordinary, it would be an
+    # anomaly distanom made itself (docs/cupti.md)
     t, _ = running_tracer()
     t.mark_step(1, 100)
     t.set_tracing(False)
@@ -296,7 +295,7 @@ def test_end_of_training_disables_without_draining_the_gpu() -> None:
 
 
 def test_a_cupti_error_other_than_finalize_stops_the_tracer() -> None:
-    from distanom.tracers.cupti_lib import CuptiError
+    from distanom.tracers.cupti.library import CuptiError
 
     t, _ = running_tracer()
     assert t._session is not None

@@ -12,22 +12,19 @@ from typing import Any
 
 import pytest
 
-from distanom.tracers.cupti_records import (
-    KIND_CONCURRENT_KERNEL,
-    KIND_MEMCPY,
-    KIND_MEMSET,
+from distanom.tracers.cupti.events import kineto_events
+from distanom.tracers.cupti.library import KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET
+from distanom.tracers.cupti.names import NameTable, SafeMemoryReader
+from distanom.tracers.cupti.records import (
     DecodeStats,
-    NameTable,
-    SafeMemoryReader,
     buffer_view,
     decode_records,
     index_buffer,
     iterate_by_size,
-    kineto_events,
     memcpy_name,
     memset_name,
 )
-from distanom.tracers.cupti_synth import NameBank, SynthBuffer
+from tests.unit.cupti_synth import NameBank, SynthBuffer
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 T0 = 1_795_945_436_000_000_000

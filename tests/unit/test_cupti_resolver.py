@@ -15,16 +15,17 @@ from typing import Any
 import pytest
 
 from distanom.tracers.base import Availability, StepTrace
-from distanom.tracers.cupti import MARKER_CODES, StepMark, StepResolver, assign_markers
-from distanom.tracers.cupti_lib import BufferPool
-from distanom.tracers.cupti_records import (
+from distanom.tracers.cupti.buffers import BufferPool
+from distanom.tracers.cupti.matching import MARKER_CODES, StepMark, assign_markers
+from distanom.tracers.cupti.names import NameTable
+from distanom.tracers.cupti.records import (
     RECORD_SIZES,
     MarkerRecord,
-    NameTable,
     buffer_view,
     iterate_by_size,
 )
-from distanom.tracers.cupti_synth import NameBank, write_kernel, write_memcpy
+from distanom.tracers.cupti.resolver import StepResolver
+from tests.unit.cupti_synth import NameBank, write_kernel, write_memcpy
 
 T0 = 1_800_000_000_000_000_000
 K = MARKER_CODES
@@ -296,9 +297,9 @@ DDP_KERNELS = ["fwd_s3", "bwd_s3", "allreduce_s3", "opt_s3"]
 
 
 def test_a_step_waits_for_the_buffer_another_thread_still_fills() -> None:
-    # Measured on 2 H200s (DDP): the training thread's buffer, markers included, came
-    # back while the autograd thread's, behind an all-reduce waiting for the other rank,
-    # did not; the step was served with its backward pass missing.
+    # Under DDP the training thread's buffer, markers included, can come back while the
+    # autograd thread's, behind an all-reduce waiting for the other rank, does not: the
+    # step must wait, or it is served without its backward pass (docs/cupti.md).
     f = FakeCupti(buffer_bytes=1 << 16)
     f.busy_threads = {"autograd"}
     for s in range(5):

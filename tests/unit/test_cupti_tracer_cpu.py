@@ -10,7 +10,7 @@ from distanom.config import TracerConfig
 from distanom.errors import TracerUnavailableError
 from distanom.tracers.base import Availability, Tracer
 from distanom.tracers.cupti import CuptiTracer, probe_cupti
-from distanom.tracers.step_marker import MARKER_PTX, marker_length
+from distanom.tracers.cupti.marker import MARKER_PTX, marker_length
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU paths")
@@ -20,6 +20,18 @@ def test_implements_the_tracer_protocol() -> None:
     tracer = CuptiTracer(TracerConfig(backend="cupti"), rank=0)
     assert isinstance(tracer, Tracer)
     assert tracer.name == "cupti"
+
+
+def test_the_class_has_every_member_of_the_tracer_protocol() -> None:
+    declared = set(Tracer.__annotations__) | {n for n in vars(Tracer) if not n.startswith("_")}
+    assert {"name", "boundary_flushes", "tracing", "stats", "mark_step"} <= declared
+    data = set(Tracer.__annotations__)  # set per instance, in __init__
+    on_class = {n for n in declared - data if hasattr(CuptiTracer, n)}
+    assert on_class == declared - data
+    assert all(callable(getattr(CuptiTracer, n)) for n in declared - data - {"tracing"})
+    assert isinstance(vars(CuptiTracer)["tracing"], property)
+    tracer = CuptiTracer(TracerConfig(backend="cupti"), rank=0)
+    assert all(hasattr(tracer, n) for n in data)
 
 
 def test_probe_gives_a_one_line_reason() -> None:
@@ -65,7 +77,7 @@ def test_driver_marker_without_libcuda_is_unavailable_not_a_crash() -> None:
     import ctypes
 
     from distanom.errors import TracerUnavailableError
-    from distanom.tracers.step_marker import DriverMarker
+    from distanom.tracers.cupti.marker import DriverMarker
 
     try:
         ctypes.CDLL("libcuda.so.1")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from distanom.config import TracerConfig
-from distanom.tracers.base import Availability
+from distanom.tracers.base import Availability, Tracer
 from distanom.tracers.kineto import KinetoTracer, cut_step
 
 DEVICE_TRACE = Path(__file__).parent.parent / "data" / "device" / "h200_kineto_cuda_3steps.json.gz"
@@ -64,6 +64,23 @@ def test_late_kernels_come_from_the_next_window() -> None:
     alone = cut_step([first], 2, MARKS[1], MARKS[2])
     joined = cut_step([first, second], 2, MARKS[1], MARKS[2])
     assert joined.stats["gpu_events"] == alone.stats["gpu_events"] + 1
+
+
+def protocol_members() -> set[str]:
+    """Every attribute, property and method the Tracer protocol declares."""
+    declared = set(Tracer.__annotations__)
+    declared |= {n for n in vars(Tracer) if not n.startswith("_")}
+    return declared
+
+
+def test_implements_the_tracer_protocol() -> None:
+    tracer = KinetoTracer(TracerConfig(), use_cuda=False)
+    try:
+        assert isinstance(tracer, Tracer)
+        assert {"tracing", "stats", "boundary_flushes"} <= protocol_members()
+        assert all(hasattr(tracer, name) for name in protocol_members())
+    finally:
+        tracer.close()
 
 
 def test_live_cpu_windows_and_history(tmp_path: Path) -> None:

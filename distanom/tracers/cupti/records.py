@@ -1,28 +1,23 @@
-"""Decoding CUPTI activity buffers: raw bytes → compact records → Kineto-shaped events.
+"""CUPTI activity record layouts: walking a buffer, indexing it, decoding its records.
 
 Owns the record layouts distanom relies on (the prefix fields of CUPTI 13.0's
 CUpti_ActivityKernel10, CUpti_ActivityMemcpy6 and CUpti_ActivityMemset4, which have kept
-their offsets across record versions), the per-buffer index (`index_buffer`: where each
-record is, its kind and correlation id, and the step-marker kernels), the full decoding
-of selected records (`decode_records`) with validation (records with a zero timestamp or
-an end before their start are dropped and counted), and the conversion to chrome-trace
-events in Kineto's shape (`kineto_events`), so a CUPTI trace reads like a CUDA-only
-torch.profiler trace in Perfetto, HTA, TraceLens and distanom's analysis.
+their offsets across record versions), the walk by record size (`iterate_by_size`), the
+per-buffer index (`index_buffer`: where each record is, its kind and correlation id, and
+the step-marker kernels), and the full decoding of selected records (`decode_records`)
+with validation (records with a zero timestamp or an end before their start are dropped
+and counted). Decoded `GpuActivity` values go to `events`, which shapes them for Kineto.
 
 Pure: it reads memory it is given and never calls CUPTI. How records are found in a
-buffer is injected (`RecordIterator`): the tracer walks by the record sizes
-(`iterate_by_size`, checked against cuptiActivityGetNextRecord when it starts), so that
-reading needs no CUPTI call while CUPTI is detached; tests use it over synthetic buffers.
-Kernel names are read through a `NameTable` from the char* in each kernel record.
+buffer is injected (`RecordIterator`): the tracer walks by the record sizes (checked
+against cuptiActivityGetNextRecord when it starts), so that reading needs no CUPTI call
+while CUPTI is detached; tests use it over synthetic buffers. Kernel names are read
+through a `NameTable` (see `names`) from the char* in each kernel record.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import ctypes.util
-import logging
-import os
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,14 +26,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-log = logging.getLogger(__name__)
+from distanom.tracers.cupti.library import KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET
+from distanom.tracers.cupti.names import NameTable
 
-KIND_MEMCPY = 1
-KIND_MEMSET = 2
-KIND_CONCURRENT_KERNEL = 10
-
-# Full record sizes on CUPTI 13.0 (only used to walk synthetic buffers in tests and as a
-# documented fallback; the real walk asks CUPTI).
+# Full record sizes on CUPTI 13.0: `iterate_by_size` walks buffers by them, which the
+# tracer does only once calibration found them equal to cuptiActivityGetNextRecord's walk.
 RECORD_SIZES: dict[int, int] = {KIND_CONCURRENT_KERNEL: 216, KIND_MEMCPY: 96, KIND_MEMSET: 88}
 
 # Bytes of each record distanom reads (through the name pointer, the correlation id,
@@ -109,164 +101,6 @@ def iterate_by_size(view: U8Array) -> list[int]:
     return offsets
 
 
-# ---------------------------------------------------------------------------------------
-# Names
-
-
-class SafeMemoryReader:
-    """Reads bytes at a raw address without risking a segfault: the bytes go through a
-    pipe, so an unmapped address is an EFAULT error rather than a crash. Kernel names
-    are char* pointers inside records; if a record were misread, a bad pointer must cost
-    one name, not the training job."""
-
-    _PAGE = 4096
-
-    def __init__(self) -> None:
-        self._pipe: tuple[int, int] | None = None
-        try:
-            self._pipe = os.pipe()
-        except OSError:
-            self._pipe = None
-
-    def read_cstring(self, address: int, limit: int = 1 << 16) -> bytes | None:
-        """The NUL-terminated string at `address` (at most `limit` bytes), None if unreadable."""
-        if address <= 0:
-            return None
-        if self._pipe is None:
-            return ctypes.string_at(address)[:limit]
-        out = bytearray()
-        pos = address
-        while len(out) < limit:
-            # Reads never cross a page boundary: a page is mapped or not as a whole.
-            chunk = min(self._PAGE - (pos % self._PAGE), limit - len(out))
-            piece = self._read(pos, chunk)
-            if piece is None:
-                return None
-            nul = piece.find(b"\0")
-            if nul >= 0:
-                out += piece[:nul]
-                return bytes(out)
-            out += piece
-            pos += chunk
-        return bytes(out)
-
-    def _read(self, address: int, size: int) -> bytes | None:
-        assert self._pipe is not None
-        read_fd, write_fd = self._pipe
-        source = (ctypes.c_char * size).from_address(address)
-        try:
-            written = os.write(write_fd, memoryview(source).cast("B"))
-        except OSError:
-            return None
-        data = b""
-        while len(data) < written:
-            data += os.read(read_fd, written - len(data))
-        return data
-
-    def close(self) -> None:
-        if self._pipe is not None:
-            for fd in self._pipe:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._pipe = None
-
-
-class _Demangler:
-    """C++ names → Kineto's readable form through libstdc++'s __cxa_demangle."""
-
-    def __init__(self) -> None:
-        self._func: Any = None
-        self._free: Any = None
-        try:
-            cxx = ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6")
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            func = getattr(cxx, "__cxa_demangle")  # getattr: no private-name mangling
-            func.argtypes = [
-                ctypes.c_char_p,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.POINTER(ctypes.c_int),
-            ]
-            func.restype = ctypes.c_void_p
-            free = libc.free
-            free.argtypes = [ctypes.c_void_p]
-            free.restype = None
-            self._func, self._free = func, free
-        except (OSError, AttributeError) as err:
-            log.info("no C++ demangler (%s): kernel names stay mangled", err)
-
-    def __call__(self, name: str) -> str:
-        if self._func is None or not name.startswith("_Z"):
-            return name
-        status = ctypes.c_int(1)
-        ptr = self._func(name.encode(), None, None, ctypes.byref(status))
-        if not ptr:
-            return name
-        try:
-            if status.value != 0:
-                return name
-            return ctypes.string_at(ptr).decode("utf-8", errors="replace")
-        finally:
-            self._free(ptr)
-
-
-class NameTable:
-    """Kernel-name pointers → names. CUPTI shares one name string per kernel across its
-    records, so each pointer is read (and demangled) once per CUPTI attachment (`epoch`):
-    after a detach CUPTI may place other names at the same addresses."""
-
-    UNREADABLE = "<unreadable kernel name>"
-
-    def __init__(
-        self,
-        read_cstring: Callable[[int], bytes | None] | None = None,
-        demangle: Callable[[str], str] | None = None,
-        max_entries: int = 200_000,
-    ) -> None:
-        self._reader: SafeMemoryReader | None = None
-        if read_cstring is None:
-            self._reader = SafeMemoryReader()
-            read_cstring = self._reader.read_cstring
-        self._read = read_cstring
-        self._demangle = demangle if demangle is not None else _Demangler()
-        self._raw: dict[int, str] = {}
-        self._shown: dict[int, str] = {}
-        self._max = max_entries
-        self.unreadable = 0
-
-    def raw(self, pointer: int, epoch: int = 0) -> str:
-        key = (epoch << 64) | pointer
-        name = self._raw.get(key)
-        if name is None:
-            data = self._read(pointer) if pointer else None
-            if data is None:
-                self.unreadable += 1
-                name = self.UNREADABLE
-            else:
-                name = data.decode("utf-8", errors="replace")
-            if len(self._raw) >= self._max:
-                self._raw.clear()
-                self._shown.clear()
-            self._raw[key] = name
-        return name
-
-    def display(self, pointer: int, epoch: int = 0) -> str:
-        key = (epoch << 64) | pointer
-        shown = self._shown.get(key)
-        if shown is None:
-            shown = self._demangle(self.raw(pointer, epoch))
-            self._shown[key] = shown
-        return shown
-
-    def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
-
-
-# ---------------------------------------------------------------------------------------
-# Index of one buffer
-
-
 @dataclass(frozen=True)
 class MarkerRecord:
     """A step-marker kernel as CUPTI recorded it."""
@@ -296,10 +130,12 @@ class BufferIndex:
 
     @property
     def min_correlation(self) -> int:
+        """The smallest correlation id in the buffer (0 if it has no records)."""
         return int(self.correlation.min()) if len(self.correlation) else 0
 
     @property
     def max_correlation(self) -> int:
+        """The largest correlation id in the buffer (0 if it has no records)."""
         return int(self.correlation.max()) if len(self.correlation) else 0
 
 
@@ -408,6 +244,7 @@ def memcpy_name(copy_kind: int, src: int, dst: int) -> str:
 
 
 def memset_name(memory_kind: int) -> str:
+    """Kineto's memset event name, e.g. 'Memset (Device)'."""
     return f"Memset ({MEMORY_KIND_NAMES.get(memory_kind, 'Unknown')})"
 
 
@@ -475,128 +312,3 @@ def decode_records(
         stats.counts[rec.kind] = stats.counts.get(rec.kind, 0) + 1
         out.append(rec)
     return out
-
-
-# ---------------------------------------------------------------------------------------
-# Kineto-shaped events
-
-KINETO_CATEGORY = {
-    KIND_CONCURRENT_KERNEL: "kernel",
-    KIND_MEMCPY: "gpu_memcpy",
-    KIND_MEMSET: "gpu_memset",
-}
-
-
-def _us(ns: int) -> float:
-    # Kineto writes microseconds with nanosecond precision (3 decimals).
-    return round(ns / 1000.0, 3)
-
-
-def kineto_event(rec: GpuActivity, base_time_ns: int, num_sms: int | None = None) -> dict[str, Any]:
-    """One record as a chrome-trace 'X' event the way Kineto writes it."""
-    dur_ns = rec.end_ns - rec.start_ns
-    args: dict[str, Any] = {
-        "device": rec.device,
-        "context": rec.context,
-        "stream": rec.stream,
-        "correlation": rec.correlation,
-    }
-    if rec.kind == KIND_CONCURRENT_KERNEL:
-        args["registers per thread"] = rec.registers
-        args["shared memory"] = rec.shared_memory
-        if num_sms:
-            blocks = rec.grid[0] * rec.grid[1] * rec.grid[2] / num_sms
-            threads = rec.block[0] * rec.block[1] * rec.block[2]
-            args["blocks per SM"] = round(blocks, 6)
-            args["warps per SM"] = round(blocks * threads / 32.0, 6)
-        args["grid"] = list(rec.grid)
-        args["block"] = list(rec.block)
-    else:
-        args["bytes"] = rec.bytes
-        args["memory bandwidth (GB/s)"] = rec.bytes / dur_ns if dur_ns > 0 else "N/A"
-    return {
-        "ph": "X",
-        "cat": KINETO_CATEGORY[rec.kind],
-        "name": rec.name,
-        "pid": rec.device,
-        "tid": rec.stream,
-        "ts": _us(rec.start_ns - base_time_ns),
-        "dur": _us(dur_ns),
-        "args": args,
-    }
-
-
-def metadata_events(
-    devices_streams: Iterable[tuple[int, int]], ts: float, process_name: str = "python3"
-) -> list[dict[str, Any]]:
-    """Kineto's 'M' events naming each GPU row (pid = device) and stream row (tid = stream)."""
-    pairs = sorted(set(devices_streams))
-    events: list[dict[str, Any]] = []
-    for device in sorted({d for d, _ in pairs}):
-        events.append(
-            {
-                "name": "process_name",
-                "ph": "M",
-                "ts": ts,
-                "pid": device,
-                "tid": 0,
-                "args": {"name": process_name},
-            }
-        )
-        events.append(
-            {
-                "name": "process_labels",
-                "ph": "M",
-                "ts": ts,
-                "pid": device,
-                "tid": 0,
-                "args": {"labels": f"GPU {device}"},
-            }
-        )
-        events.append(
-            {
-                "name": "process_sort_index",
-                "ph": "M",
-                "ts": ts,
-                "pid": device,
-                "tid": 0,
-                "args": {"sort_index": 5000000 + device},
-            }
-        )
-    for device, stream in pairs:
-        # Kineto's stream label has a trailing space; kept so names match its traces.
-        events.append(
-            {
-                "name": "thread_name",
-                "ph": "M",
-                "ts": ts,
-                "pid": device,
-                "tid": stream,
-                "args": {"name": f"stream {stream} "},
-            }
-        )
-        events.append(
-            {
-                "name": "thread_sort_index",
-                "ph": "M",
-                "ts": ts,
-                "pid": device,
-                "tid": stream,
-                "args": {"sort_index": stream},
-            }
-        )
-    return events
-
-
-def kineto_events(
-    records: Sequence[GpuActivity],
-    base_time_ns: int,
-    num_sms: int | None = None,
-    process_name: str = "python3",
-) -> list[dict[str, Any]]:
-    """Metadata events, then one event per record in start order."""
-    ordered = sorted(records, key=lambda r: (r.start_ns, r.correlation))
-    spans = [kineto_event(r, base_time_ns, num_sms) for r in ordered]
-    first_ts = spans[0]["ts"] if spans else 0.0
-    meta = metadata_events(((r.device, r.stream) for r in ordered), first_ts, process_name)
-    return meta + spans

@@ -1,19 +1,17 @@
 """The step-marker kernel of the cupti backend: one tiny launch per step boundary.
 
-Owns launching the marker whose CUPTI record bounds a step (see `distanom.tracers.cupti`)
-and whose grid size encodes `step % K`. Two launchers, the cheaper first:
+Owns launching the marker whose CUPTI record bounds a step (see `matching`) and whose
+grid size encodes `step % K`. Two launchers, the cheaper first:
 
 - `DriverMarker`: a kernel named `distanom_step_marker`, loaded once from PTX text
   through the CUDA driver API (`ctypes` on libcuda) and launched with `cuLaunchKernel`
-  on torch's current stream, grid = code + 1. Measured on an H200 the per-step cost of
-  the jiterator marker plus the lag-probe event was ~150 µs of host time per step
-  (bench/results/cupti_tracer_cost_probe_h200.json), i.e. several percent of a 9 ms
-  launch-bound step; a driver launch from ctypes is a few µs.
+  on torch's current stream, grid = code + 1: a few µs of host time per step.
 - `JiteratorMarker`: torch's jiterator compiles an elementwise kernel of that name; its
-  input length (1 + code * 4096 elements) sets the grid. Used where the driver path is
-  unavailable (no libcuda symbol, PTX rejected).
+  input length (1 + code * 4096 elements) sets the grid. Much dearer per step, so it is
+  used only where the driver path is unavailable (no libcuda symbol, PTX rejected).
 
-Neither touches disk or CUPTI; the tracer learns grid -> code by calibration either way.
+Neither touches disk or CUPTI; the tracer learns grid -> code by calibration either way
+(see `calibration`). Docs: docs/cupti.md (why the driver marker).
 """
 
 from __future__ import annotations
@@ -49,6 +47,8 @@ def marker_length(code: int) -> int:
 
 
 class StepMarker(Protocol):
+    """A way to launch the step marker for a code (see `create_marker`)."""
+
     kind: str
 
     def launch(self, code: int) -> None:
@@ -121,12 +121,14 @@ class DriverMarker:
             raise TracerUnavailableError(f"{call} failed: CUDA error {rc} ({text})")
 
     def launch(self, code: int) -> None:
+        """Launch the marker with grid `code + 1` on torch's current stream."""
         stream = self._torch.cuda.current_stream().cuda_stream
         rc = self._launch(self._function, code + 1, 1, 1, 1, 1, 1, 0, stream, None, None)
         if rc != 0:
             self._check(rc, "cuLaunchKernel")
 
     def close(self) -> None:
+        """Unload the PTX module (idempotent)."""
         if self._module.value:
             self._module_unload(self._module)
             self._module = ctypes.c_void_p()
@@ -150,9 +152,11 @@ class JiteratorMarker:
             self._fn(x)
 
     def launch(self, code: int) -> None:
+        """Launch the marker on the input whose length encodes `code`."""
         self._fn(self._inputs[code])
 
     def close(self) -> None:
+        """Drop the marker inputs."""
         self._inputs = []
 
 

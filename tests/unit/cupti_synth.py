@@ -1,4 +1,4 @@
-"""Synthetic CUPTI activity records: the writing side of the layouts `cupti_records` reads.
+"""Synthetic CUPTI activity records: the writing side of the layouts `cupti.records` reads.
 
 Owns nothing at run time: it is the test double of CUPTI's buffers. It writes kernel
 (CUpti_ActivityKernel10, 216 bytes), memcpy (Memcpy6, 96 bytes) and memset (Memset4, 88
@@ -13,12 +13,8 @@ from __future__ import annotations
 import ctypes
 import struct
 
-from distanom.tracers.cupti_records import (
-    KIND_CONCURRENT_KERNEL,
-    KIND_MEMCPY,
-    KIND_MEMSET,
-    RECORD_SIZES,
-)
+from distanom.tracers.cupti.library import KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET
+from distanom.tracers.cupti.records import RECORD_SIZES
 
 
 class NameBank:
