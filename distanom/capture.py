@@ -36,6 +36,7 @@ import orjson
 
 from distanom.config import Config
 from distanom.detect import CaptureDecision
+from distanom.records.index import IndexDropped, IndexWritten, append_record
 from distanom.rundir import CaptureFolderContendedError, RunDir, json_number
 from distanom.tracers.base import Availability, StepTrace, Tracer
 from distanom.world import WorldInfo
@@ -227,7 +228,7 @@ class CaptureWorker:
         held = self._kinds.get(decision.step)
         if held is not None:  # already written for another reason: one file, one more label
             held.add(decision.kind)
-            self._index("written", decision, self._run.trace_path(decision.step, rank), 0, {})
+            self._index(decision, self._run.trace_path(decision.step, rank), 0, {})
             return True
         # Finding the step can be real work (the cupti tracer indexes the buffers that
         # came back since); a cheap poll is not charged, or every step waiting for CUPTI
@@ -332,7 +333,7 @@ class CaptureWorker:
         self.stats.bytes_written += len(data)
         self._kinds[decision.step] = {decision.kind}
         cost["write_ms"] = (time.monotonic_ns() - started) / 1e6
-        self._index("written", decision, path, len(data), trace.stats, cost)
+        self._index(decision, path, len(data), trace.stats, cost)
         log.info(
             "captured step %d (%s%s) -> %s",
             decision.step,
@@ -382,15 +383,7 @@ class CaptureWorker:
         self._index_dropped(step, kind, replaced_by)
 
     def _index_dropped(self, step: int, kind: str, replaced_by: int) -> None:
-        self._run.append_index(
-            {
-                "event": "dropped",
-                "step": step,
-                "rank": self._world.rank,
-                "kind": kind,
-                "replaced_by": replaced_by,
-            }
-        )
+        append_record(self._run, IndexDropped(step, self._world.rank, kind, replaced_by))
 
     def _remove_dir_if_empty(self, step: int) -> None:
         """Remove the step's folder if no rank's files are left in it (the last rank out
@@ -409,36 +402,32 @@ class CaptureWorker:
 
     def _index(
         self,
-        event: str,
         decision: CaptureDecision,
         path: Any,
         size: int,
         stats: dict[str, int],
         cost: dict[str, float] | None = None,
     ) -> None:
-        self._run.append_index(
-            {
-                "event": event,
-                "step": decision.step,
-                "rank": self._world.rank,
-                "host": self._world.host,
-                "kind": decision.kind,
-                "trace": self._run.relative(path),
-                "bytes": size,
-                "step_ms": json_number(decision.step_ms),
-                "median_ms": json_number(decision.median_ms),
-                "threshold_ms": json_number(decision.threshold_ms),
-                "slowest_rank": decision.slowest_rank,
-                "episode": decision.episode,
-                "request": decision.request_id,
-                "tracer": self._tracer_name,
-                "tracer_stats": stats,
-                # where the capture worker's time went (ms): finding the step in the
-                # tracer, building its trace, json + gzip, writing the file
-                **({"cost_ms": {k: round(v, 3) for k, v in cost.items()}} if cost else {}),
-                "time": time.time(),
-            }
+        """Record this rank's file of a decided step (`cost`: the worker's time on it)."""
+        record = IndexWritten(
+            step=decision.step,
+            rank=self._world.rank,
+            host=self._world.host,
+            kind=decision.kind,
+            trace=self._run.relative(path),
+            bytes=size,
+            step_ms=json_number(decision.step_ms),
+            median_ms=json_number(decision.median_ms),
+            threshold_ms=json_number(decision.threshold_ms),
+            slowest_rank=decision.slowest_rank,
+            episode=decision.episode,
+            request=decision.request_id,
+            tracer=self._tracer_name,
+            tracer_stats=stats,
+            time=time.time(),
+            cost_ms={k: round(v, 3) for k, v in cost.items()} if cost else {},
         )
+        append_record(self._run, record)
 
     def _fail(self, reason: str) -> None:
         if self.stats.failed is None:

@@ -8,17 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from distanom.control import (
+from distanom.errors import CaptureRequestError, RunDirError
+from distanom.records.index import read_index
+from distanom.records.requests import (
+    Accepted,
     answer,
-    job_alive,
     parse_ranks,
     pending_requests,
     read_response,
     submit_request,
     validate_request,
-    write_status,
 )
-from distanom.errors import CaptureRequestError, RunDirError
+from distanom.records.status import job_alive, write_status
 from distanom.rundir import RunDir, create_run, update_latest, write_json_atomic
 
 
@@ -65,8 +66,8 @@ def test_index_survives_damaged_lines(tmp_path: Path) -> None:
         handle.write('{"event": "written", "step": -1, "rank": 0}\n')
         handle.write("[1, 2]\n")
     run.append_index({"event": "dropped", "step": 3, "rank": 0})
-    records, problems = run.read_index()
-    assert [r["event"] for r in records] == ["written", "dropped"]
+    records, problems = read_index(run)
+    assert [r.event for r in records] == ["written", "dropped"]
     assert [p.line for p in problems] == [2, 3, 4]
 
 
@@ -121,8 +122,14 @@ def test_request_response_protocol(tmp_path: Path) -> None:
     pending = pending_requests(run)
     assert [p.request_id for p in pending] == [first, second]
     assert pending[0].n_steps == 2 and pending[0].ranges == ((1, 1),)
-    answer(run, first, {"status": "accepted", "steps": [5, 6]})
-    assert read_response(run, first) == {"status": "accepted", "steps": [5, 6]}
+    answer(run, first, Accepted(request="1", steps=[5, 6], ranks=[1], world_size=4))
+    assert read_response(run, first) == {
+        "status": "accepted",
+        "request": "1",
+        "steps": [5, 6],
+        "ranks": [1],
+        "world_size": 4,
+    }
     assert [p.request_id for p in pending_requests(run)] == [second]
     # a malformed request file is answered, not retried forever
     broken = second.replace(second[-8:], "deadbeef")
