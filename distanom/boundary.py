@@ -298,8 +298,7 @@ class StepBoundaries:
         as it is: stopping it could wait on the GPU too)."""
         gpu_done = True
         if self.clock is not None:
-            # Polled, never a synchronize: a hung GPU (a crash, a stuck collective) must
-            # not hang the exit.
+            # polled, never a synchronize: a hung GPU must not hang the exit
             try:
                 drained, gpu_done = self.clock.drain(timeout_s)
                 for step, duration in drained:
@@ -314,8 +313,7 @@ class StepBoundaries:
                 self._warn_once("clock", "clock: final read failed (%s)", err)
         tracer = self.tracer
         if tracer is not None and gpu_done:
-            # on this thread: torch.profiler's state belongs to the thread that started
-            # it (stopping it from another one loses the last window, and can crash)
+            # on this thread: torch.profiler's state belongs to the thread that started it
             try:
                 tracer.end_of_training()  # kineto hands over its last partial window
             except Exception as err:

@@ -28,9 +28,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-# Imported here, at agent start, not at the first capture: rundir imports it lazily for
-# the report's sake, and a first import on the worker thread holds the GIL while the
-# training thread waits (~15 ms measured on a 2-core VM).
+# Imported at agent start, never first on the worker thread: a first import holds the GIL
+# while the training thread waits (rundir imports it lazily for the report's sake;
+# docs/agent.md has the measurement).
 import filelock  # noqa: F401
 import orjson
 
@@ -45,17 +45,16 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 # A tracer lookup this long is work to charge to the steps it overlapped (the cupti
-# tracer indexing buffers: ~1 ms per 1,000 records on a 2-core VM); a shorter one is a poll.
+# tracer indexing its buffers); a shorter one is a poll.
 HEAVY_LOOKUP_NS = 1_000_000
 
 
 def encode_document(document: dict[str, Any]) -> bytes:
-    """A trace document as JSON bytes. orjson holds the GIL ~25x shorter than json.dumps
-    (0.25 vs 6.2 ms for a 600-event DDP ResNet18 step, measured on a 2-core VM), time the
-    training thread would wait; json.dumps takes what orjson refuses (an integer wider
-    than 64 bits, a key that is not a string)."""
+    """A trace document as JSON bytes. orjson first: it holds the GIL far shorter than
+    json.dumps, time the training thread would wait (docs/agent.md); json.dumps takes what
+    orjson refuses (an integer wider than 64 bits, a key that is not a string)."""
     try:
-        # NaN and infinities become null (json.dumps refused them, failing the capture)
+        # NaN and infinities become null: a trace with one must still be written
         return orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError:  # orjson.JSONEncodeError is one
         return json.dumps(document, allow_nan=False).encode()
@@ -63,6 +62,8 @@ def encode_document(document: dict[str, Any]) -> bytes:
 
 @dataclass
 class CaptureStats:
+    """This rank's capture counters (status.json shows rank 0's)."""
+
     written: int = 0
     bytes_written: int = 0
     dropped: int = 0
@@ -135,9 +136,11 @@ class CaptureWorker:
 
     @property
     def active(self) -> bool:
+        """False once capture has stepped aside on this rank for the rest of the run."""
         return self.stats.failed is None
 
     def submit(self, decisions: list[CaptureDecision]) -> None:
+        """Queue decisions for the worker thread (never blocks)."""
         for decision in decisions:
             self._queue.put(decision)
 
