@@ -28,14 +28,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-# Imported here, at agent start, not at the first capture: rundir imports it lazily for
-# the report's sake, and a first import on the worker thread holds the GIL while the
-# training thread waits (~15 ms measured on a 2-core VM).
+# Imported at agent start, never first on the worker thread: a first import holds the GIL
+# while the training thread waits (rundir imports it lazily for the report's sake;
+# docs/agent.md has the measurement).
 import filelock  # noqa: F401
 import orjson
 
 from distanom.config import Config
 from distanom.detect import CaptureDecision
+from distanom.records.index import IndexDropped, IndexWritten, append_record
 from distanom.rundir import CaptureFolderContendedError, RunDir, json_number
 from distanom.tracers.base import Availability, StepTrace, Tracer
 from distanom.world import WorldInfo
@@ -44,17 +45,16 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 # A tracer lookup this long is work to charge to the steps it overlapped (the cupti
-# tracer indexing buffers: ~1 ms per 1,000 records on a 2-core VM); a shorter one is a poll.
+# tracer indexing its buffers); a shorter one is a poll.
 HEAVY_LOOKUP_NS = 1_000_000
 
 
 def encode_document(document: dict[str, Any]) -> bytes:
-    """A trace document as JSON bytes. orjson holds the GIL ~25x shorter than json.dumps
-    (0.25 vs 6.2 ms for a 600-event DDP ResNet18 step, measured on a 2-core VM), time the
-    training thread would wait; json.dumps takes what orjson refuses (an integer wider
-    than 64 bits, a key that is not a string)."""
+    """A trace document as JSON bytes. orjson first: it holds the GIL far shorter than
+    json.dumps, time the training thread would wait (docs/agent.md); json.dumps takes what
+    orjson refuses (an integer wider than 64 bits, a key that is not a string)."""
     try:
-        # NaN and infinities become null (json.dumps refused them, failing the capture)
+        # NaN and infinities become null: a trace with one must still be written
         return orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError:  # orjson.JSONEncodeError is one
         return json.dumps(document, allow_nan=False).encode()
@@ -62,6 +62,8 @@ def encode_document(document: dict[str, Any]) -> bytes:
 
 @dataclass
 class CaptureStats:
+    """This rank's capture counters (status.json shows rank 0's)."""
+
     written: int = 0
     bytes_written: int = 0
     dropped: int = 0
@@ -134,9 +136,11 @@ class CaptureWorker:
 
     @property
     def active(self) -> bool:
+        """False once capture has stepped aside on this rank for the rest of the run."""
         return self.stats.failed is None
 
     def submit(self, decisions: list[CaptureDecision]) -> None:
+        """Queue decisions for the worker thread (never blocks)."""
         for decision in decisions:
             self._queue.put(decision)
 
@@ -227,7 +231,7 @@ class CaptureWorker:
         held = self._kinds.get(decision.step)
         if held is not None:  # already written for another reason: one file, one more label
             held.add(decision.kind)
-            self._index("written", decision, self._run.trace_path(decision.step, rank), 0, {})
+            self._index(decision, self._run.trace_path(decision.step, rank), 0, {})
             return True
         # Finding the step can be real work (the cupti tracer indexes the buffers that
         # came back since); a cheap poll is not charged, or every step waiting for CUPTI
@@ -332,7 +336,7 @@ class CaptureWorker:
         self.stats.bytes_written += len(data)
         self._kinds[decision.step] = {decision.kind}
         cost["write_ms"] = (time.monotonic_ns() - started) / 1e6
-        self._index("written", decision, path, len(data), trace.stats, cost)
+        self._index(decision, path, len(data), trace.stats, cost)
         log.info(
             "captured step %d (%s%s) -> %s",
             decision.step,
@@ -382,15 +386,7 @@ class CaptureWorker:
         self._index_dropped(step, kind, replaced_by)
 
     def _index_dropped(self, step: int, kind: str, replaced_by: int) -> None:
-        self._run.append_index(
-            {
-                "event": "dropped",
-                "step": step,
-                "rank": self._world.rank,
-                "kind": kind,
-                "replaced_by": replaced_by,
-            }
-        )
+        append_record(self._run, IndexDropped(step, self._world.rank, kind, replaced_by))
 
     def _remove_dir_if_empty(self, step: int) -> None:
         """Remove the step's folder if no rank's files are left in it (the last rank out
@@ -409,36 +405,32 @@ class CaptureWorker:
 
     def _index(
         self,
-        event: str,
         decision: CaptureDecision,
         path: Any,
         size: int,
         stats: dict[str, int],
         cost: dict[str, float] | None = None,
     ) -> None:
-        self._run.append_index(
-            {
-                "event": event,
-                "step": decision.step,
-                "rank": self._world.rank,
-                "host": self._world.host,
-                "kind": decision.kind,
-                "trace": self._run.relative(path),
-                "bytes": size,
-                "step_ms": json_number(decision.step_ms),
-                "median_ms": json_number(decision.median_ms),
-                "threshold_ms": json_number(decision.threshold_ms),
-                "slowest_rank": decision.slowest_rank,
-                "episode": decision.episode,
-                "request": decision.request_id,
-                "tracer": self._tracer_name,
-                "tracer_stats": stats,
-                # where the capture worker's time went (ms): finding the step in the
-                # tracer, building its trace, json + gzip, writing the file
-                **({"cost_ms": {k: round(v, 3) for k, v in cost.items()}} if cost else {}),
-                "time": time.time(),
-            }
+        """Record this rank's file of a decided step (`cost`: the worker's time on it)."""
+        record = IndexWritten(
+            step=decision.step,
+            rank=self._world.rank,
+            host=self._world.host,
+            kind=decision.kind,
+            trace=self._run.relative(path),
+            bytes=size,
+            step_ms=json_number(decision.step_ms),
+            median_ms=json_number(decision.median_ms),
+            threshold_ms=json_number(decision.threshold_ms),
+            slowest_rank=decision.slowest_rank,
+            episode=decision.episode,
+            request=decision.request_id,
+            tracer=self._tracer_name,
+            tracer_stats=stats,
+            time=time.time(),
+            cost_ms={k: round(v, 3) for k, v in cost.items()} if cost else {},
         )
+        append_record(self._run, record)
 
     def _fail(self, reason: str) -> None:
         if self.stats.failed is None:

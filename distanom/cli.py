@@ -142,8 +142,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from distanom.analysis.status import render_status
-    from distanom.control import read_status
+    from distanom.live import render_status
+    from distanom.records.status import read_status
     from distanom.rundir import RunDir
 
     run = RunDir.open(args.run_dir)
@@ -165,7 +165,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:
-    from distanom.analysis.status import request_capture
+    from distanom.live import request_capture
 
     return request_capture(args.run_dir, args.steps, args.ranks, args.timeout)
 

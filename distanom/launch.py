@@ -107,6 +107,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """distanom's flags, with the script (or module) and its arguments as `script_args`."""
     ours, script_args = split_argv(argv)
     args = _parser().parse_args(ours)
     args.script_args = script_args
@@ -116,6 +117,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def configure_logging(config: Config, world: WorldInfo) -> None:
+    """Send distanom's log to stderr with a `[distanom rR/W]` prefix, at `log.level`."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[distanom {world.label}] %(levelname)s %(message)s"))
     log.handlers[:] = [handler]
@@ -151,6 +153,7 @@ def _run_script(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Validate the input, install the agent, run the script; returns its exit status."""
     world = WorldInfo.from_env()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)

@@ -4,7 +4,7 @@
 <base>/<run-id>/
   run.json                         config snapshot, world, hosts, versions (rank 0)
   status.json                      live state of the job, rewritten by rank 0
-  steps/rank<R>.csv                every step on rank R (append-only): STEPS_CSV_HEADER
+  steps/rank<R>.csv                every step on rank R (append-only)
   captures/step_<N>/
       rank<R>.trace.json.gz        rank R's Kineto chrome trace of step N
       rank<R>.gpu_timeline.csv     TraceLens-compatible tables of that trace
@@ -19,7 +19,8 @@
 
 Each rank writes only its own files; shared files (index.jsonl) are appended under a
 `filelock`. Every other write goes to a temporary file in the same directory and is
-renamed into place, so a reader never trusts a half-written file. A capture folder every
+renamed into place, so a reader never trusts a half-written file. What each file holds,
+and how it is read back, is `distanom.records`'. A capture folder every
 rank has taken its files out of (the capture was replaced) is removed by whichever rank
 empties it last: rmdir(2) removes only an empty folder, so no lock is needed. Paths read
 back from files are resolved inside the run directory or refused. Files honour the umask.
@@ -34,23 +35,18 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from distanom.errors import RunDirError
 
-# step, its duration (ms, as the clock measured it), traced / after a tracer flush (0|1),
-# distanom's capture work during it (ms), Python garbage collection during it (ms, and
-# the highest generation collected, -1 for none)
-STEPS_CSV_HEADER = "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen\n"
 INDEX_NAME = "index.jsonl"
 RUN_JSON = "run.json"
 STATUS_JSON = "status.json"
 LATEST = "latest"
 LOCK_TIMEOUT_S = 30.0
-MAX_INDEX_LINE = 64 * 1024  # a longer line is damage, not data
 MAX_JSON_BYTES = 64 * 1024 * 1024
 CAPTURE_DIR_ATTEMPTS = 10  # another rank removing an emptied capture folder meanwhile
 # what `distanom report` writes into a capture folder: regenerated on demand, so a folder
@@ -81,6 +77,7 @@ FILE_MODE = 0o666 & ~_current_umask()
 
 
 def run_id_for(name: str | None, now: datetime.datetime | None = None) -> str:
+    """A run id: `<name>-<YYYYmmdd-HHMMSS>`, or the stamp alone without a name."""
     stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
     return f"{name}-{stamp}" if name else stamp
 
@@ -122,6 +119,7 @@ def json_number(value: float | None, digits: int = 4) -> float | None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a fsynced temporary file renamed into place."""
     import tempfile  # here, not at the top: `distanom analyze` starts faster without it
 
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -139,6 +137,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write `obj` as indented JSON (no NaN) through `write_bytes_atomic`."""
     write_bytes_atomic(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode())
 
 
@@ -154,12 +153,6 @@ def read_json(path: Path) -> Any:
         raise RunDirError(f"{path}: damaged JSON ({err})") from None
     except OSError as err:
         raise RunDirError(f"{path}: cannot read: {err.strerror}") from None
-
-
-@dataclass(frozen=True)
-class IndexProblem:
-    line: int
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -187,40 +180,51 @@ class RunDir:
 
     @property
     def run_id(self) -> str:
+        """The run's id: its directory name."""
         return self.path.name
 
     @property
     def run_json(self) -> Path:
+        """Path of run.json."""
         return self.path / RUN_JSON
 
     @property
     def status_json(self) -> Path:
+        """Path of status.json."""
         return self.path / STATUS_JSON
 
     @property
     def index_path(self) -> Path:
+        """Path of index.jsonl."""
         return self.path / INDEX_NAME
 
     @property
     def requests_dir(self) -> Path:
+        """Folder of on-demand requests and their responses."""
         return self.path / "requests"
 
     def steps_csv(self, rank: int) -> Path:
+        """Path of rank `rank`'s steps file."""
         return self.path / "steps" / f"rank{rank}.csv"
 
     def capture_dir(self, step: int) -> Path:
+        """Folder of step `step`'s capture."""
         return self.path / "captures" / f"step_{step}"
 
     def trace_path(self, step: int, rank: int) -> Path:
+        """Path of rank `rank`'s trace of step `step`."""
         return self.capture_dir(step) / f"rank{rank}.trace.json.gz"
 
     def timeline_csv(self, step: int, rank: int) -> Path:
+        """Path of rank `rank`'s GPU timeline table of step `step`."""
         return self.capture_dir(step) / f"rank{rank}.gpu_timeline.csv"
 
     def kernel_csv(self, step: int, rank: int) -> Path:
+        """Path of rank `rank`'s kernel summary table of step `step`."""
         return self.capture_dir(step) / f"rank{rank}.kernel_summary.csv"
 
     def cpu_timeline_csv(self, step: int, rank: int) -> Path:
+        """Path of rank `rank`'s CPU timeline table of step `step`."""
         return self.capture_dir(step) / f"rank{rank}.cpu_timeline.csv"
 
     def rank_capture_files(self, step: int, rank: int) -> tuple[Path, ...]:
@@ -233,6 +237,7 @@ class RunDir:
         )
 
     def summary_json(self, step: int) -> Path:
+        """Path of the report's summary of step `step`."""
         return self.capture_dir(step) / "summary.json"
 
     def write_capture_file(self, path: Path, data: bytes) -> None:
@@ -292,6 +297,7 @@ class RunDir:
         return True
 
     def relative(self, path: Path) -> str:
+        """`path` relative to the run directory."""
         return str(path.relative_to(self.path))
 
     def inside(self, relative: str) -> Path:
@@ -303,7 +309,9 @@ class RunDir:
             raise RunDirError(f"{self.index_path}: path {relative!r} escapes the run directory")
         return candidate
 
-    def append_index(self, record: dict[str, Any]) -> None:
+    def append_index(self, record: Mapping[str, Any]) -> None:
+        """Append one JSON line (sorted keys) to index.jsonl under the run's file lock,
+        fsynced; the schema of a line is `distanom.records.index`'."""
         import filelock  # only writers need it; readers (the report) start faster
 
         line = json.dumps(record, sort_keys=True, allow_nan=False)
@@ -319,49 +327,6 @@ class RunDir:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-
-    def read_index(self) -> tuple[list[dict[str, Any]], list[IndexProblem]]:
-        """Every readable index record, and a note for each damaged line."""
-        records: list[dict[str, Any]] = []
-        problems: list[IndexProblem] = []
-        if not self.index_path.exists():
-            return records, problems
-        for number, raw in enumerate(self._index_lines(), start=1):
-            if not raw.strip():
-                continue
-            if len(raw) > MAX_INDEX_LINE:
-                problems.append(IndexProblem(number, "line too long"))
-                continue
-            try:
-                record = json.loads(raw)
-            except json.JSONDecodeError:
-                problems.append(IndexProblem(number, "not JSON (truncated or corrupt)"))
-                continue
-            if not _valid_index_record(record):
-                problems.append(IndexProblem(number, "missing or invalid step/rank/event"))
-                continue
-            records.append(record)
-        return records, problems
-
-    def _index_lines(self) -> Iterator[str]:
-        with open(self.index_path, "rb") as handle:
-            for raw in handle:
-                yield raw.decode("utf-8", errors="replace")
-
-
-def _valid_index_record(record: Any) -> bool:
-    if not isinstance(record, dict):
-        return False
-    step, rank, event = record.get("step"), record.get("rank"), record.get("event")
-    return (
-        isinstance(step, int)
-        and not isinstance(step, bool)
-        and step >= 0
-        and isinstance(rank, int)
-        and not isinstance(rank, bool)
-        and rank >= 0
-        and event in ("written", "dropped")
-    )
 
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")

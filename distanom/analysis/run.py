@@ -9,21 +9,34 @@ of a damaged run still shows everything that survived. No torch here.
 
 from __future__ import annotations
 
-import csv
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from distanom.detect import StepSample
 from distanom.errors import RunDirError
-from distanom.rundir import RunDir, capture_steps_on_disk, read_json
+from distanom.records.index import IndexRecord, read_index
+from distanom.records.requests import accepted_ranks
+from distanom.records.run_info import hosts_of, load_run_info, world_size_of
+from distanom.records.status import load_status
+from distanom.records.steps import read_steps
+from distanom.rundir import RunDir, capture_steps_on_disk
 
-MAX_STEP_ROWS = 10_000_000  # a steps file is one short line per step
+__all__ = [
+    "CaptureInfo",
+    "RankCapture",
+    "RunData",
+    "StepSeries",
+    "load_run",
+    "load_steps",
+]
 
 
 @dataclass
 class RankCapture:
+    """One rank's trace file of a captured step, as the index left it."""
+
     rank: int
     trace: str  # relative to the run directory
     host: str | None
@@ -36,6 +49,8 @@ class RankCapture:
 
 @dataclass
 class CaptureInfo:
+    """One captured step: why, its timing at the decision, and every rank's file."""
+
     step: int
     kinds: set[str]
     step_ms: float | None
@@ -48,12 +63,14 @@ class CaptureInfo:
 
     @property
     def ratio(self) -> float | None:
+        """The step's time over the median, None when either is unknown."""
         if self.step_ms is None or not self.median_ms:
             return None
         return self.step_ms / self.median_ms
 
     @property
     def missing_ranks(self) -> list[int]:
+        """Ranks expected to hold a file of this step that hold none."""
         return [rank for rank in self.expected_ranks if rank not in self.ranks]
 
 
@@ -87,6 +104,7 @@ class StepSeries:
         return out
 
     def step_ms(self) -> list[float]:
+        """Each step's time on its slowest rank (NaN where no rank has one)."""
         out = []
         for position in range(len(self.steps)):
             values = [v[position] for v in self.per_rank.values() if math.isfinite(v[position])]
@@ -94,43 +112,48 @@ class StepSeries:
         return out
 
     def median_ms(self) -> float | None:
+        """The median of `step_ms`, None without any finite step."""
         finite = [v for v in self.step_ms() if math.isfinite(v)]
         return statistics.median(finite) if finite else None
 
 
 @dataclass
 class RunData:
+    """A run read back: run.json (`info`, {} when unreadable), status.json (None when
+    absent), every kept capture, and a line for each piece of damage found."""
+
     run: RunDir
-    info: dict[str, Any]
-    status: dict[str, Any] | None
+    info: dict[str, Any]  # a `records.run_info.RunInfo`
+    status: dict[str, Any] | None  # a `records.status.Status`
     captures: list[CaptureInfo]
     problems: list[str]
 
     @property
     def world_size(self) -> int:
-        size = self.info.get("world_size")
-        return size if isinstance(size, int) and size > 0 else 1
+        """The run's world size, 1 when run.json does not say."""
+        return world_size_of(self.info)
 
     @property
     def hosts(self) -> list[str]:
-        hosts = self.info.get("hosts")
-        return [str(h) for h in hosts] if isinstance(hosts, list) else []
+        """The host of each rank, [] when run.json does not say."""
+        return hosts_of(self.info)
 
 
 def load_run(path: str) -> RunData:
+    """Open a run directory (or a base with `latest`) and read everything but the traces
+    and step files; damage becomes `problems`, a missing directory raises RunDirError."""
     run = RunDir.open(path)
     problems: list[str] = []
+    info: dict[str, Any]
     try:
-        info = read_json(run.run_json)
-        if not isinstance(info, dict):
-            raise RunDirError(f"{run.run_json}: not a JSON object")
+        info = cast(dict[str, Any], load_run_info(run))
     except RunDirError as err:
         problems.append(str(err))
         info = {}
     status: dict[str, Any] | None
     try:
-        loaded = read_json(run.status_json) if run.status_json.exists() else None
-        status = loaded if isinstance(loaded, dict) else None
+        loaded = load_status(run)
+        status = cast(dict[str, Any], loaded) if loaded is not None else None
     except RunDirError as err:
         problems.append(str(err))
         status = None
@@ -141,22 +164,22 @@ def load_run(path: str) -> RunData:
 
 def _fold_index(data: RunData) -> list[CaptureInfo]:
     run = data.run
-    records, index_problems = run.read_index()
+    records, index_problems = read_index(run)
     for problem in index_problems:
         data.problems.append(f"{run.index_path.name} line {problem.line}: {problem.reason}")
     captures: dict[int, CaptureInfo] = {}
     for record in records:
-        step, rank = record["step"], record["rank"]
-        if record["event"] == "dropped":
+        step, rank = record.step, record.rank
+        if record.event == "dropped":
             info = captures.get(step)
             held = info.ranks.get(rank) if info else None
             if info is not None and held is not None:
-                held.kinds.discard(str(record.get("kind")))
+                held.kinds.discard(str(record.raw.get("kind")))
                 if not held.kinds:
                     del info.ranks[rank]
             continue
         try:
-            trace = run.relative(run.inside(str(record.get("trace", ""))))
+            trace = run.relative(run.inside(record.trace))
         except RunDirError as err:
             data.problems.append(str(err))
             continue
@@ -165,28 +188,27 @@ def _fold_index(data: RunData) -> list[CaptureInfo]:
             CaptureInfo(
                 step=step,
                 kinds=set(),
-                step_ms=_number(record.get("step_ms")),
-                median_ms=_number(record.get("median_ms")),
-                threshold_ms=_number(record.get("threshold_ms")),
-                slowest_rank=_int(record.get("slowest_rank")),
-                request=_text(record.get("request")),
+                step_ms=record.step_ms,
+                median_ms=record.median_ms,
+                threshold_ms=record.threshold_ms,
+                slowest_rank=record.slowest_rank,
+                request=record.request,
             ),
         )
-        kind = str(record.get("kind", "anomaly"))
-        if info.step_ms is None and _number(record.get("step_ms")) is not None:
-            info.step_ms = _number(record.get("step_ms"))
+        kind = record.kind
+        if info.step_ms is None and record.step_ms is not None:
+            info.step_ms = record.step_ms
         held = info.ranks.get(rank)
         if held is None:
-            stats = record.get("tracer_stats")
             info.ranks[rank] = RankCapture(
                 rank=rank,
                 trace=trace,
-                host=_text(record.get("host")),
+                host=record.host,
                 kinds={kind},
-                bytes=_int(record.get("bytes")) or 0,
-                tracer=_text(record.get("tracer")),
-                tracer_stats=stats if isinstance(stats, dict) else {},
-                cost_ms=_costs(record.get("cost_ms")),
+                bytes=record.bytes,
+                tracer=record.tracer,
+                tracer_stats=record.tracer_stats,
+                cost_ms=record.cost_ms,
             )
         else:
             held.kinds.add(kind)
@@ -205,45 +227,15 @@ def _fold_index(data: RunData) -> list[CaptureInfo]:
     return sorted(kept, key=lambda info: info.step)
 
 
-MAX_COST_MS = 86_400_000.0
-
-
-def _costs(value: Any) -> dict[str, float]:
-    """An index line's cost_ms, numbers only (a damaged or older line gives none)."""
-    if not isinstance(value, dict):
-        return {}
-    costs = {str(k): _number(v) for k, v in value.items()}
-    # a real cost is a few ms: anything negative or beyond a day is damage, not data
-    return {k: v for k, v in costs.items() if v is not None and 0 <= v < MAX_COST_MS}
-
-
-def _expected_ranks(data: RunData, info: CaptureInfo, records: list[dict[str, Any]]) -> list[int]:
+def _expected_ranks(data: RunData, info: CaptureInfo, records: list[IndexRecord]) -> list[int]:
     if info.request is not None:
         # a requested capture covers only the ranks asked for: those that wrote, or
         # more if the response file names them
-        response = _request_ranks(data, info.request)
+        response = accepted_ranks(data.run, info.request, data.world_size)
         if response is not None:
             return response
         return sorted(info.ranks)
     return list(range(data.world_size))
-
-
-def _request_ranks(data: RunData, number: str) -> list[int] | None:
-    folder = data.run.requests_dir
-    if not folder.is_dir():
-        return None
-    for path in folder.glob("*.response.json"):
-        try:
-            body = read_json(path)
-        except RunDirError:
-            continue
-        if isinstance(body, dict) and body.get("request") == number:
-            ranks = body.get("ranks")
-            if ranks == "all":
-                return list(range(data.world_size))
-            if isinstance(ranks, list) and all(isinstance(r, int) for r in ranks):
-                return sorted(ranks)
-    return None
 
 
 def load_steps(data: RunData) -> StepSeries:
@@ -256,26 +248,16 @@ def load_steps(data: RunData) -> StepSeries:
             continue
         rows: dict[int, tuple[float, bool, bool, float]] = {}
         pauses: dict[int, tuple[float, int]] = {}
-        bad = 0
-        with open(path, encoding="ascii", errors="replace", newline="") as handle:
-            for number, row in enumerate(csv.reader(handle)):
-                if number == 0 or number > MAX_STEP_ROWS:
-                    continue
-                try:
-                    after = len(row) > 3 and row[3].strip() == "1"
-                    spent = float(row[4]) if len(row) > 4 else 0.0
-                    step = int(row[0])
-                    rows[step] = (float(row[1]), row[2].strip() == "1", after, spent)
-                except (ValueError, IndexError):
-                    bad += 1
-                    continue
-                pause = _gc_pause(row)
-                if pause is None:
-                    pauses.pop(step, None)  # a repeated row replaces the whole step
-                else:
-                    pauses[step] = pause
-        if bad:
-            data.problems.append(f"{data.run.relative(path)}: {bad} unreadable row(s) skipped")
+        read = read_steps(path)
+        for row in read.rows:
+            rows[row.step] = (row.duration_ms, row.traced, row.after_flush, row.self_ms)
+            pause = row.gc_pause
+            if pause is None:
+                pauses.pop(row.step, None)  # a repeated row replaces the whole step
+            else:
+                pauses[row.step] = pause
+        if read.bad:
+            data.problems.append(f"{data.run.relative(path)}: {read.bad} unreadable row(s) skipped")
         per_rank_rows[rank] = rows
         collections[rank] = pauses
     steps = sorted(set().union(*(rows.keys() for rows in per_rank_rows.values())))
@@ -288,31 +270,3 @@ def load_steps(data: RunData) -> StepSeries:
     flushed = [any(rows.get(step, missing)[2] for rows in every) for step in steps]
     own = [max((rows.get(step, missing)[3] for rows in every), default=0.0) for step in steps]
     return StepSeries(steps, per_rank, traced, flushed, own, collections)
-
-
-def _gc_pause(row: list[str]) -> tuple[float, int] | None:
-    """A step row's garbage collection (ms, generation), None for none or unreadable
-    (runs written before these columns existed have none)."""
-    try:
-        spent, generation = float(row[5]), int(row[6])
-    except (ValueError, IndexError):
-        return None
-    return (spent, generation) if math.isfinite(spent) and spent > 0 else None
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)  # an integer too large for a float raises
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) else None

@@ -66,7 +66,7 @@ def test_first_optimizer_counts_unless_configured(tmp_path: Path, model: torch.n
     agent = make_agent(tmp_path, "step.optimizer=Adam")
     train([sgd, adam], model, 4)
     assert agent.current_step == 4
-    assert agent._optimizer_ref is not None and agent._optimizer_ref() is adam
+    assert agent.counted_optimizer is adam
     agent.close()
 
 
@@ -76,7 +76,7 @@ def test_use_optimizer_and_manual_steps(tmp_path: Path, model: torch.nn.Module) 
     agent = make_agent(tmp_path)
     distanom.use_optimizer(adam)
     train([sgd, adam], model, 3)
-    assert agent.current_step == 3 and agent._optimizer_ref() is adam  # type: ignore[misc]
+    assert agent.current_step == 3 and agent.counted_optimizer is adam
     for _ in range(4):  # from now on only distanom.step() counts
         distanom.step()
         train([sgd, adam], model, 1)
@@ -170,7 +170,7 @@ def started_with(
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     train([sgd], model, 2)
     agent.tracer = tracer  # type: ignore[assignment]
-    agent._tracer_started = True
+    agent.boundaries.tracer_started = True
     return agent, sgd
 
 
@@ -218,7 +218,7 @@ def test_tracing_is_switched_off_once_capture_has_stepped_aside(
     agent, sgd = started_with(tmp_path, model, tracer)
     train([sgd], model, 2)
     assert tracer.calls == []
-    agent._capture_off("run directory removed")
+    agent.health.capture_off("run directory removed")
     train([sgd], model, 2)
     assert tracer.calls == ["set_tracing(False)"]  # once: nothing will be captured
     agent.close()
@@ -254,11 +254,11 @@ def test_a_budgeted_agent_follows_the_governor_in_whole_windows(
     quiet = ("detect.multiplier=50", "capture.reference_every_steps=0")
     agent = make_agent(tmp_path, "tracer.overhead_budget_pct=5", *quiet)
     params = GovernorParams(window_steps=8, lag_steps=2, burst_windows=2)
-    agent._governor = OverheadGovernor(5.0, params, first_step=1)
+    agent.duty.governor = OverheadGovernor(5.0, params, first_step=1)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     train([sgd], model, 1)  # the first boundary sets the configured backend (none) up
     agent.tracer = tracer  # type: ignore[assignment]
-    agent._tracer_started = True
+    agent.boundaries.tracer_started = True
     for _ in range(600):
         time.sleep(0.005 + (tracer.TRACED_EXTRA_S if tracer.tracing else 0.0))
         model(torch.randn(4, 8)).sum().backward()
@@ -292,8 +292,8 @@ def test_the_governor_waits_for_a_whole_gathering_round(tmp_path: Path) -> None:
         "consensus.batch_steps=16",
     )
     try:
-        assert agent._governor is not None
-        assert agent._governor.params.lag_steps == 16 + 4
+        assert agent.duty.governor is not None
+        assert agent.duty.governor.params.lag_steps == 16 + 4
     finally:
         agent.close()
 
@@ -311,8 +311,8 @@ def test_a_capture_readings_step_back_never_gives_a_negative_share(tmp_path: Pat
                 return next(readings)
 
         agent.capture = Capture()  # type: ignore[assignment]
-        agent._last_busy_ns = 0
-        shares = [agent._self_ms_of_ended_step() for _ in range(3)]
+        agent.boundaries.last_busy_ns = 0
+        shares = [agent.boundaries.self_ms_of_ended_step() for _ in range(3)]
         assert shares == [20.0, 0.0, 5.0]
     finally:
         agent.capture = real

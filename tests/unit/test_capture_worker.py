@@ -13,6 +13,7 @@ from distanom import rundir
 from distanom.capture import CaptureWorker
 from distanom.config import load_config
 from distanom.detect import CaptureDecision
+from distanom.records.index import read_index
 from distanom.rundir import RunDir, create_run
 from distanom.tracers.base import Availability, StepTrace
 from distanom.world import WorldInfo
@@ -131,9 +132,9 @@ def test_replaced_reference_folder_goes_once_the_last_rank_is_out(tmp_path: Path
         # 68 may be skipped by ranks that saw 108 replace it in the same pass
         assert worker.stats.written - worker.stats.dropped == 1
     assert step_dirs(run) == {108: [f"rank{r}.trace.json.gz" for r in range(4)]}
-    records, problems = run.read_index()
+    records, problems = read_index(run)
     assert problems == []
-    events = [r["event"] for r in records]
+    events = [r.event for r in records]
     assert events.count("written") - events.count("dropped") == 4
 
 
@@ -310,9 +311,9 @@ def test_a_heavy_lookup_is_charged_to_the_steps_a_quick_poll_is_not(tmp_path: Pa
     wait_for(lambda: run.trace_path(7, 0).exists())
     worker.close(0.1)
     assert worker.busy_ns() >= 30_000_000  # the lookup, and the build and write after it
-    written = [r for r in run.read_index()[0] if r["event"] == "written"]
-    assert [r["step"] for r in written] == [7]
-    cost = written[0]["cost_ms"]
+    written = [r for r in read_index(run)[0] if r.event == "written"]
+    assert [r.step for r in written] == [7]
+    cost = written[0].raw["cost_ms"]
     assert set(cost) == {"locate_ms", "lookups", "build_ms", "encode_ms", "write_ms"}
     assert cost["lookups"] == 1
     assert cost["locate_ms"] >= 30.0

@@ -18,6 +18,7 @@ import pytest
 
 from distanom import rundir
 from distanom.errors import RunDirError
+from distanom.records.index import read_index
 from distanom.rundir import RunDir, create_run, write_json_atomic
 
 
@@ -51,11 +52,9 @@ def test_concurrent_index_appends_never_interleave(tmp_path: Path) -> None:
         proc.start()
     for proc in procs:
         proc.join(120)
-    records, problems = run.read_index()
+    records, problems = read_index(run)
     assert problems == [] and len(records) == 600
-    assert {(r["rank"], r["step"]) for r in records} == {
-        (k, s) for k in range(4) for s in range(150)
-    }
+    assert {(r.rank, r.step) for r in records} == {(k, s) for k in range(4) for s in range(150)}
 
 
 WRITER = textwrap.dedent(
@@ -90,11 +89,11 @@ def test_killed_writer_never_leaves_a_listed_partial_trace(tmp_path: Path) -> No
         time.sleep(0.15 + 0.07 * attempt)
         writer.send_signal(sig)
         writer.wait(30)
-    records, _problems = run.read_index()
+    records, _problems = read_index(run)
     assert records, "the writer never finished a file"
     for record in records:
-        data = gzip.decompress((run.path / record["trace"]).read_bytes())
-        assert len(data) == record["bytes"]
+        data = gzip.decompress((run.path / record.trace).read_bytes())
+        assert len(data) == record.bytes
     visible = [p for p in run.path.rglob("rank0.trace.json.gz")]
     for path in visible:  # a file in place is whole, listed or not (rename is atomic)
         assert len(gzip.decompress(path.read_bytes())) == 2_000_000

@@ -8,17 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from distanom.control import (
+from distanom.errors import CaptureRequestError, RunDirError
+from distanom.records.index import IndexDropped, IndexWritten, read_index
+from distanom.records.requests import (
+    Accepted,
     answer,
-    job_alive,
     parse_ranks,
     pending_requests,
     read_response,
     submit_request,
     validate_request,
-    write_status,
 )
-from distanom.errors import CaptureRequestError, RunDirError
+from distanom.records.run_info import build_run_info
+from distanom.records.status import job_alive, write_status
+from distanom.records.steps import STEPS_CSV_HEADER, StepRow, StepsWriter, read_steps
 from distanom.rundir import RunDir, create_run, update_latest, write_json_atomic
 
 
@@ -65,8 +68,8 @@ def test_index_survives_damaged_lines(tmp_path: Path) -> None:
         handle.write('{"event": "written", "step": -1, "rank": 0}\n')
         handle.write("[1, 2]\n")
     run.append_index({"event": "dropped", "step": 3, "rank": 0})
-    records, problems = run.read_index()
-    assert [r["event"] for r in records] == ["written", "dropped"]
+    records, problems = read_index(run)
+    assert [r.event for r in records] == ["written", "dropped"]
     assert [p.line for p in problems] == [2, 3, 4]
 
 
@@ -121,8 +124,14 @@ def test_request_response_protocol(tmp_path: Path) -> None:
     pending = pending_requests(run)
     assert [p.request_id for p in pending] == [first, second]
     assert pending[0].n_steps == 2 and pending[0].ranges == ((1, 1),)
-    answer(run, first, {"status": "accepted", "steps": [5, 6]})
-    assert read_response(run, first) == {"status": "accepted", "steps": [5, 6]}
+    answer(run, first, Accepted(request="1", steps=[5, 6], ranks=[1], world_size=4))
+    assert read_response(run, first) == {
+        "status": "accepted",
+        "request": "1",
+        "steps": [5, 6],
+        "ranks": [1],
+        "world_size": 4,
+    }
     assert [p.request_id for p in pending_requests(run)] == [second]
     # a malformed request file is answered, not retried forever
     broken = second.replace(second[-8:], "deadbeef")
@@ -142,3 +151,48 @@ def test_job_alive_needs_a_fresh_running_heartbeat(tmp_path: Path) -> None:
     assert not job_alive(status, now=status["updated_at"] + 120)
     assert not job_alive({**status, "state": "finished"})
     assert not job_alive(None)
+
+
+def test_step_rows_keep_their_bytes_and_older_files_still_read(tmp_path: Path) -> None:
+    row = StepRow(7, 12.345678, True, False, 0.5, 1.25, 2)
+    assert row.line() == "7,12.3457,1,0,0.500,1.250,2\n"
+    path = tmp_path / "steps" / "rank0.csv"
+    writer = StepsWriter(path)
+    writer.write(row)
+    writer.write(StepRow(8, 3.0, False, True, 0.0))
+    writer.close()
+    assert path.read_text() == STEPS_CSV_HEADER + row.line() + "8,3.0000,0,1,0.000,0.000,-1\n"
+    read = read_steps(path)
+    assert read.bad == 0 and [r.step for r in read.rows] == [7, 8]
+    assert read.rows[0].gc_pause == (1.25, 2) and read.rows[1].gc_pause is None
+    older = tmp_path / "older.csv"
+    older.write_text("step,duration_ms,traced\n1,2.5,1\nx,1,0\n2,3.5,0,1,0.2,nan,2\n")
+    read = read_steps(older)
+    assert read.bad == 1
+    assert read.rows == [StepRow(1, 2.5, True, False, 0.0), StepRow(2, 3.5, False, True, 0.2)]
+
+
+def test_index_and_run_json_keep_their_keys(tmp_path: Path) -> None:
+    written = IndexWritten(
+        step=3, rank=1, host="h", kind="anomaly", trace="captures/step_3/rank1.trace.json.gz",
+        bytes=10, step_ms=4.0, median_ms=2.0, threshold_ms=3.0, slowest_rank=1, episode=None,
+        request=None, tracer="kineto", tracer_stats={}, time=1.0,
+    )  # fmt: skip
+    assert list(written.to_json()) == [
+        "event", "step", "rank", "host", "kind", "trace", "bytes", "step_ms", "median_ms",
+        "threshold_ms", "slowest_rank", "episode", "request", "tracer", "tracer_stats", "time",
+    ]  # fmt: skip
+    with_cost = IndexWritten(**{**vars(written), "cost_ms": {"write_ms": 0.5}})
+    assert with_cost.to_json()["cost_ms"] == {"write_ms": 0.5}
+    assert IndexDropped(3, 1, "anomaly", 9).to_json() == {
+        "event": "dropped", "step": 3, "rank": 1, "kind": "anomaly", "replaced_by": 9,
+    }  # fmt: skip
+    info = build_run_info(
+        run_id="r", versions={"distanom": "0", "torch": "t", "cuda": None, "python": "3"},
+        world_size=2, started_at=1.0, argv=["x"], config={}, hosts=["a", "b"],
+    )  # fmt: skip
+    assert list(info) == [
+        "run_id", "distanom", "torch", "cuda", "python", "world_size", "started_at", "argv",
+        "config", "hosts", "nodes",
+    ]  # fmt: skip
+    assert info["nodes"] == {"a": [0], "b": [1]}

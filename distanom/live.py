@@ -1,10 +1,11 @@
-"""`distanom status` and `distanom capture`: a view of a live job and requests to it.
+"""`distanom status` and `distanom capture`: a client of a live job, run from a shell.
 
-Reads the status file rank 0 of a job keeps fresh, and drives the request/response file
-protocol of `distanom.control` from the requesting side: submit, wait for the job's
-answer, then wait until every chosen rank has written its trace of the agreed steps.
-Never waits forever: a job that stops answering (stale heartbeat) or has finished is
-reported as such.
+Reads the status file rank 0 of a job keeps fresh (`records.status`), and drives the
+request/response file protocol (`records.requests`) from the requesting side: submit,
+wait for the job's answer, then wait until every chosen rank has written its trace of
+the agreed steps (`records.index`). Never waits forever: a job that stops answering
+(stale heartbeat) or has finished is reported as such. Output goes to stdout; no torch,
+no agent here.
 """
 
 from __future__ import annotations
@@ -13,21 +14,22 @@ import time
 from typing import Any
 
 from distanom.analysis.report import table
-from distanom.control import (
-    job_alive,
+from distanom.errors import CaptureRequestError
+from distanom.records.index import read_index
+from distanom.records.requests import (
     parse_ranks,
     read_response,
-    read_status,
     submit_request,
     validate_request,
 )
-from distanom.errors import CaptureRequestError
+from distanom.records.status import Status, job_alive, read_status
 from distanom.rundir import RunDir
 
 POLL_S = 0.2
 
 
-def render_status(run: RunDir, status: dict[str, Any]) -> str:
+def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
+    """The status of a job as a few lines of text (`distanom status`)."""
     alive = job_alive(status)
     state = status.get("state", "unknown")
     if state == "running" and not alive:
@@ -76,6 +78,9 @@ def _ms(value: Any) -> str:
 
 
 def request_capture(run_dir: str, n_steps: int, ranks_text: str | None, timeout_s: float) -> int:
+    """Ask the live job in `run_dir` to capture its next `n_steps` steps on the ranks named
+    by `ranks_text`, wait for every file and print their paths; returns the exit status
+    (CaptureRequestError when refused, stopped or timed out)."""
     run = RunDir.open(run_dir)
     status = read_status(run)
     if not job_alive(status):
@@ -124,11 +129,11 @@ def _wait_files(
     found: dict[tuple[int, int], str] = {}
     finished_seen_at: float | None = None
     while True:
-        records, _ = run.read_index()
+        records, _ = read_index(run)
         for record in records:
-            key = (record["step"], record["rank"])
-            if record.get("request") == number and record["event"] == "written" and key in wanted:
-                found[key] = str(record.get("trace"))
+            key = (record.step, record.rank)
+            if record.request == number and record.event == "written" and key in wanted:
+                found[key] = record.trace
         if wanted <= found.keys():
             return found
         status = read_status(run)

@@ -1,0 +1,321 @@
+"""The training thread's side of the agent: step boundaries, and as little work as
+possible at each one.
+
+Step N is the N-th `optimizer.step()` of the counted optimizer, from 0, or
+`distanom.step()` for loops without one. With several optimizers, the first one that
+steps is counted unless `step.optimizer` names a class or the script calls
+`distanom.use_optimizer(opt)`. A global optimizer post-hook finds the counted optimizer
+at its first step; from then on a thin wrapper on that instance's `step` marks the
+boundary *after* `step()` returns. The post-hook runs inside the optimizer's
+`record_function` scope, where starting or stepping torch.profiler corrupts memory, so
+no tracer work ever happens there (docs/agent.md).
+
+At a boundary: one host timestamp, the clock's mark (a CUDA event or a host clock read),
+the tracer's step mark, the duty cycle's switch for the next step, and a queue put of
+each step whose time became known (`StepRecord`, to the control thread). Reads the
+shared `Health` and `DutyCycle`; nothing here blocks or raises into training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import queue
+import time
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+
+from distanom.clock import StepClock, resolve_mode
+from distanom.config import Config
+from distanom.detect import STEP_AFTER_FLUSH, STEP_DISTURBED, STEP_TRACED
+from distanom.duty_cycle import DutyCycle
+from distanom.gc_pauses import GcPauses
+from distanom.health import Health
+from distanom.tracers import Tracer, create_tracer
+
+log = logging.getLogger(__name__)
+
+FINAL = object()  # inbox sentinel: training is over
+# steps whose time the clock has not given yet are kept this long at most: past it, the
+# clock gave up on them (their bookkeeping would grow without bound)
+MAX_UNRESOLVED = 4096
+KEEP_UNRESOLVED = 2048
+
+
+class StepRecord(NamedTuple):
+    """One resolved step, from the training thread to the control thread."""
+
+    step: int
+    duration_ms: float
+    flags: int  # STEP_* bits
+    self_ms: float  # distanom's capture work during the step
+    gc_ms: float  # Python garbage collection during the step (host time)
+    gc_generation: int  # the highest generation collected, -1 for none
+
+
+class StepBoundaries:
+    """Counts steps and marks their boundaries on the training thread; see the module
+    docstring. `inbox` receives a `StepRecord` per timed step, then `FINAL`."""
+
+    def __init__(
+        self,
+        config: Config,
+        rank: int,
+        health: Health,
+        duty: DutyCycle,
+        inbox: queue.SimpleQueue[Any],
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.health = health
+        self.duty = duty
+        self.inbox = inbox
+        self.current_step = 0
+        self.clock: StepClock | None = None
+        self.tracer: Tracer | None = None
+        self.tracer_note = "tracer: not started"
+        self.tracer_started = False
+        self.closed = False  # set at the end of training: later boundaries are ignored
+        self.last_busy_ns = 0  # the capture worker's busy time at the last boundary
+        self.gc_pauses = GcPauses()
+        self._capture_is_off = health.capture_is_off  # bound once: called every step
+        self._warn_once = health.warn_once
+        self._optimizer_ref: weakref.ref[Any] | None = None
+        self._manual = config.step.source == "manual"
+        self._hook_handle: Any = None
+        self._inside_counted_step = False
+        self._step_flags: dict[int, int] = {}  # STEP_* bits of steps not yet resolved
+        self._next_after_flush = False  # the tracer flushed at the last boundary
+        self._first_boundary_done = False
+        self._boundaries_off = False  # step bookkeeping failed: training goes on unwatched
+        self._self_ms: dict[int, float] = {}  # capture work during steps not yet resolved
+        self._gc: dict[int, tuple[float, int]] = {}  # collections during steps not yet resolved
+        self._tracing_during = False  # whether the tracer records the step in progress
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def install_hook(self) -> None:
+        """Register the global optimizer post-hook that finds the counted optimizer."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._hook_handle = register_optimizer_step_post_hook(self._on_optimizer_step)
+
+    def remove_hook(self) -> None:
+        """Remove the global optimizer post-hook (the wrapper stays, inert once closed)."""
+        if self._hook_handle is not None:
+            self._hook_handle.remove()
+
+    @property
+    def counted_optimizer(self) -> Any:
+        """The optimizer whose step() ends a step, None until one is known."""
+        ref = self._optimizer_ref
+        return None if ref is None else ref()
+
+    def use_optimizer(self, optimizer: Any) -> None:
+        """Count this optimizer's step() as the end of a step from now on."""
+        if self._optimizer_ref is not None and self._optimizer_ref() is optimizer:
+            return
+        self._optimizer_ref = weakref.ref(optimizer)
+        self._wrap_step(optimizer)
+
+    def _wrap_step(self, optimizer: Any) -> None:
+        """Mark boundaries after this optimizer's step() returns (outside its profiler scope)."""
+        original = optimizer.step  # bound method, or an LR scheduler's instance wrapper
+        boundaries = self
+
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            boundaries._inside_counted_step = True
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                boundaries._inside_counted_step = False
+            if (
+                not boundaries._manual
+                and boundaries._optimizer_ref is not None
+                and boundaries._optimizer_ref() is optimizer
+            ):
+                boundaries.boundary()
+            return result
+
+        optimizer.step = step
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._manual or self._inside_counted_step or self._optimizer_ref is not None:
+            return
+        wanted = self.config.step.optimizer
+        if wanted is not None and type(optimizer).__name__ != wanted:
+            return
+        # First step of the counted optimizer: from now on its wrapper marks boundaries.
+        self._optimizer_ref = weakref.ref(optimizer)
+        self._wrap_step(optimizer)
+        self.boundary(inside_optimizer=True)
+
+    def manual_step(self) -> None:
+        """`distanom.step()`: end a step by hand; optimizer steps stop counting."""
+        if not self._manual:
+            self._manual = True  # the script marks steps itself: optimizer hooks would double count
+            log.info("distanom.step() called: steps are counted by it, not by optimizer.step()")
+        self.boundary()
+
+    # -- the boundary --------------------------------------------------------------------
+
+    def boundary(self, *, inside_optimizer: bool = False) -> None:
+        """End the step in progress; never raises (a failure switches bookkeeping off)."""
+        if self.closed or self._boundaries_off:
+            return
+        try:
+            self._boundary_unguarded(inside_optimizer)
+        except Exception as err:  # the last line of defence: never raise into training
+            self._warn_once("boundary", "distanom: step bookkeeping failed (%s); disabled", err)
+            self._boundaries_off = True  # close() still stops the tracer and finishes
+            tracer = self.tracer
+            if tracer is not None:
+                with contextlib.suppress(Exception):
+                    tracer.set_tracing(False)  # unwatched: tracing would only cost
+
+    def _boundary_unguarded(self, inside_optimizer: bool) -> None:
+        step = self.current_step
+        self.current_step = step + 1
+        host_ns = time.time_ns()
+        if not self._first_boundary_done:
+            self._first_boundary_done = True  # once: a later clock failure re-creates nothing
+            self._first_boundary()
+        resolved: list[tuple[int, float]] = []
+        if self.clock is not None:
+            try:
+                resolved = self.clock.mark(step)
+            except Exception as err:
+                self._warn_once("clock", "clock: step timing failed (%s); detection stops", err)
+                self.clock = None
+        self_ms = self.self_ms_of_ended_step()
+        self._step_flags[step] = self._flags_of_ended_step() | (STEP_DISTURBED if self_ms else 0)
+        if self_ms:
+            self._self_ms[step] = self_ms
+        gc_ms, gc_generation = self.gc_pauses.take()
+        if gc_ms > 0:
+            self._gc[step] = (gc_ms, gc_generation)
+        tracer = self.tracer
+        if tracer is not None and not inside_optimizer:
+            flushes = tracer.boundary_flushes
+            try:
+                tracer.mark_step(step, host_ns)
+                if not self.tracer_started:
+                    self.tracer_started = True
+                    tracer.start()
+                    self._tracing_during = True
+                    log.info(self.tracer_note)
+                elif self._capture_is_off():
+                    if tracer.tracing:  # nothing will be captured
+                        tracer.set_tracing(False)
+                else:
+                    self._apply_duty_cycle(tracer, step + 1)
+                # what is in force for the next step: a backend may defer or refuse a
+                # switch, or make one asked for earlier at this boundary
+                self._tracing_during = bool(tracer.tracing)
+            except Exception as err:
+                self._tracer_failed(err)
+            self._next_after_flush = tracer.boundary_flushes != flushes
+        for resolved_step, duration in resolved:
+            self.inbox.put(self._resolved(resolved_step, duration))
+        if len(self._step_flags) > MAX_UNRESOLVED:
+            for old in [s for s in self._step_flags if s < step - KEEP_UNRESOLVED]:
+                del self._step_flags[old]
+                self._self_ms.pop(old, None)
+                self._gc.pop(old, None)
+
+    def _resolved(self, step: int, duration: float) -> StepRecord:
+        """What the control thread gets of a step whose time is known."""
+        gc_ms, gc_generation = self._gc.pop(step, (0.0, -1))
+        return StepRecord(
+            step, duration, self._step_flags.pop(step, 0), self._self_ms.pop(step, 0.0),
+            gc_ms, gc_generation,
+        )  # fmt: skip
+
+    def _flags_of_ended_step(self) -> int:
+        """STEP_* bits of the step that just ended: traced, after a flush, disturbed by
+        distanom's own capture work (then it is never judged: no feedback loop)."""
+        flags = STEP_TRACED if self._tracing_during else 0
+        if self._next_after_flush:
+            flags |= STEP_AFTER_FLUSH
+        return flags
+
+    def self_ms_of_ended_step(self) -> float:
+        """How long distanom's capture work ran during the step that just ended (ms)."""
+        capture = self.health.capture
+        if capture is None:
+            return 0.0
+        # monotone: a reading that ran a little ahead of the worker (it read a lookup
+        # as heavy just before the worker measured it under the threshold) is absorbed
+        # by later work instead of giving a step a negative share
+        busy = max(capture.busy_ns(), self.last_busy_ns)
+        spent, self.last_busy_ns = busy - self.last_busy_ns, busy
+        return spent / 1e6
+
+    def _apply_duty_cycle(self, tracer: Tracer, next_step: int) -> None:
+        """Switch tracing on or off for the next step as the duty cycle decided."""
+        want = self.duty.wanted(next_step)
+        if want is not None and want != bool(tracer.tracing):
+            tracer.set_tracing(want)
+            self._tracing_during = want
+
+    def _first_boundary(self) -> None:
+        try:
+            mode = resolve_mode(self.config.clock.mode)
+            self.clock = StepClock(mode)
+        except Exception as err:
+            self._warn_once("clock", "clock: cannot time steps (%s); detection stops", err)
+            return
+        use_cuda = mode in ("cuda_event", "host_sync") or (
+            torch.cuda.is_available() and torch.cuda.is_initialized()
+        )
+        try:
+            self.tracer, self.tracer_note = create_tracer(
+                self.config.tracer, rank=self.rank, use_cuda=use_cuda
+            )
+        except Exception as err:
+            self._warn_once("tracer", "tracer: cannot be created (%s); detection only", err)
+            self.tracer, self.tracer_note = None, f"tracer: none ({err})"
+        if self.tracer is None:
+            log.info(self.tracer_note)
+
+    def _tracer_failed(self, err: BaseException) -> None:
+        self._warn_once("tracer", "tracer: failed (%s); capture steps aside", err)
+        tracer, self.tracer = self.tracer, None
+        self._tracing_during = False
+        if tracer is not None:
+            with contextlib.suppress(Exception):
+                tracer.close()
+
+    # -- end of training (on the training thread) --------------------------------------
+
+    def drain(self, timeout_s: float) -> bool:
+        """Queue the last steps' times the GPU reaches within `timeout_s`, then stop the
+        tracer; returns whether the GPU reached every boundary (else the tracer is left
+        as it is: stopping it could wait on the GPU too)."""
+        gpu_done = True
+        if self.clock is not None:
+            # polled, never a synchronize: a hung GPU must not hang the exit
+            try:
+                drained, gpu_done = self.clock.drain(timeout_s)
+                for step, duration in drained:
+                    self.inbox.put(self._resolved(step, duration))
+                if not gpu_done:
+                    log.warning(
+                        "distanom: the GPU did not reach the last step boundaries within "
+                        "%.0f s; their timings are dropped and the tracer is left as it is",
+                        timeout_s,
+                    )
+            except Exception as err:
+                self._warn_once("clock", "clock: final read failed (%s)", err)
+        tracer = self.tracer
+        if tracer is not None and gpu_done:
+            # on this thread: torch.profiler's state belongs to the thread that started it
+            try:
+                tracer.end_of_training()  # kineto hands over its last partial window
+            except Exception as err:
+                self._warn_once("tracer", "tracer: stopping at the end failed (%s)", err)
+        return gpu_done

@@ -1,0 +1,451 @@
+"""The agent's control thread (`distanom-control`): everything that can block.
+
+Forms distanom's group, creates the run directory (rank 0) and writes run.json, then
+loops: takes the `StepRecord`s the training thread queued, appends them to this rank's
+steps file, gathers rounds of step times across ranks, feeds the duty cycle, decides
+captures and hands them to the capture worker, polls and answers on-demand requests and
+rewrites status.json (rank 0). Without consensus (setup failed, a rank gone) it keeps
+draining the queue so the training thread never fills memory. State it shares with the
+training thread lives in `Health` and `DutyCycle`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import platform
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import distanom
+from distanom.boundary import FINAL, StepBoundaries, StepRecord
+from distanom.capture import CaptureWorker
+from distanom.config import Config
+from distanom.consensus import (
+    FLAG_CAPTURE_OFF,
+    FLAG_FINAL,
+    CaptureRequest,
+    LocalRound,
+    RoundBuilder,
+    RoundResult,
+    decide,
+    decode_round,
+    encode_round,
+    recent_times,
+)
+from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, CaptureDecision, Detector, StepSample
+from distanom.duty_cycle import DutyCycle
+from distanom.errors import CaptureRequestError, RunDirError
+from distanom.health import Health
+from distanom.records.requests import (
+    Accepted,
+    Refused,
+    answer,
+    pending_requests,
+    validate_request,
+)
+from distanom.records.run_info import build_run_info, write_run_info
+from distanom.records.status import CaptureCounts, Status, TracerReport, write_status
+from distanom.records.steps import StepRow, StepsWriter
+from distanom.rundir import RunDir, create_run, json_number, update_latest
+from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
+
+log = logging.getLogger(__name__)
+
+RECENT_STEPS = 64
+FINAL_ROUND_TIMEOUT_S = 10.0
+
+
+class ControlLoop:
+    """One per rank; see the module docstring. `start` runs it on its own thread."""
+
+    def __init__(
+        self,
+        config: Config,
+        world: WorldInfo,
+        run_base: Path,
+        argv: list[str],
+        *,
+        health: Health,
+        duty: DutyCycle,
+        boundaries: StepBoundaries,
+        inbox: queue.SimpleQueue[Any],
+    ) -> None:
+        self.config = config
+        self.world = world
+        self.run_base = run_base
+        self.argv = argv
+        self.health = health
+        self.duty = duty
+        self.boundaries = boundaries  # read only: the step in progress, the tracer
+        self.inbox = inbox
+        self.detector = Detector(config.detect, config.capture)
+        self.run: RunDir | None = None
+        self.group: AgentGroup | None = None
+        self._warn_once = health.warn_once
+        self._recent: collections.deque[StepSample] = collections.deque(maxlen=RECENT_STEPS)
+        self._gathered_step = -1
+        self._request_numbers: dict[int, str] = {}
+        self._next_request_number = 1
+        self._offered_request: tuple[CaptureRequest, str] | None = None
+        self._steps: StepsWriter | None = None
+        self._started_at = time.time()
+        self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
+
+    # -- life cycle (called from the training thread) ----------------------------------
+
+    def start(self) -> None:
+        """Start the control thread."""
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        """Whether the control thread is still running."""
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the control thread to finish."""
+        self._thread.join(timeout_s)
+
+    def close(self) -> None:
+        """Release the group (only once the thread has finished) and the steps file."""
+        if self.group is not None and not self._thread.is_alive():
+            self.group.close()
+        with contextlib.suppress(Exception):
+            if self._steps is not None:
+                self._steps.close()
+
+    # -- the thread --------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._setup()
+        except (GroupUnavailableError, RunDirError, OSError, RuntimeError) as err:
+            self.health.consensus_error = f"setup failed: {err}"
+            self._warn_once(
+                "setup", "distanom: %s; capture steps aside", self.health.consensus_error
+            )
+            self._drain_until_final()
+            return
+        finished = False
+        try:
+            self._round_loop()
+            finished = True
+        except GroupUnavailableError as err:
+            self.health.consensus_error = str(err)
+            self._warn_once(
+                "consensus",
+                "consensus: %s (a rank gone or too slow); capture steps aside",
+                err,
+            )
+        except Exception as err:
+            self.health.consensus_error = f"internal error: {err}"
+            log.exception("consensus: internal error; capture steps aside")
+        if not finished:
+            self._drain_until_final()
+        capture = self.health.capture
+        if capture is not None:
+            capture.close(self.config.analysis.exit_timeout_s)
+        if self.world.rank == 0:
+            self._write_status("finished")
+
+    def _drain_until_final(self) -> None:
+        """Without consensus: keep consuming the inbox (the training thread must never fill
+        memory) and keep the status fresh until training ends."""
+        next_status = 0.0
+        while True:
+            try:
+                item = self.inbox.get(timeout=1.0)
+            except queue.Empty:
+                item = None
+            if item is FINAL:
+                return
+            if item is not None:
+                self._log_step(item)
+            now = time.monotonic()
+            if self.world.rank == 0 and now >= next_status:
+                next_status = now + self.config.control.status_interval_s
+                self._flush_steps()
+                self._write_status("running")
+
+    def _setup(self) -> None:
+        config, world = self.config, self.world
+        self.group = AgentGroup(
+            world,
+            setup_timeout_s=config.consensus.setup_timeout_s,
+            op_timeout_s=config.consensus.timeout_s,
+        )
+        run_id = ""
+        if world.rank == 0:
+            try:
+                path = create_run(self.run_base, config.run.name)
+                run_id = path.name
+                with contextlib.suppress(OSError):
+                    update_latest(self.run_base, path)
+            except RunDirError as err:
+                self.health.capture_off(str(err))
+            self.group.publish("run_id", run_id)
+        else:
+            run_id = self.group.lookup("run_id")
+            if not run_id:
+                self.health.capture_off("rank 0 could not create the run directory")
+        self.group.publish(f"host/{world.rank}", world.host)
+        if not run_id:
+            return
+        run = RunDir(self.run_base / run_id)
+        try:
+            run.path.mkdir(parents=True, exist_ok=True)  # other nodes without a shared filesystem
+            self._steps = StepsWriter(run.steps_csv(world.rank))
+        except OSError as err:
+            self.health.capture_off(f"{run.path}: not writable ({err.strerror})")
+            return
+        self.run = run
+        if world.rank == 0:
+            hosts = [self.group.lookup(f"host/{r}") for r in range(world.world_size)]
+            self._write_run_json(hosts)
+
+    def _write_run_json(self, hosts: list[str]) -> None:
+        if self.run is None:
+            return
+        info = build_run_info(
+            run_id=self.run.run_id,
+            versions={
+                "distanom": distanom.__version__,
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "python": platform.python_version(),
+            },
+            world_size=self.world.world_size,
+            started_at=self._started_at,
+            argv=self.argv,
+            config=self.config.model_dump(mode="json"),
+            hosts=hosts,
+        )
+        try:
+            write_run_info(self.run, info)
+        except OSError as err:
+            self.health.capture_off(f"{self.run.run_json}: cannot write ({err.strerror})")
+
+    def _round_loop(self) -> None:
+        builder = RoundBuilder(self.config.consensus.batch_steps)
+        control = self.config.control
+        next_poll = next_status = 0.0
+        final = False
+        while not final:
+            try:
+                item = self.inbox.get(timeout=0.2)
+                items = [item]
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        items.append(self.inbox.get_nowait())
+            except queue.Empty:
+                items = []
+            for item in items:
+                if item is FINAL:
+                    final = True
+                    continue
+                builder.add(item.step, item.duration_ms, item.flags, item.self_ms)
+                self._log_step(item)
+            self._flush_steps()
+            now = time.monotonic()
+            if self.world.rank == 0 and now >= next_poll:
+                next_poll = now + control.poll_interval_s
+                self._poll_requests()
+            while builder.ready():
+                self._run_round(builder.take(), final=False)
+            if final and builder.pending_steps():
+                self._run_round(builder.take(final=True), final=True)
+            if self.world.rank == 0 and (now >= next_status or final):
+                next_status = now + control.status_interval_s
+                self._write_status("running")
+
+    def _run_round(self, local: LocalRound, *, final: bool) -> None:
+        assert self.group is not None
+        flags = FLAG_FINAL if final else 0
+        if self.health.capture_stepped_aside():
+            flags |= FLAG_CAPTURE_OFF
+        offered = self._offered_request if self.world.rank == 0 else None
+        local = LocalRound(
+            local.first_step,
+            local.durations_ms,
+            local.step_flags,
+            flags,
+            offered[0] if offered else None,
+            local.self_ms,
+            host_step=self.boundaries.current_step,
+        )
+        batch = self.config.consensus.batch_steps
+        timeout = None
+        if final:
+            timeout = min(self.config.consensus.timeout_s, FINAL_ROUND_TIMEOUT_S)
+        matrix = self.group.all_gather(encode_round(local, batch), timeout_s=timeout)
+        result = decode_round(matrix, batch)
+        if offered is not None:
+            self._offered_request = None
+        self._after_round(result)
+
+    def _after_round(self, result: RoundResult) -> None:
+        self._recent.extend(result.samples)
+        self._feed_governor(result)
+        self._gathered_step = max(self._gathered_step, result.last_step)
+        decisions = decide(result, self.detector, self.world.world_size)
+        self.duty.force(d.step for d in decisions if d.kind == "requested")
+        if result.request is not None and self.world.rank == 0:
+            self._answer_request(result, decisions)
+        if not decisions or self.run is None or self.health.capture_off_reason is not None:
+            return
+        capture = self.health.capture
+        if capture is None:
+            tracer = self.boundaries.tracer
+            if tracer is None:
+                self.health.capture_off("no tracer is running")
+                return
+            capture = CaptureWorker(
+                self.run, self.world, tracer, self.config, tracer_name=tracer.name
+            )
+            self.health.capture = capture
+        capture.submit(decisions)
+
+    def _feed_governor(self, result: RoundResult) -> None:
+        try:
+            self.duty.record(result.samples)
+        except ValueError as err:
+            self._warn_once("governor", "governor: %s; tracing stays as it is", err)
+            self.duty.disable()
+
+    # -- the steps file ----------------------------------------------------------------
+
+    def _log_step(self, item: StepRecord) -> None:
+        steps = self._steps
+        if steps is None:
+            return
+        row = StepRow(
+            item.step,
+            item.duration_ms,
+            bool(item.flags & STEP_TRACED),
+            bool(item.flags & STEP_AFTER_FLUSH),
+            item.self_ms,
+            item.gc_ms,
+            item.gc_generation,
+        )
+        try:
+            steps.write(row)
+        except (OSError, ValueError):
+            self._steps = None
+
+    def _flush_steps(self) -> None:
+        if self._steps is not None:
+            try:
+                self._steps.flush()
+            except OSError as err:
+                self._warn_once("steps", "steps file: %s; step times not recorded", err.strerror)
+                self._steps = None
+
+    # -- on-demand requests (rank 0) ----------------------------------------------------
+
+    def _poll_requests(self) -> None:
+        if self.run is None or self._offered_request is not None:
+            return
+        try:
+            requests = pending_requests(self.run)
+        except OSError:
+            return
+        for request in requests:
+            if request.request_id in self._request_numbers.values():
+                continue
+            try:
+                validate_request(request.n_steps, request.ranges, self.world.world_size)
+            except CaptureRequestError as err:
+                answer(self.run, request.request_id, Refused(str(err)))
+                continue
+            number = self._next_request_number
+            self._next_request_number += 1
+            self._request_numbers[number] = request.request_id
+            carried = CaptureRequest(number, request.n_steps, request.ranges)
+            self._offered_request = (carried, request.request_id)
+            return
+
+    def _answer_request(self, result: RoundResult, decisions: list[CaptureDecision]) -> None:
+        request = result.request
+        if request is None or self.run is None:
+            return
+        request_id = self._request_numbers.get(request.number)
+        if request_id is None:
+            return
+        steps = [d.step for d in decisions if d.request_id == str(request.number)]
+        ranks = request.ranks(self.world.world_size)
+        accepted = Accepted(
+            request=str(request.number),
+            steps=steps,
+            ranks=list(ranks) if ranks is not None else "all",
+            world_size=self.world.world_size,
+        )
+        with contextlib.suppress(OSError):
+            answer(self.run, request_id, accepted)
+
+    # -- status (rank 0) ---------------------------------------------------------------
+
+    def tracer_report(self) -> TracerReport:
+        """Backend, duty cycle and measured overhead, for the status file."""
+        tracer = self.boundaries.tracer
+        report: TracerReport = {
+            "backend": tracer.name if tracer else None,
+            "note": self.boundaries.tracer_note,
+        }
+        duty = self.duty.report()
+        if duty is not None:
+            report["duty_cycle"] = duty
+            report["overhead_pct"] = duty.get("measured_overhead_pct")
+            report["traced_fraction"] = duty.get("traced_fraction")
+        if tracer is not None:
+            with contextlib.suppress(Exception):
+                report["stats"] = tracer.stats()
+        return report
+
+    def _status(self, state: str) -> Status:
+        counts = self.detector.counts
+        capture = self.health.capture
+        stats = capture.stats if capture else None
+        recent = recent_times(list(self._recent), 16)
+        slowest = sorted(
+            recent,
+            key=lambda r: -max((t for t in recent[r] if t is not None), default=0.0),
+        )
+        captures: CaptureCounts = {
+            "written": stats.written if stats else 0,
+            "bytes": stats.bytes_written if stats else 0,
+            "missed": stats.missed if stats else 0,
+            "skipped_disk": stats.skipped_disk if stats else 0,
+            "failed": stats.failed if stats else None,
+        }
+        return {
+            "state": state,
+            "run_id": self.run.run_id if self.run else None,
+            "world_size": self.world.world_size,
+            "step": self.boundaries.current_step,
+            "gathered_step": self._gathered_step,
+            "median_ms": json_number(self.detector.median_ms),
+            "threshold_ms": json_number(self.detector.threshold_ms),
+            "recent_ms": {str(rank): times for rank, times in recent.items()},
+            "slowest_ranks": slowest[:8],
+            "detector": vars(counts).copy(),
+            "episodes": self.detector.episode_summaries()[-20:],
+            "captures": captures,
+            "tracer": self.tracer_report(),
+            "capture_off": self.health.capture_off_reason,
+            "consensus_error": self.health.consensus_error,
+            "status_interval_s": self.config.control.status_interval_s,
+        }
+
+    def _write_status(self, state: str) -> None:
+        if self.run is None:
+            return
+        try:
+            write_status(self.run, self._status(state))
+        except (OSError, ValueError) as err:
+            self._warn_once("status", "status file not written (%s)", err)

@@ -1,0 +1,187 @@
+"""requests/<id>.json and <id>.response.json: on-demand capture requests to a live job.
+
+`distanom capture` writes a request (`submit_request`); rank 0 of the job polls the folder
+(`pending_requests`), carries the request to every rank through the consensus round and
+answers with `Accepted` (the agreed steps and ranks) or `Refused` (`answer`). A request
+file that is too large or malformed is answered `Refused` at once, so it is never
+retried. Nothing listens on a port: the (shared) run directory is the channel.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from distanom.errors import CaptureRequestError, RunDirError
+from distanom.rundir import RunDir, read_json, write_json_atomic
+
+MAX_REQUEST_STEPS = 100
+MAX_RANK_RANGES = 8
+MAX_REQUEST_BYTES = 4096
+_REQUEST_ID = re.compile(r"^[0-9]{8}T[0-9]{6}-[0-9a-f]{8}$")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A well-formed request file: its id, how many steps, which ranks (() = every rank)."""
+
+    request_id: str
+    n_steps: int
+    ranges: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The job's yes: the request's number in the job, the steps and ranks agreed."""
+
+    request: str
+    steps: list[int]
+    ranks: list[int] | Literal["all"]
+    world_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The response file's body."""
+        return {
+            "status": "accepted",
+            "request": self.request,
+            "steps": self.steps,
+            "ranks": self.ranks,
+            "world_size": self.world_size,
+        }
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The job's no, and why."""
+
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The response file's body."""
+        return {"status": "refused", "reason": self.reason}
+
+
+def parse_ranks(text: str | None) -> tuple[tuple[int, int], ...]:
+    """'0,3-5' -> ((0, 0), (3, 5)); None or 'all' -> () (every rank)."""
+    if text is None or text.strip().lower() in ("", "all"):
+        return ()
+    ranges: list[tuple[int, int]] = []
+    for part in text.split(","):
+        part = part.strip()
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not match:
+            raise CaptureRequestError(f"--ranks: {part!r} is not a rank or a range like 3-5")
+        lo = int(match.group(1))
+        hi = int(match.group(2)) if match.group(2) is not None else lo
+        if hi < lo:
+            raise CaptureRequestError(f"--ranks: range {part!r} runs backwards")
+        ranges.append((lo, hi))
+    ranges.sort()
+    merged: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    if len(merged) > MAX_RANK_RANGES:
+        raise CaptureRequestError(
+            f"--ranks: at most {MAX_RANK_RANGES} separate ranges per request, got {len(merged)}"
+        )
+    return tuple(merged)
+
+
+def validate_request(n_steps: int, ranges: tuple[tuple[int, int], ...], world_size: int) -> None:
+    """Raise CaptureRequestError unless the step count and ranks fit this job."""
+    if not 1 <= n_steps <= MAX_REQUEST_STEPS:
+        raise CaptureRequestError(f"--steps must be 1..{MAX_REQUEST_STEPS}, got {n_steps}")
+    unknown = [hi for _, hi in ranges if hi >= world_size]
+    if unknown:
+        raise CaptureRequestError(
+            f"--ranks: rank {max(unknown)} does not exist (the job has ranks 0-{world_size - 1})"
+        )
+
+
+def submit_request(run: RunDir, n_steps: int, ranges: tuple[tuple[int, int], ...]) -> str:
+    """Write a request file; returns its id."""
+    request_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+    run.requests_dir.mkdir(exist_ok=True)
+    body = {"id": request_id, "steps": n_steps, "ranks": [list(r) for r in ranges]}
+    write_json_atomic(run.requests_dir / f"{request_id}.json", body)
+    return request_id
+
+
+def response_path(run: RunDir, request_id: str) -> Path:
+    """Where the job answers request `request_id`."""
+    return run.requests_dir / f"{request_id}.response.json"
+
+
+def pending_requests(run: RunDir) -> list[Request]:
+    """Unanswered, well-formed requests, oldest first (rank 0 of the job)."""
+    folder = run.requests_dir
+    if not folder.is_dir():
+        return []
+    found: list[Request] = []
+    for path in sorted(folder.glob("*.json")):
+        stem = path.name[: -len(".json")]
+        if not _REQUEST_ID.match(stem) or response_path(run, stem).exists():
+            continue
+        request = _read_request(path, stem)
+        if request is None:
+            answer(run, stem, Refused("malformed request"))
+            continue
+        found.append(request)
+    return found
+
+
+def _read_request(path: Path, stem: str) -> Request | None:
+    try:
+        if path.stat().st_size > MAX_REQUEST_BYTES:
+            return None
+        body = json.loads(path.read_text(encoding="utf-8"))
+        n_steps = body["steps"]
+        ranges = tuple((int(lo), int(hi)) for lo, hi in body["ranks"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(n_steps, int) or isinstance(n_steps, bool):
+        return None
+    return Request(stem, n_steps, ranges)
+
+
+def answer(run: RunDir, request_id: str, response: Accepted | Refused) -> None:
+    """Write the job's response to a request, atomically."""
+    write_json_atomic(response_path(run, request_id), response.to_json())
+
+
+def read_response(run: RunDir, request_id: str) -> dict[str, Any] | None:
+    """The job's response as written, None until it exists (or while damaged)."""
+    path = response_path(run, request_id)
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def accepted_ranks(run: RunDir, number: str, world_size: int) -> list[int] | None:
+    """The ranks the job accepted for its request `number`, None when no readable
+    response names them (a damaged response file is skipped)."""
+    folder = run.requests_dir
+    if not folder.is_dir():
+        return None
+    for path in folder.glob("*.response.json"):
+        try:
+            body = read_json(path)
+        except RunDirError:
+            continue
+        if isinstance(body, dict) and body.get("request") == number:
+            ranks = body.get("ranks")
+            if ranks == "all":
+                return list(range(world_size))
+            if isinstance(ranks, list) and all(isinstance(r, int) for r in ranks):
+                return sorted(ranks)
+    return None

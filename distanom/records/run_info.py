@@ -1,0 +1,76 @@
+"""run.json: the facts of a run (versions, world, hosts, argv, the whole configuration),
+written once by rank 0's control thread when the group has formed, read by the report.
+
+Every field is optional to a reader (a damaged or older file), so `RunInfo` is a
+`TypedDict` read with `.get`; `world_size` and `hosts` have checked accessors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+from distanom.errors import RunDirError
+from distanom.rundir import RunDir, read_json, write_json_atomic
+
+
+class RunInfo(TypedDict, total=False):
+    """The body of run.json (keys in the order written)."""
+
+    run_id: str | None
+    distanom: str
+    torch: str
+    cuda: str | None
+    python: str
+    world_size: int
+    started_at: float
+    argv: list[str]
+    config: dict[str, Any]
+    hosts: list[str]  # host of each rank
+    nodes: dict[str, list[int]]  # host -> its ranks
+
+
+def build_run_info(
+    *,
+    run_id: str | None,
+    versions: dict[str, str | None],
+    world_size: int,
+    started_at: float,
+    argv: list[str],
+    config: dict[str, Any],
+    hosts: list[str] | None,
+) -> RunInfo:
+    """The run.json body; `versions` holds distanom, torch, cuda and python, in that order."""
+    body: dict[str, Any] = {"run_id": run_id, **versions}
+    body.update(world_size=world_size, started_at=started_at, argv=argv, config=config)
+    if hosts is not None:
+        body["hosts"] = hosts
+        nodes: dict[str, list[int]] = {}
+        for rank, host in enumerate(hosts):
+            nodes.setdefault(host, []).append(rank)
+        body["nodes"] = nodes
+    return body  # type: ignore[return-value]
+
+
+def write_run_info(run: RunDir, info: RunInfo) -> None:
+    """Write run.json atomically."""
+    write_json_atomic(run.run_json, info)
+
+
+def load_run_info(run: RunDir) -> RunInfo:
+    """run.json as an object; RunDirError when missing, damaged or not an object."""
+    info = read_json(run.run_json)
+    if not isinstance(info, dict):
+        raise RunDirError(f"{run.run_json}: not a JSON object")
+    return info  # type: ignore[return-value]
+
+
+def world_size_of(info: RunInfo | dict[str, Any]) -> int:
+    """The run's world size, 1 when absent or damaged."""
+    size = info.get("world_size")
+    return size if isinstance(size, int) and size > 0 else 1
+
+
+def hosts_of(info: RunInfo | dict[str, Any]) -> list[str]:
+    """The host of each rank, [] when absent or damaged."""
+    hosts = info.get("hosts")
+    return [str(h) for h in hosts] if isinstance(hosts, list) else []

@@ -1,0 +1,116 @@
+"""steps/rank<R>.csv: one row per step of one rank, appended by the agent's control thread
+and read back by the report.
+
+Columns (`STEPS_CSV_HEADER`): step, its duration (ms, as the clock measured it), traced /
+after a tracer flush (0|1), distanom's capture work during it (ms), Python garbage
+collection during it (ms, and the highest generation collected, -1 for none). Files
+written before the last columns existed still read: missing columns read as 0 / none.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+STEPS_CSV_HEADER = "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen\n"
+MAX_STEP_ROWS = 10_000_000  # a steps file is one short line per step
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """One step of one rank as the steps file holds it."""
+
+    step: int
+    duration_ms: float
+    traced: bool
+    after_flush: bool
+    self_ms: float  # distanom's capture work during the step
+    gc_ms: float = 0.0  # Python garbage collection during the step (host time)
+    gc_generation: int = -1  # the highest generation collected, -1 for none
+
+    def line(self) -> str:
+        """The row as written to the file, newline included."""
+        return (
+            f"{self.step},{self.duration_ms:.4f},{int(self.traced)},{int(self.after_flush)},"
+            f"{self.self_ms:.3f},{self.gc_ms:.3f},{self.gc_generation}\n"
+        )
+
+    @property
+    def gc_pause(self) -> tuple[float, int] | None:
+        """The step's garbage collection (ms, generation), None for none."""
+        return (self.gc_ms, self.gc_generation) if self.gc_ms > 0 else None
+
+
+class StepsWriter:
+    """Appends rows to one rank's steps file (the header once, when the file is new).
+
+    Errors (OSError, ValueError on a closed file) reach the caller, which decides whether
+    step times stop being recorded.
+    """
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(exist_ok=True)
+        self._file: IO[str] = open(path, "a", encoding="ascii")  # noqa: SIM115
+        if self._file.tell() == 0:
+            self._file.write(STEPS_CSV_HEADER)
+
+    def write(self, row: StepRow) -> None:
+        """Append one row (buffered until `flush`)."""
+        self._file.write(row.line())
+
+    def flush(self) -> None:
+        """Hand the buffered rows to the operating system."""
+        self._file.flush()
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        self._file.close()
+
+
+@dataclass(frozen=True)
+class StepsFile:
+    """What could be read of one steps file: its rows in file order, and how many were
+    unreadable (a repeated step appears twice; the later row wins)."""
+
+    rows: list[StepRow]
+    bad: int
+
+
+def read_steps(path: Path) -> StepsFile:
+    """Every readable row of a steps file; damaged rows are counted, never raised.
+
+    The header (first line) and rows past `MAX_STEP_ROWS` are skipped. A row needs a step
+    and a duration; flags read as set only when exactly 1; a missing self_ms reads as 0;
+    garbage collection columns that are missing, unreadable, not finite or not positive
+    read as none.
+    """
+    rows: list[StepRow] = []
+    bad = 0
+    with open(path, encoding="ascii", errors="replace", newline="") as handle:
+        for number, row in enumerate(csv.reader(handle)):
+            if number == 0 or number > MAX_STEP_ROWS:
+                continue
+            try:
+                after = len(row) > 3 and row[3].strip() == "1"
+                spent = float(row[4]) if len(row) > 4 else 0.0
+                step = int(row[0])
+                duration = float(row[1])
+                traced = row[2].strip() == "1"
+            except (ValueError, IndexError):
+                bad += 1
+                continue
+            gc_ms, gc_generation = _gc_pause(row)
+            rows.append(StepRow(step, duration, traced, after, spent, gc_ms, gc_generation))
+    return StepsFile(rows, bad)
+
+
+def _gc_pause(row: list[str]) -> tuple[float, int]:
+    """A row's garbage collection (ms, generation); (0.0, -1) for none or unreadable."""
+    try:
+        spent, generation = float(row[5]), int(row[6])
+    except (ValueError, IndexError):
+        return 0.0, -1
+    return (spent, generation) if math.isfinite(spent) and spent > 0 else (0.0, -1)
