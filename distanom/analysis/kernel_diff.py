@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from distanom.analysis.text import short
 from distanom.analysis.trace_io import is_finite_number
 
 __all__ = [
@@ -30,7 +31,6 @@ __all__ = [
     "kernel_diff_lines",
     "op_table",
     "pick_reference",
-    "reference_steps",
     "top_changes",
 ]
 
@@ -197,10 +197,6 @@ def pick_reference(step: int, references: Iterable[int]) -> int | None:
     return candidates[0] if candidates else None
 
 
-def _short(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
 def top_changes(kernel_diff: Mapping[str, Any], rank: int | None) -> tuple[str | None, list[Any]]:
     """The rank whose changes to show (the culprit, else the one that added most) and
     its changes, from a capture's `kernel_diff` JSON."""
@@ -244,11 +240,6 @@ def kernel_diff_lines(
         )
         rows.append(
             f"    {change['added_us']:+12.1f} µs  {change['status']:<8}  "
-            f"{change['ref_count']}->{change['count']}  {_short(key.label(), 90)}"
+            f"{change['ref_count']}->{change['count']}  {short(key.label(), 90)}"
         )
     return lines + rows
-
-
-def reference_steps(captures: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Steps of the report's captures that hold a healthy reference."""
-    return [int(c["step"]) for c in captures if "reference" in (c.get("kinds") or [])]

@@ -147,14 +147,19 @@ def outputs(base: Path, make: Callable[[Path], RunDir]) -> dict[str, Any]:
         path.parent.name: hashlib.sha256(gzip.decompress(path.read_bytes())).hexdigest()
         for path in sorted(run.path.glob("captures/step_*/merged.trace.json.gz"))
     }
+    from dataclasses import replace
+
     from distanom.analysis.html_report import render_html
-    from distanom.analysis.report import build_report
+    from distanom.analysis.model import StepTimes
+    from distanom.analysis.report import build_report, rolling_threshold
     from distanom.analysis.run import load_run, load_steps
 
     data = load_run(root)
-    html = render_html(
-        build_report(data), load_steps(data), {"multiplier": 1.5}, use_matplotlib=False
-    ).html
+    series = load_steps(data)
+    times = StepTimes(
+        series.steps, series.step_ms(), rolling_threshold(series, {"multiplier": 1.5})
+    )
+    html = render_html(replace(build_report(data), step_times=times), use_matplotlib=False).html
     return {
         "json_text": json_text.replace(root, "<RUN>"),
         "json": json.loads(json_text.replace(root, "<RUN>")),
