@@ -65,6 +65,7 @@ class Breakdown:
 
     @property
     def step_ms(self) -> float:
+        """The rank's whole step window: the timeline's span plus the time outside it."""
         return self.total_ms + self.outside_ms
 
     @classmethod
@@ -82,6 +83,8 @@ class Breakdown:
 
 @dataclass(frozen=True)
 class RankEvidence:
+    """One rank's evidence for the verdict: its host and its step's breakdown."""
+
     rank: int
     host: str | None
     breakdown: Breakdown
@@ -89,6 +92,8 @@ class RankEvidence:
 
 @dataclass(frozen=True)
 class Verdict:
+    """Which rank (or node) made a step slow, the cause, a sentence of evidence, details."""
+
     culprit_rank: int | None
     culprit_node: str | None
     cause: Cause
@@ -96,6 +101,7 @@ class Verdict:
     details: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
+        """The verdict as the report's JSON holds it."""
         return {
             "culprit_rank": self.culprit_rank,
             "culprit_node": self.culprit_node,

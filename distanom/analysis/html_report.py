@@ -77,6 +77,8 @@ img,svg{max-width:100%;height:auto}
 
 @dataclass(frozen=True)
 class HtmlPage:
+    """The page's HTML and the PNG charts to write beside it."""
+
     html: str
     pngs: dict[str, bytes] = field(default_factory=dict)
     """Chart name ("steps", "step_40") → PNG bytes; empty when drawn as SVG."""

@@ -47,6 +47,7 @@ class OpKey:
     block: Shape = None
 
     def label(self) -> str:
+        """The op's name with its launch shape, for text."""
         if self.grid is None and self.block is None:
             return self.name
         return f"{self.name} {_shape(self.grid)}x{_shape(self.block)}"
@@ -54,6 +55,8 @@ class OpKey:
 
 @dataclass(frozen=True)
 class OpStats:
+    """How often an op ran in a step and its total µs."""
+
     count: int
     total_us: float
 
@@ -106,6 +109,8 @@ def op_table(events: Iterable[Mapping[str, Any]]) -> tuple[OpKind, dict[OpKey, O
 
 @dataclass(frozen=True)
 class KernelChange:
+    """One op in a step against the same op in the reference step."""
+
     key: OpKey
     count: int
     total_us: float
@@ -114,10 +119,12 @@ class KernelChange:
 
     @property
     def added_us(self) -> float:
+        """µs this op added over the reference (negative: it shrank)."""
         return self.total_us - self.ref_total_us
 
     @property
     def status(self) -> str:
+        """ "appeared", "vanished", "grew" or "shrank"."""
         if self.ref_count == 0:
             return "appeared"
         if self.count == 0:
@@ -125,6 +132,7 @@ class KernelChange:
         return "grew" if self.added_us >= 0 else "shrank"
 
     def as_json(self) -> dict[str, Any]:
+        """The change as the report's JSON holds it."""
         return {
             "name": self.key.name,
             "grid": list(self.key.grid) if self.key.grid is not None else None,
@@ -149,6 +157,7 @@ class RankDiff:
     idle_change_ms: float | None
 
     def as_json(self, top: int = TOP_CHANGES) -> dict[str, Any]:
+        """The rank's diff as JSON: the `top` grown and vanished ops, the rest summed."""
         grown = [c for c in self.changes if c.added_us > 0]
         vanished = sorted(
             (c for c in self.changes if c.status == "vanished"), key=lambda c: c.added_us

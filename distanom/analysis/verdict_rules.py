@@ -30,8 +30,7 @@ from distanom.analysis.text import span as _span
 
 # A culprit's extra own time must be at least this share of the step. An anomaly at the
 # detector's default 1.5 x median adds a third of the step; the spread of own time
-# between healthy ranks stays well below it (under 15 % measured on 4 gloo ranks
-# sharing 2 busy CPU cores, a few % on GPUs).
+# between healthy ranks stays well below it (numbers in docs/report.md).
 STANDOUT_FRACTION = 0.25
 # ...and at least this many ms: below 50 µs differences are launch jitter.
 MIN_STANDOUT_MS = 0.05
@@ -48,8 +47,7 @@ CAUSE_SHARE = 0.5
 # step (e.g. a requested capture) gets "unknown", whatever its ranks look like.
 SLOWDOWN_FRACTION = 0.2
 # A part that is not the cause is still named ("also") when it holds this share of the
-# extra time: a step can have two problems (e.g. a first-use module load stalls the host
-# while an extra kernel runs: 11.3 ms idle and 10.1 ms compute measured on an H200).
+# extra time: a step can have two problems (e.g. a host stall while an extra kernel runs).
 ALSO_SHARE = 0.25
 # "Everyone" verdicts: every rank's growth must reach half the slowdown, so one rank's
 # outlier cannot make the whole job "global".
@@ -70,6 +68,8 @@ def slowdown(
     step_ms: float | None,
     expected_ms: float | None,
 ) -> _Baseline | None:
+    """The step's slowdown over its baseline (the detector's median, else the reference
+    step), or None."""
     if step_ms is not None and expected_ms:
         return _Baseline(
             step_ms - expected_ms, expected_ms, "the detector's rolling median at this step"
@@ -98,14 +98,15 @@ def standout(
     step: float,
     notes: dict[str, Any],
 ) -> _Standout | None:
+    """The ranks whose own time stands out while the others waited for them, or None (why in
+    `notes`)."""
     own = {r: e.breakdown.own_ms for r, e in current.items()}
     comm = {r: e.breakdown.exposed_comm_ms for r, e in current.items()}
     comm_growth: dict[int, float] | None = None
     if all(r in reference for r in current):
         # Compare what changed since the reference: a rank whose host always launches
         # later (it idles while the others wait for it every step) is not this step's
-        # culprit. Measured on 2 H200s with DDP: one rank idles ~10 ms of a 13 ms step in
-        # every step, and a slowdown on both ranks named it.
+        # culprit (docs/report.md, "always-late rank").
         for r in own:
             own[r] -= reference[r].breakdown.own_ms
         comm_growth = {r: comm[r] - reference[r].breakdown.exposed_comm_ms for r in comm}
@@ -220,6 +221,7 @@ def culprit_verdict(
     arrival: Arrival | None,
     details: dict[str, Any],
 ) -> Verdict:
+    """The verdict naming stand-out culprits, their cause and the others' waiting."""
     hosts = {r: e.host for r, e in current.items()}
     culprit = found.worst
     if arrival is not None and arrival.latest_rank in found.culprits:
@@ -269,6 +271,7 @@ def late_arrival_verdict(
     step: float,
     details: dict[str, Any],
 ) -> Verdict | None:
+    """The verdict naming the rank that arrived last at a collective, or None."""
     if arrival.wait_ms < max(MIN_STANDOUT_MS, STANDOUT_FRACTION * step):
         return None
     late = arrival.latest_rank
@@ -300,11 +303,8 @@ def extra_work_verdict(
 
     On every rank: a global slowdown. On a few ranks only (at most `MAX_CULPRIT_SHARE`),
     the others clearly without it: those ranks are the culprits. Kernel time is the
-    part of a breakdown that does not move between ranks; idle and exposed comm do.
-    Measured on 2 H200s (DDP, launch-bound): which rank's host comes last to a
-    collective changes from step to step, so a 10 ms kernel on both ranks showed as one
-    rank's idle, and a 10 ms kernel on one rank filled idle time it would have had
-    anyway while the other rank idled instead of waiting.
+    part of a breakdown that does not move between ranks; idle and exposed comm do
+    (docs/report.md, "waiting moves between ranks").
     """
     if base.slowdown_ms <= 0 or not all(r in reference for r in current):
         return None
@@ -354,6 +354,7 @@ def everyone_verdict(
     base: _Baseline | None,
     details: dict[str, Any],
 ) -> Verdict:
+    """The verdict when no rank stands out: communication, global, or unknown."""
     common = sorted(r for r in current if r in reference)
     with_reference = bool(common)
     if common:
