@@ -72,10 +72,11 @@ def kernels(path: Path) -> list[dict[str, Any]]:
 def check(backend: str, runs: Path) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
     from distanom.analysis.kernel_diff import top_changes
-    from distanom.analysis.report import build_report
+    from distanom.analysis.report import build_report, report_json, write_outputs
     from distanom.analysis.run import load_run
 
-    report = build_report(load_run(str(runs)))
+    data = load_run(str(runs))
+    report = report_json(write_outputs(data, build_report(data)))
     captures = {c["step"]: c for c in report["captures"]}
     references = [c for c in report["captures"] if "reference" in c["kinds"]]
     out: dict[str, Any] = {

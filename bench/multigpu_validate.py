@@ -123,10 +123,11 @@ def nccl_metadata(trace: Path) -> dict[str, Any]:
 
 def check(runs: Path, nproc: int, compute_rank: int, stall_rank: int) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
-    from distanom.analysis.report import build_report
+    from distanom.analysis.report import build_report, report_json, write_outputs
     from distanom.analysis.run import load_run
 
-    report = build_report(load_run(str(runs)))
+    data = load_run(str(runs))
+    report = report_json(write_outputs(data, build_report(data)))
     captures = {c["step"]: c for c in report["captures"]}
     expected_rank = {"compute": compute_rank, "host_stall": stall_rank, "global": None}
     cases: dict[str, Any] = {}

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 from distanom.errors import DistanomError
 
 if TYPE_CHECKING:
-    from distanom.analysis.run import RunData
+    from distanom.analysis.model import Report
 
 
 class _Parser(argparse.ArgumentParser):
@@ -101,28 +101,28 @@ def _print_json(obj: Any) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from distanom.analysis.report import build_report, render_text
+    from distanom.analysis.report import build_report, render_text, report_json, write_outputs
     from distanom.analysis.run import load_run
 
     data = load_run(args.run_dir)
-    report = build_report(data)
+    report = write_outputs(data, build_report(data, step_times=bool(args.html)))
     if args.html:
-        _write_html(data, report, args.html, sys.stderr if args.json else sys.stdout)
+        _write_html(report, args.html, sys.stderr if args.json else sys.stdout)
         if not args.json:
             return 0
     if args.json:
-        _print_json(report)
+        _print_json(report_json(report))
     else:
         sys.stdout.write(render_text(report))
     return 0
 
 
-def _write_html(data: RunData, report: dict[str, Any], out: str, stream: TextIO) -> None:
+def _write_html(report: Report, out: str, stream: TextIO) -> None:
     from pathlib import Path
 
-    from distanom.analysis.html_report import page_for_run, write_html
+    from distanom.analysis.html_report import render_html, write_html
 
-    page = page_for_run(data, report)
+    page = render_html(report)
     try:
         written = write_html(page, Path(out))
     except OSError as err:

@@ -54,6 +54,7 @@ class CollectiveCall:
 
     @property
     def end(self) -> float:
+        """The call's end on the rank's clock (µs)."""
         return self.ts + self.dur
 
 
@@ -69,14 +70,18 @@ class MatchedCollective:
 
     @property
     def ranks(self) -> list[int]:
+        """The ranks that took part, in order."""
         return sorted(self.start_us)
 
     def label(self) -> str:
+        """The collective's name and ordinal, for evidence."""
         return f"{self.name} #{self.index + 1}"
 
 
 @dataclass(frozen=True)
 class MatchResult:
+    """Collectives matched across ranks, and how many calls stayed unmatched."""
+
     matched: list[MatchedCollective]
     unmatched: list[str] = field(default_factory=list)
     """One note per group that could not be matched (counts differ between ranks)."""

@@ -1,22 +1,11 @@
-"""Cross-rank analysis of a run's captures: verdict, kernel diff and merged trace.
+"""Cross-rank analysis of one capture: facts per rank, verdict, kernel diff, merged trace.
 
-Owns: reading each rank's trace of a capture once for what the cross-rank analyses need
-(`RankFacts`: its collectives, its op table, its step window, its time base), choosing
-each capture's reference step, and putting these keys into the report's capture dicts:
-
-- `verdict`: `distanom.analysis.verdict.decide` over the ranks' breakdowns (from the
-  report's per-rank tables), the reference step's, and the matched collectives;
-- `kernel_diff`: every rank's ops against the same rank in the reference step;
-- `merged_trace`: `captures/step_<N>/merged.trace.json.gz` (relative to the run
-  directory), written atomically and only when older than one of the rank traces;
-- `unreadable_ranks`: the ranks whose trace could not be read;
-
-and `outside_ms` into a rank's entry when its step window is known (CPU-only traces):
-the part of the window outside its ops' span, which the verdict counts as idle.
-
-Reads: the run directory (`RunData`) and the capture dicts built by the report, which
-hold each rank's `gpu_timeline` / `host_timeline`. Damage (an unreadable trace, a
-read-only run directory) goes to `RunData.problems`; the rest of the analysis goes on.
+Owns: what the cross-rank analyses need from one rank's parsed trace document
+(`RankFacts`: its collectives, its op table, its step window, its time base), the
+evidence the verdict reasons over (each rank's breakdown from its table, with the time
+outside its ops on CPU-only traces), the kernel diff against the reference step, and
+the merged trace's bytes. Pure: documents and tables come in parsed by
+`distanom.analysis.build`, nothing is read or written here.
 """
 
 from __future__ import annotations
@@ -33,49 +22,26 @@ from distanom.analysis.collectives import (
     match_collectives,
 )
 from distanom.analysis.engine import tables_from_trace
-from distanom.analysis.kernel_diff import (
-    OpKey,
-    OpKind,
-    OpStats,
-    diff_ops,
-    op_table,
-    pick_reference,
-    reference_steps,
-)
-from distanom.analysis.merge import MERGED_NAME, MergeWriter, estimate_offsets
-from distanom.analysis.run import RunData
-from distanom.analysis.tables_io import BREAKDOWN_ROWS
-from distanom.analysis.trace_io import read_trace_document, trace_from_document
-from distanom.analysis.verdict import Breakdown, RankEvidence, Verdict, decide, note_python_gc
-from distanom.errors import DistanomError
-from distanom.rundir import write_bytes_atomic
+from distanom.analysis.evidence import Breakdown, RankEvidence, Verdict
+from distanom.analysis.kernel_diff import OpKey, OpKind, OpStats, diff_ops, op_table
+from distanom.analysis.merge import MergeWriter, estimate_offsets
+from distanom.analysis.model import BREAKDOWN_ROWS, KernelDiff, RankEntry
+from distanom.analysis.trace_io import trace_from_document
+from distanom.analysis.verdict import decide
 
 __all__ = [
     "RankFacts",
-    "add_cross_rank",
-    "breakdown",
+    "evidence",
     "evidence_from_document",
+    "kernel_diff",
+    "merged_content",
     "outside_ms",
     "rank_facts",
-    "verdict_line",
+    "verdict",
     "verdict_of_documents",
 ]
 
 _STEP_SPAN = re.compile(r"distanom step (\d+)")
-
-
-def breakdown(entry: Mapping[str, Any]) -> dict[str, float] | None:
-    """A rank's computation / exposed comm / exposed memcpy / idle / total in ms."""
-    timeline = entry.get("gpu_timeline") or entry.get("host_timeline")
-    if not timeline:
-        return None
-    return {row: float(timeline[row]["time_ms"]) for row in BREAKDOWN_ROWS}
-
-
-def outside_ms(entry: Mapping[str, Any]) -> float | None:
-    """A rank's step time outside its ops' span (ms), when its step window is known."""
-    value = entry.get("outside_ms")
-    return float(value) if isinstance(value, (int, float)) else None
 
 
 @dataclass(frozen=True)
@@ -114,29 +80,10 @@ def rank_facts(rank: int, document: Mapping[str, Any]) -> RankFacts:
     )
 
 
-class _Facts:
-    """Facts per (step, rank), each trace read at most once per report."""
-
-    def __init__(self, data: RunData) -> None:
-        self.data = data
-        self._cache: dict[int, dict[int, RankFacts]] = {}
-
-    def of(self, capture: Mapping[str, Any]) -> dict[int, RankFacts]:
-        step = int(capture["step"])
-        if step not in self._cache:
-            facts: dict[int, RankFacts] = {}
-            for key, entry in capture["ranks"].items():
-                try:
-                    document = read_trace_document(self.data.run.path / entry["trace"])
-                    facts[int(key)] = rank_facts(int(key), document)
-                except DistanomError as err:
-                    if breakdown(entry) is not None:  # else the tables reported it already
-                        self.data.problems.append(f"step {step} rank {key}: {err}")
-            self._cache[step] = facts
-        return self._cache[step]
-
-
-def _outside(rows: Mapping[str, float], kind: str, facts: RankFacts | None) -> float | None:
+def outside_ms(
+    rows: Mapping[str, float], kind: str | None, facts: RankFacts | None
+) -> float | None:
+    """A CPU-only rank's step window outside its ops' span (ms), when the window is known."""
     if kind == "cpu" and facts is not None and facts.window_ms is not None:
         # host spans only cover the ops: a stall before the first op is outside them
         return max(0.0, facts.window_ms - rows["total_time"])
@@ -146,17 +93,18 @@ def _outside(rows: Mapping[str, float], kind: str, facts: RankFacts | None) -> f
 def _rank_evidence(
     rank: int, host: str | None, rows: Mapping[str, float], kind: str, facts: RankFacts | None
 ) -> RankEvidence:
-    outside = _outside(rows, kind, facts)
+    outside = outside_ms(rows, kind, facts)
     return RankEvidence(rank, host, Breakdown.from_rows(rows, outside or 0.0))
 
 
-def _evidence(capture: Mapping[str, Any], facts: Mapping[int, RankFacts]) -> list[RankEvidence]:
+def evidence(ranks: Mapping[int, RankEntry], facts: Mapping[int, RankFacts]) -> list[RankEvidence]:
+    """The verdict's evidence of every rank with a table, in rank order."""
     out = []
-    for key, entry in capture["ranks"].items():
-        rows = breakdown(entry)
+    for rank, entry in ranks.items():
+        rows = entry.breakdown()
         if rows is not None:
-            kind = str(entry.get("timeline_kind", "gpu"))
-            out.append(_rank_evidence(int(key), entry.get("host"), rows, kind, facts.get(int(key))))
+            kind = entry.timeline_kind or "gpu"
+            out.append(_rank_evidence(rank, entry.host, rows, kind, facts.get(rank)))
     return out
 
 
@@ -196,24 +144,44 @@ def verdict_of_documents(
     )
 
 
-def _kernel_diff(
-    capture: Mapping[str, Any],
+def verdict(
+    found: Sequence[RankEvidence],
+    ref_found: Sequence[RankEvidence],
+    reference_step: int | None,
+    match: MatchResult,
+    step_ms: float | None,
+    expected_ms: float | None,
+) -> Verdict:
+    """The verdict on one capture from its evidence, the reference's and its collectives."""
+    return decide(
+        found,
+        reference=ref_found,
+        reference_step=reference_step,
+        collectives=match.matched,
+        step_ms=step_ms,
+        expected_ms=expected_ms,
+    )
+
+
+def kernel_diff(
+    is_reference: bool,
     facts: Mapping[int, RankFacts],
     reference_step: int | None,
     ref_facts: Mapping[int, RankFacts],
-    evidence: Sequence[RankEvidence],
-    ref_evidence: Sequence[RankEvidence],
-) -> dict[str, Any]:
+    found: Sequence[RankEvidence],
+    ref_found: Sequence[RankEvidence],
+) -> KernelDiff:
+    """Every rank's ops against the same rank of the reference step (same op kind only)."""
     if reference_step is None:
         note = (
             "this is the reference step"
-            if "reference" in capture["kinds"]
+            if is_reference
             else "no reference step captured in this run"
         )
-        return {"reference_step": None, "note": note, "ranks": {}}
-    stalled = {e.rank: e.breakdown.stalled_ms for e in evidence}
-    ref_stalled = {e.rank: e.breakdown.stalled_ms for e in ref_evidence}
-    ranks: dict[str, Any] = {}
+        return KernelDiff(None, {}, note)
+    stalled = {e.rank: e.breakdown.stalled_ms for e in found}
+    ref_stalled = {e.rank: e.breakdown.stalled_ms for e in ref_found}
+    ranks = {}
     for rank in sorted(set(facts) & set(ref_facts)):
         mine, theirs = facts[rank], ref_facts[rank]
         if mine.ops_kind != theirs.ops_kind:
@@ -221,38 +189,24 @@ def _kernel_diff(
         idle = (
             stalled[rank] - ref_stalled[rank] if rank in stalled and rank in ref_stalled else None
         )
-        ranks[str(rank)] = diff_ops(rank, mine.ops_kind, mine.ops, theirs.ops, idle).as_json()
-    return {"reference_step": reference_step, "ranks": ranks}
+        ranks[rank] = diff_ops(rank, mine.ops_kind, mine.ops, theirs.ops, idle)
+    return KernelDiff(reference_step, ranks)
 
 
-def _merged_trace(
-    data: RunData,
-    capture: Mapping[str, Any],
+def merged_content(
+    step: int,
+    events: Mapping[int, Sequence[Any]],
+    hosts: Mapping[int, str | None],
     facts: Mapping[int, RankFacts],
     match: MatchResult,
-) -> str | None:
-    step = int(capture["step"])
-    if not facts:
-        return None
-    path = data.run.capture_dir(step) / MERGED_NAME
-    traces = [data.run.path / capture["ranks"][str(r)]["trace"] for r in facts]
-    try:
-        if path.exists() and path.stat().st_mtime >= max(t.stat().st_mtime for t in traces):
-            return data.run.relative(path)  # up to date: written by an earlier report
-    except OSError:
-        pass
-    hosts = {r: capture["ranks"][str(r)].get("host") for r in facts}
+) -> bytes:
+    """The merged trace of one capture (gzipped), every rank of `facts` on one clock."""
     alignment = estimate_offsets(
         list(facts), hosts, {r: f.base_time_ns for r, f in facts.items()}, match.matched
     )
     writer = MergeWriter()
-    try:
-        for rank, trace in zip(facts, traces, strict=True):
-            events = read_trace_document(trace).get("traceEvents") or []
-            writer.add_rank(rank, hosts[rank], events, alignment.offsets_us[rank])
-    except DistanomError as err:
-        data.problems.append(f"step {step}: merged trace not written: {err}")
-        return None
+    for rank in facts:
+        writer.add_rank(rank, hosts[rank], events[rank], alignment.offsets_us[rank])
     metadata = {
         "displayTimeUnit": "ms",
         "baseTimeNanoseconds": facts[alignment.reference_rank].base_time_ns,
@@ -264,80 +218,4 @@ def _merged_trace(
             "unmatched_collectives": match.unmatched,
         },
     }
-    try:
-        write_bytes_atomic(path, writer.finish(metadata))
-    except OSError as err:
-        data.problems.append(f"step {step}: merged trace not written: {err.strerror or err}")
-        return None
-    return data.run.relative(path)
-
-
-def _verdict(
-    capture: Mapping[str, Any],
-    evidence: Sequence[RankEvidence],
-    ref_evidence: Sequence[RankEvidence],
-    reference_step: int | None,
-    match: MatchResult,
-) -> Verdict:
-    return decide(
-        evidence,
-        reference=ref_evidence,
-        reference_step=reference_step,
-        collectives=match.matched,
-        step_ms=capture.get("step_ms"),
-        expected_ms=capture.get("median_ms"),
-    )
-
-
-def add_cross_rank(data: RunData, captures: list[dict[str, Any]]) -> None:
-    """Add `verdict`, `kernel_diff` and `merged_trace` to every capture dict."""
-    facts = _Facts(data)
-    by_step = {int(c["step"]): c for c in captures}
-    references = reference_steps(captures)
-    for capture in captures:
-        step = int(capture["step"])
-        mine = facts.of(capture)
-        reference_step = pick_reference(step, references)
-        reference = by_step.get(reference_step) if reference_step is not None else None
-        ref_facts = facts.of(reference) if reference is not None else {}
-        evidence = _evidence(capture, mine)
-        ref_evidence = _evidence(reference, ref_facts) if reference is not None else []
-        match = match_collectives({r: f.calls for r, f in mine.items()})
-        verdict = _verdict(capture, evidence, ref_evidence, reference_step, match)
-        verdict = note_python_gc(verdict, capture.get("python_gc") or {})
-        capture["verdict"] = verdict.as_json()
-        capture["kernel_diff"] = _kernel_diff(
-            capture, mine, reference_step, ref_facts, evidence, ref_evidence
-        )
-        capture["merged_trace"] = _merged_trace(data, capture, mine, match)
-        _mark_ranks(capture, mine)
-
-
-def _mark_ranks(capture: dict[str, Any], facts: Mapping[int, RankFacts]) -> None:
-    """What the report's tables show beside the breakdown, so they tell the verdict's
-    story: each rank's time outside its ops, and which ranks' traces were unreadable."""
-    capture["unreadable_ranks"] = sorted(
-        int(key) for key in capture["ranks"] if int(key) not in facts
-    )
-    for key, entry in capture["ranks"].items():
-        rows = breakdown(entry)
-        if rows is None:
-            continue
-        outside = _outside(rows, str(entry.get("timeline_kind", "gpu")), facts.get(int(key)))
-        if outside is not None:
-            entry["outside_ms"] = round(outside, 4)
-
-
-def verdict_line(capture: Mapping[str, Any]) -> str | None:
-    """The capture's verdict as one line of text, or None when it has none."""
-    body = capture.get("verdict")
-    if not body:
-        return None
-    verdict = Verdict(
-        body.get("culprit_rank"),
-        body.get("culprit_node"),
-        body.get("cause", "unknown"),
-        str(body.get("evidence", "")),
-        body.get("details") or {},
-    )
-    return verdict.sentence()
+    return writer.finish(metadata)

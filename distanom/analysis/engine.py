@@ -122,7 +122,12 @@ def analyze_trace(
         raise AnalysisEngineError(
             f"unknown analysis engine {engine!r} (choose from {', '.join(ENGINES)})"
         )
-    trace = load_trace(path, max_bytes=max_bytes)
+    return tables_of(load_trace(path, max_bytes=max_bytes), path, engine)
+
+
+def tables_of(trace: Trace, path: str | os.PathLike[str], engine: str = "auto") -> TraceTables:
+    """The tables of a trace already loaded from `path`, by `engine` (see `analyze_trace`);
+    TraceLens, when it runs, reads the file itself."""
     if not trace.gpu_events or engine == "builtin":
         return tables_from_trace(trace)
     generate = _import_tracelens(required=engine == "tracelens")

@@ -8,8 +8,8 @@ changes. Charts are PNGs drawn with matplotlib when it is importable (the `plots
 extra), embedded as base64 and also handed back so the CLI writes them beside the
 page; without matplotlib they are inline SVG drawn here.
 
-Reads: the report dict (`distanom.analysis.report.build_report`), the run's step
-series (`run.load_steps`) and its detect config. Every string that comes from the run
+Reads: the report's model (`distanom.analysis.model.Report`, built with
+`step_times=True` for the step chart's threshold line). Every string that comes from the run
 directory (hosts, kernel names, paths, evidence) is escaped: traces are untrusted input.
 """
 
@@ -20,28 +20,24 @@ import html
 import io
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distanom.analysis.crossrank import breakdown, outside_ms, verdict_line
 from distanom.analysis.kernel_diff import top_changes
-from distanom.analysis.report import (
+from distanom.analysis.model import BREAKDOWN_ROWS, Capture, Report, StepTimes
+from distanom.analysis.render_json import kernel_diff_json
+from distanom.analysis.render_text import (
     OUTSIDE_NOTE,
     breakdown_numbers,
     gc_sentence,
     median_parts,
     ranks_cell,
-    shows_outside,
 )
-from distanom.analysis.run import RunData, StepSeries, load_steps
-from distanom.analysis.tables_io import BREAKDOWN_ROWS
-from distanom.config import CaptureConfig, config_from_mapping
-from distanom.detect import Detector
 from distanom.rundir import write_bytes_atomic
 
-__all__ = ["HtmlPage", "page_for_run", "render_html", "rolling_threshold", "write_html"]
+__all__ = ["HtmlPage", "render_html", "write_html"]
 
 PARTS = BREAKDOWN_ROWS[:4]
 # CPU-only traces: the step window outside the ops' span, which the verdict counts as idle
@@ -81,6 +77,8 @@ img,svg{max-width:100%;height:auto}
 
 @dataclass(frozen=True)
 class HtmlPage:
+    """The page's HTML and the PNG charts to write beside it."""
+
     html: str
     pngs: dict[str, bytes] = field(default_factory=dict)
     """Chart name ("steps", "step_40") → PNG bytes; empty when drawn as SVG."""
@@ -96,20 +94,6 @@ def _fmt(value: Any, digits: int = 2) -> str:
     if isinstance(value, (int, float)) and math.isfinite(value):
         return f"{value:.{digits}f}"
     return _e(value)
-
-
-# --------------------------------------------------------------------------- data
-
-
-def rolling_threshold(series: StepSeries, detect: Mapping[str, Any]) -> list[float]:
-    """The threshold each step was judged by: the run's own detector, replayed over the
-    recorded steps (so the chart can never disagree with what the job decided)."""
-    detector = Detector(config_from_mapping({"detect": dict(detect)}).detect, CaptureConfig())
-    out = []
-    for sample in series.samples():
-        out.append(detector.threshold_before(sample))
-        detector.observe(sample)
-    return out
 
 
 # --------------------------------------------------------------------------- charts
@@ -204,41 +188,38 @@ class _Bars:
     parts: tuple[str, ...] = PARTS
 
 
-def _step_chart(
-    report: Mapping[str, Any], series: StepSeries, detect: Mapping[str, Any]
-) -> _StepChart | None:
-    values = series.step_ms()
+def _step_chart(report: Report, times: StepTimes) -> _StepChart | None:
+    values = times.step_ms
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return None
-    threshold = rolling_threshold(series, detect)
-    position = {step: i for i, step in enumerate(series.steps)}
+    position = {step: i for i, step in enumerate(times.steps)}
     marks = []
-    for capture in report["captures"]:
-        index = position.get(capture["step"])
-        value = values[index] if index is not None else capture.get("step_ms")
+    for capture in report.captures:
+        index = position.get(capture.step)
+        value = values[index] if index is not None else capture.step_ms
         if isinstance(value, (int, float)) and math.isfinite(value):
-            kinds = capture.get("kinds") or ["anomaly"]
+            kinds = capture.kinds or ["anomaly"]
             kind = "anomaly" if "anomaly" in kinds else str(kinds[0])
-            marks.append((int(capture["step"]), float(value), kind))
+            marks.append((capture.step, float(value), kind))
     median = statistics.median(finite)
     log = median > 0 and max(finite) / median > 20
-    return _StepChart(list(series.steps), values, threshold, marks, log)
+    return _StepChart(list(times.steps), values, list(times.threshold_ms), marks, log)
 
 
-def _bars(capture: Mapping[str, Any]) -> _Bars | None:
+def _bars(capture: Capture) -> _Bars | None:
     labels, values = [], []
-    for rank, entry in capture["ranks"].items():
-        rows = breakdown(entry)
+    for rank, entry in capture.ranks.items():
+        rows = entry.breakdown()
         if rows is None:
             continue
-        host = entry.get("host")
+        host = entry.host
         labels.append(f"rank {rank}" + (f" ({host})" if host else ""))
         bar = {part: max(0.0, rows[part]) for part in PARTS}
-        bar[OUTSIDE] = outside_ms(entry) or 0.0
+        bar[OUTSIDE] = entry.outside_ms or 0.0
         values.append(bar)
-    title = f"step {capture['step']}: time per rank"
-    parts = (*PARTS, OUTSIDE) if shows_outside(capture) else PARTS
+    title = f"step {capture.step}: time per rank"
+    parts = (*PARTS, OUTSIDE) if capture.shows_outside else PARTS
     return _Bars(title, labels, values, parts) if labels else None
 
 
@@ -396,17 +377,15 @@ def _legend(parts: Sequence[str]) -> str:
     return f'<p class="legend">{items}</p>'
 
 
-def _breakdown_table(capture: Mapping[str, Any]) -> str:
+def _breakdown_table(capture: Capture) -> str:
     """The text report's table: with the time outside the ops (in the total) when known."""
-    outside = shows_outside(capture)
+    outside = capture.shows_outside
     columns = len(PARTS) + 1 + outside
     rows = []
-    for rank, entry in capture["ranks"].items():
+    for rank, entry in capture.ranks.items():
         numbers = breakdown_numbers(entry, outside) or [None] * columns
         cells = "".join(f'<td class="num">{_fmt(v)}</td>' for v in numbers)
-        rows.append(
-            f"<tr><td>rank {_e(rank)}</td><td>{_e(entry.get('host') or '-')}</td>{cells}</tr>"
-        )
+        rows.append(f"<tr><td>rank {_e(rank)}</td><td>{_e(entry.host or '-')}</td>{cells}</tr>")
     names = ["rank", "host", *(PART_LABELS[p] for p in PARTS)]
     names += [PART_LABELS[OUTSIDE], "total"] if outside else ["total"]
     head = "".join(f"<th>{h}</th>" for h in names)
@@ -414,13 +393,12 @@ def _breakdown_table(capture: Mapping[str, Any]) -> str:
     return table + (f'<p class="facts">{_e(OUTSIDE_NOTE)}</p>' if outside else "")
 
 
-def _kernel_table(capture: Mapping[str, Any]) -> str:
-    diff = capture.get("kernel_diff") or {}
+def _kernel_table(capture: Capture) -> str:
+    diff = kernel_diff_json(capture.kernel_diff)
     if diff.get("reference_step") is None:
         note = diff.get("note")
         return f"<p>Kernel diff: {_e(note)}</p>" if note else ""
-    culprit = (capture.get("verdict") or {}).get("culprit_rank")
-    rank, changes = top_changes(diff, culprit)
+    rank, changes = top_changes(diff, capture.verdict.culprit_rank)
     if rank is None:
         return ""
     entry = diff["ranks"][rank]
@@ -448,28 +426,23 @@ def _kernel_table(capture: Mapping[str, Any]) -> str:
     return title + f"<table>{head}{''.join(rows)}</table>"
 
 
-def render_html(
-    report: Mapping[str, Any],
-    series: StepSeries,
-    detect: Mapping[str, Any] | None = None,
-    *,
-    use_matplotlib: bool = True,
-) -> HtmlPage:
-    """The page for a report; PNG charts when matplotlib is importable (and allowed)."""
+def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
+    """The page for a report; PNG charts when matplotlib is importable (and allowed).
+    The step chart needs the report built with `step_times=True`."""
     figure_class = _matplotlib() if use_matplotlib else None
     pngs: dict[str, bytes] = {}
-    steps = report["steps"]
-    hosts = sorted(set(report.get("hosts") or []))
+    facts = report.facts
+    hosts = sorted(set(facts.hosts))
     body = [
-        f"<h1>distanom run {_e(report['run_id'])}</h1>",
-        f'<p class="facts">{_e(report["run_dir"])}<br>world size {_e(report["world_size"])}'
+        f"<h1>distanom run {_e(facts.run_id)}</h1>",
+        f'<p class="facts">{_e(facts.run_dir)}<br>world size {_e(facts.world_size)}'
         + (f" on {len(hosts)} host(s): {_e(', '.join(hosts))}" if hosts else "")
-        + f" · state {_e(report['state'])} · {_e(steps['count'])} steps · "
-        + " · ".join(_e(part) for part in median_parts(steps))
+        + f" · state {_e(facts.state)} · {_e(report.steps.count)} steps · "
+        + " · ".join(_e(part) for part in median_parts(report.steps))
         + "</p>",
         "<h2>Step time</h2>",
     ]
-    chart = _step_chart(report, series, detect or {})
+    chart = _step_chart(report, report.step_times) if report.step_times else None
     if chart is None:
         body.append("<p>no step times recorded</p>")
     else:
@@ -477,15 +450,15 @@ def render_html(
         if png is not None:
             pngs["steps"] = png
         body.append(_figure("steps", "step time per step", png, "" if png else _steps_svg(chart)))
-    captures = report["captures"]
+    captures = report.captures
     body.append(f"<h2>Captures ({len(captures)})</h2>")
     if captures:
         rows = "".join(
-            f"<tr><td>{_e(c['step'])}</td><td>{_e(','.join(c['kinds']))}</td>"
-            f'<td class="num">{_fmt(c.get("step_ms"), 1)}</td>'
-            f'<td class="num">{_fmt(c.get("ratio"))}</td>'
+            f"<tr><td>{_e(c.step)}</td><td>{_e(','.join(c.kinds))}</td>"
+            f'<td class="num">{_fmt(c.step_ms, 1)}</td>'
+            f'<td class="num">{_fmt(c.ratio)}</td>'
             f"<td>{_e(ranks_cell(c))}</td>"
-            f"<td>{_e(verdict_line(c) or '-')}</td></tr>"
+            f"<td>{_e(c.verdict.sentence())}</td></tr>"
             for c in captures
         )
         body.append(
@@ -493,64 +466,50 @@ def render_html(
             f"<th>ranks</th><th>verdict</th></tr>{rows}</table>"
         )
     for capture in captures:
-        step = capture["step"]
-        body.append(
-            f'<h2 id="step-{_e(step)}">Step {_e(step)} ({_e(", ".join(capture["kinds"]))})</h2>'
-        )
-        sentence = verdict_line(capture)
-        if sentence:
-            culprit = (capture.get("verdict") or {}).get("culprit_rank")
-            css = "verdict" if culprit is not None else "verdict none"
-            body.append(f'<p class="{css}">Verdict: {_e(sentence)}</p>')
-        collections = gc_sentence(capture)
-        if collections:
-            body.append(f'<p class="facts">{_e(collections[0].upper() + collections[1:])}</p>')
-        bars = _bars(capture)
-        if bars is not None:
-            png = _bars_png(figure_class, bars) if figure_class else None
-            if png is not None:
-                pngs[f"step_{step}"] = png
-            name = f"step_{step}"
-            body.append(_legend(bars.parts))
-            body.append(
-                _figure(
-                    name,
-                    f"time breakdown per rank, step {step}",
-                    png,
-                    "" if png else _bars_svg(bars),
-                )
-            )
-        body.append(_breakdown_table(capture))
-        body.append(_kernel_table(capture))
-        if capture.get("merged_trace"):
-            body.append(
-                "<p>All ranks in one trace (Perfetto): "
-                f"<code>{_e(capture['merged_trace'])}</code></p>"
-            )
-        if capture.get("missing_ranks"):
-            body.append(
-                f"<p>No trace from rank(s) {_e(', '.join(map(str, capture['missing_ranks'])))}</p>"
-            )
-        if capture.get("unreadable_ranks"):
-            unreadable = ", ".join(map(str, capture["unreadable_ranks"]))
-            body.append(f"<p>Unreadable trace from rank(s) {_e(unreadable)} (see problems)</p>")
-    problems = report.get("problems") or []
+        body += _capture_section(capture, figure_class, pngs)
+    problems = report.problems
     if problems:
         items = "".join(f"<li>{_e(p)}</li>" for p in problems[:200])
         body.append(f'<h2>Problems ({len(problems)})</h2><ul class="problems">{items}</ul>')
     page = (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>distanom {_e(report['run_id'])}</title><style>{_CSS}</style></head>"
+        f"<title>distanom {_e(facts.run_id)}</title><style>{_CSS}</style></head>"
         f"<body>{''.join(body)}</body></html>\n"
     )
     return HtmlPage(page, pngs)
 
 
-def page_for_run(data: RunData, report: Mapping[str, Any]) -> HtmlPage:
-    """The page of a loaded run and its report (step series and detect config read here)."""
-    config = data.info.get("config")
-    detect = config.get("detect") if isinstance(config, dict) else None
-    return render_html(report, load_steps(data), detect if isinstance(detect, dict) else {})
+def _capture_section(capture: Capture, figure_class: Any, pngs: dict[str, bytes]) -> list[str]:
+    """One capture's heading, verdict, collections, bars, tables and notes."""
+    step = capture.step
+    body = [f'<h2 id="step-{_e(step)}">Step {_e(step)} ({_e(", ".join(capture.kinds))})</h2>']
+    css = "verdict" if capture.verdict.culprit_rank is not None else "verdict none"
+    body.append(f'<p class="{css}">Verdict: {_e(capture.verdict.sentence())}</p>')
+    collections = gc_sentence(capture)
+    if collections:
+        body.append(f'<p class="facts">{_e(collections[0].upper() + collections[1:])}</p>')
+    bars = _bars(capture)
+    if bars is not None:
+        png = _bars_png(figure_class, bars) if figure_class else None
+        if png is not None:
+            pngs[f"step_{step}"] = png
+        body.append(_legend(bars.parts))
+        alt = f"time breakdown per rank, step {step}"
+        body.append(_figure(f"step_{step}", alt, png, "" if png else _bars_svg(bars)))
+    body.append(_breakdown_table(capture))
+    body.append(_kernel_table(capture))
+    if capture.merged_trace:
+        body.append(
+            f"<p>All ranks in one trace (Perfetto): <code>{_e(capture.merged_trace)}</code></p>"
+        )
+    if capture.missing_ranks:
+        body.append(
+            f"<p>No trace from rank(s) {_e(', '.join(map(str, capture.missing_ranks)))}</p>"
+        )
+    if capture.unreadable_ranks:
+        unreadable = ", ".join(map(str, capture.unreadable_ranks))
+        body.append(f"<p>Unreadable trace from rank(s) {_e(unreadable)} (see problems)</p>")
+    return body
 
 
 def write_html(page: HtmlPage, out: Path) -> list[Path]:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from distanom.analysis.text import short
 from distanom.analysis.trace_io import is_finite_number
 
 __all__ = [
@@ -30,7 +31,6 @@ __all__ = [
     "kernel_diff_lines",
     "op_table",
     "pick_reference",
-    "reference_steps",
     "top_changes",
 ]
 
@@ -47,6 +47,7 @@ class OpKey:
     block: Shape = None
 
     def label(self) -> str:
+        """The op's name with its launch shape, for text."""
         if self.grid is None and self.block is None:
             return self.name
         return f"{self.name} {_shape(self.grid)}x{_shape(self.block)}"
@@ -54,6 +55,8 @@ class OpKey:
 
 @dataclass(frozen=True)
 class OpStats:
+    """How often an op ran in a step and its total µs."""
+
     count: int
     total_us: float
 
@@ -106,6 +109,8 @@ def op_table(events: Iterable[Mapping[str, Any]]) -> tuple[OpKind, dict[OpKey, O
 
 @dataclass(frozen=True)
 class KernelChange:
+    """One op in a step against the same op in the reference step."""
+
     key: OpKey
     count: int
     total_us: float
@@ -114,10 +119,12 @@ class KernelChange:
 
     @property
     def added_us(self) -> float:
+        """µs this op added over the reference (negative: it shrank)."""
         return self.total_us - self.ref_total_us
 
     @property
     def status(self) -> str:
+        """ "appeared", "vanished", "grew" or "shrank"."""
         if self.ref_count == 0:
             return "appeared"
         if self.count == 0:
@@ -125,6 +132,7 @@ class KernelChange:
         return "grew" if self.added_us >= 0 else "shrank"
 
     def as_json(self) -> dict[str, Any]:
+        """The change as the report's JSON holds it."""
         return {
             "name": self.key.name,
             "grid": list(self.key.grid) if self.key.grid is not None else None,
@@ -149,6 +157,7 @@ class RankDiff:
     idle_change_ms: float | None
 
     def as_json(self, top: int = TOP_CHANGES) -> dict[str, Any]:
+        """The rank's diff as JSON: the `top` grown and vanished ops, the rest summed."""
         grown = [c for c in self.changes if c.added_us > 0]
         vanished = sorted(
             (c for c in self.changes if c.status == "vanished"), key=lambda c: c.added_us
@@ -197,10 +206,6 @@ def pick_reference(step: int, references: Iterable[int]) -> int | None:
     return candidates[0] if candidates else None
 
 
-def _short(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
 def top_changes(kernel_diff: Mapping[str, Any], rank: int | None) -> tuple[str | None, list[Any]]:
     """The rank whose changes to show (the culprit, else the one that added most) and
     its changes, from a capture's `kernel_diff` JSON."""
@@ -244,11 +249,6 @@ def kernel_diff_lines(
         )
         rows.append(
             f"    {change['added_us']:+12.1f} µs  {change['status']:<8}  "
-            f"{change['ref_count']}->{change['count']}  {_short(key.label(), 90)}"
+            f"{change['ref_count']}->{change['count']}  {short(key.label(), 90)}"
         )
     return lines + rows
-
-
-def reference_steps(captures: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Steps of the report's captures that hold a healthy reference."""
-    return [int(c["step"]) for c in captures if "reference" in (c.get("kinds") or [])]

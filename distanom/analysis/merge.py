@@ -47,6 +47,8 @@ _REPLACED_META = frozenset(("process_name", "process_sort_index"))
 
 @dataclass(frozen=True)
 class ClockAlignment:
+    """How the ranks' clocks were put on the reference rank's clock."""
+
     offsets_us: dict[int, float]
     """Added to every `ts` of the rank: its time on the reference rank's clock."""
     reference_rank: int
@@ -56,6 +58,7 @@ class ClockAlignment:
     notes: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
+        """The alignment as the merged trace's metadata holds it."""
         return {
             "method": self.method,
             "reference_rank": self.reference_rank,

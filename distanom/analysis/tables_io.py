@@ -1,9 +1,9 @@
 """Per-rank tables of a capture on disk, and the `distanom analyze` output.
 
 The capture worker calls `write_rank_tables` right after a trace is written; the report
-calls `rank_tables` for every rank of every capture, which reads the CSVs when they are
-there and computes (and caches) them from the trace when they are not, e.g. after
-`analysis.on_capture: report` or when the job ended before its worker got to them.
+reads the CSVs (`cached_tables`) when they are there and computes them from the trace
+when they are not (e.g. after `analysis.on_capture: report`, or when the job ended
+before its worker got to them), then caches them with `write_tables`.
 A CPU-only trace gets the host breakdown, written as `rank<R>.cpu_timeline.csv` so its
 name never claims GPU time it does not hold.
 """
@@ -25,27 +25,19 @@ from distanom.analysis.tables import (
     write_gpu_timeline_csv,
     write_kernel_summary_csv,
 )
+from distanom.analysis.text import short, table
 from distanom.errors import DistanomError
 from distanom.rundir import RunDir
-
-# The four parts of a step a user compares first, in report order.
-BREAKDOWN_ROWS = (
-    "computation_time",
-    "exposed_comm_time",
-    "exposed_memcpy_time",
-    "idle_time",
-    "total_time",
-)
 
 
 def write_rank_tables(run: RunDir, step: int, rank: int, trace: Path, engine: str) -> TraceTables:
     """Analyse one rank's trace of a capture and write its tables beside it."""
     tables = analyze_trace(trace, engine)
-    _write_tables(run, step, rank, tables)
+    write_tables(run, step, rank, tables)
     return tables
 
 
-def _write_tables(run: RunDir, step: int, rank: int, tables: TraceTables) -> None:
+def write_tables(run: RunDir, step: int, rank: int, tables: TraceTables) -> None:
     """A GPU trace's timeline and kernel summary, or a CPU-only trace's timeline."""
     if tables.kind == "gpu":
         write_gpu_timeline_csv(run.timeline_csv(step, rank), tables.timeline)
@@ -56,12 +48,15 @@ def _write_tables(run: RunDir, step: int, rank: int, tables: TraceTables) -> Non
 
 @dataclass(frozen=True)
 class RankTables:
+    """A rank's timeline of a capture and its kind ("gpu" or "cpu")."""
+
     timeline: Timeline
-    kind: str  # "gpu" or "cpu"
+    kind: str
 
 
-def rank_tables(run: RunDir, step: int, rank: int, trace: Path, engine: str) -> RankTables:
-    """The rank's timeline for a capture: from its CSV, else computed and cached."""
+def cached_tables(run: RunDir, step: int, rank: int) -> RankTables | None:
+    """The rank's timeline for a capture from its CSV beside the trace; None when there
+    is none or it cannot be read (then the report computes it from the trace)."""
     for kind, path in (
         ("gpu", run.timeline_csv(step, rank)),
         ("cpu", run.cpu_timeline_csv(step, rank)),
@@ -69,10 +64,7 @@ def rank_tables(run: RunDir, step: int, rank: int, trace: Path, engine: str) -> 
         if path.exists():
             with contextlib.suppress(DistanomError, OSError, ValueError):
                 return RankTables(read_gpu_timeline_csv(path), kind)
-    tables = analyze_trace(trace, engine)
-    with contextlib.suppress(OSError):  # a read-only run directory still gets its report
-        _write_tables(run, step, rank, tables)
-    return RankTables(tables.timeline, tables.kind)
+    return None
 
 
 def timeline_json(timeline: Timeline) -> dict[str, dict[str, float | None]]:
@@ -89,9 +81,12 @@ def timeline_json(timeline: Timeline) -> dict[str, dict[str, float | None]]:
 
 @dataclass(frozen=True)
 class AnalyzeOutput:
+    """What `distanom analyze` prints for one trace."""
+
     tables: TraceTables
 
     def as_json(self) -> dict[str, Any]:
+        """The tables as JSON: trace, engine, kind, timeline rows and kernel summary."""
         key = "gpu_timeline" if self.tables.kind == "gpu" else "host_timeline"
         body: dict[str, Any] = {
             "trace": self.tables.source,
@@ -103,8 +98,7 @@ class AnalyzeOutput:
         return body
 
     def as_text(self) -> str:
-        from distanom.analysis.report import table
-
+        """The tables as text: the timeline, then the top 20 kernel summary rows."""
         tables = self.tables
         title = "gpu_timeline" if tables.kind == "gpu" else "host timeline (CPU-only trace)"
         lines = [f"{tables.source}  (engine: {tables.engine})", "", f"{title}:"]
@@ -126,7 +120,7 @@ class AnalyzeOutput:
                 name = str(entry.get("Kernel name"))
                 krows.append(
                     [
-                        _short(name, 70),
+                        short(name, 70),
                         str(entry.get("Kernel stream")),
                         str(entry.get("Kernel duration (\u00b5s)_count")),
                         f"{float(entry.get('Kernel duration (µs)_sum') or 0):.1f}",
@@ -140,10 +134,6 @@ class AnalyzeOutput:
         return "\n".join(lines) + "\n"
 
 
-def _short(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
 def _pct(value: Any) -> str:
     if isinstance(value, (int, float)) and math.isfinite(value):
         return f"{value:.2f}"
@@ -151,4 +141,5 @@ def _pct(value: Any) -> str:
 
 
 def analyze_for_cli(path: str, engine: str) -> AnalyzeOutput:
+    """The `distanom analyze` output of one trace file."""
     return AnalyzeOutput(analyze_trace(Path(path), engine))

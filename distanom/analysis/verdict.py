@@ -53,12 +53,32 @@ ranks leave together), i.e. a rank's wait is its duration minus the shortest.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from distanom.analysis.collectives import MatchedCollective
+from distanom.analysis.evidence import (
+    CAUSES,
+    Arrival,
+    Breakdown,
+    Cause,
+    RankEvidence,
+    Verdict,
+    arrival_order,
+    median,
+)
+from distanom.analysis.text import ms as _ms
+from distanom.analysis.text import rank_list
+from distanom.analysis.verdict_rules import (
+    SLOWDOWN_FRACTION,
+    culprit_verdict,
+    everyone_verdict,
+    extra_work_verdict,
+    late_arrival_verdict,
+    prefer_extra_work,
+    slowdown,
+    standout,
+)
 
 __all__ = [
     "CAUSES",
@@ -77,621 +97,6 @@ __all__ = [
 GC_NOTE_MS = 1.0
 # ... nor one that explains less than this share of a host stall's slowdown.
 GC_SHARE = 0.25
-
-Cause = Literal["compute", "host_stall", "memcpy", "communication", "global", "unknown"]
-CAUSES: tuple[Cause, ...] = (
-    "compute",
-    "host_stall",
-    "memcpy",
-    "communication",
-    "global",
-    "unknown",
-)
-
-# A culprit's extra own time must be at least this share of the step. An anomaly at the
-# detector's default 1.5 x median adds a third of the step; the spread of own time
-# between healthy ranks stays well below it (under 15 % measured on 4 gloo ranks
-# sharing 2 busy CPU cores, a few % on GPUs).
-STANDOUT_FRACTION = 0.25
-# ...and at least this many ms: below 50 µs differences are launch jitter.
-MIN_STANDOUT_MS = 0.05
-# The others must have waited for at least half the culprit's extra time. Extra work
-# that nobody waited for (overlapped, or on an unsynchronised rank) did not slow the step.
-WAIT_SHARE = 0.5
-# At most half of the ranks can be culprits; when more are slow, the fast ones are the
-# exception and the slowdown is global (or has no single cause).
-MAX_CULPRIT_SHARE = 0.5
-# One part of the time (compute / idle / memcpy) names the cause when it holds at least
-# half of the culprit's extra time; a spread-out excess is left "unknown".
-CAUSE_SHARE = 0.5
-# A step at least 20 % over its baseline has a slowdown worth explaining; a healthy
-# step (e.g. a requested capture) gets "unknown", whatever its ranks look like.
-SLOWDOWN_FRACTION = 0.2
-# A part that is not the cause is still named ("also") when it holds this share of the
-# extra time: a step can have two problems (e.g. a first-use module load stalls the host
-# while an extra kernel runs: 11.3 ms idle and 10.1 ms compute measured on an H200).
-ALSO_SHARE = 0.25
-# "Everyone" verdicts: every rank's growth must reach half the slowdown, so one rank's
-# outlier cannot make the whole job "global".
-GLOBAL_SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class Breakdown:
-    """One rank's step split as the timeline splits it (ms)."""
-
-    computation_ms: float
-    exposed_comm_ms: float
-    exposed_memcpy_ms: float
-    idle_ms: float
-    total_ms: float
-    outside_ms: float = 0.0
-    """Part of the rank's step window outside the timeline's span (known on CPU-only
-    traces, from the step annotation: a stall before the first op); counted as idle."""
-
-    @property
-    def own_ms(self) -> float:
-        """Everything but waiting in communication."""
-        return self.computation_ms + self.exposed_memcpy_ms + self.idle_ms + self.outside_ms
-
-    @property
-    def stalled_ms(self) -> float:
-        """Idle time, inside the span or outside it."""
-        return self.idle_ms + self.outside_ms
-
-    @property
-    def step_ms(self) -> float:
-        return self.total_ms + self.outside_ms
-
-    @classmethod
-    def from_rows(cls, rows: Mapping[str, float], outside_ms: float = 0.0) -> Breakdown:
-        """From timeline rows in ms (`computation_time`, `exposed_comm_time`, ...)."""
-        return cls(
-            computation_ms=float(rows["computation_time"]),
-            exposed_comm_ms=float(rows["exposed_comm_time"]),
-            exposed_memcpy_ms=float(rows["exposed_memcpy_time"]),
-            idle_ms=float(rows["idle_time"]),
-            total_ms=float(rows["total_time"]),
-            outside_ms=max(0.0, outside_ms),
-        )
-
-
-@dataclass(frozen=True)
-class RankEvidence:
-    rank: int
-    host: str | None
-    breakdown: Breakdown
-
-
-@dataclass(frozen=True)
-class Verdict:
-    culprit_rank: int | None
-    culprit_node: str | None
-    cause: Cause
-    evidence: str
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "culprit_rank": self.culprit_rank,
-            "culprit_node": self.culprit_node,
-            "cause": self.cause,
-            "evidence": self.evidence,
-            "details": self.details,
-        }
-
-    def sentence(self) -> str:
-        """One line for people: who, why, and the numbers."""
-        if self.culprit_node is not None:
-            ranks = self.details.get("culprit_ranks") or [self.culprit_rank]
-            who = f"node {self.culprit_node} ({_ranks_word(ranks)})"
-        elif self.culprit_rank is not None:
-            who = f"rank {self.culprit_rank}"
-        else:
-            who = "no single rank"
-        return f"{who} — {self.cause.replace('_', ' ')}: {self.evidence}"
-
-
-@dataclass(frozen=True)
-class Arrival:
-    """Who arrived last at the matched collective where the others waited longest."""
-
-    collective: str
-    latest_rank: int
-    wait_ms: float
-    """How long the first rank to arrive waited for the last."""
-    waits_ms: Mapping[int, float]
-    clock: str
-    """"shared host clock" (start times compared) or "end-aligned" (durations)."""
-    matched: int
-
-
-class _Part(NamedTuple):
-    """A part of a rank's own time that can name the cause."""
-
-    cause: Cause
-    label: str
-    """What it is called in evidence."""
-    read: Callable[[Breakdown], float]
-
-
-_PARTS = (
-    _Part("compute", "computation", lambda b: b.computation_ms),
-    _Part("host_stall", "idle", lambda b: b.stalled_ms),
-    _Part("memcpy", "exposed memcpy", lambda b: b.exposed_memcpy_ms),
-)
-_PART_OF = {part.cause: part for part in _PARTS}
-
-
-def rank_list(ranks: Iterable[int]) -> str:
-    """Ranks as "0-2,4,6-7"."""
-    ordered = sorted(set(ranks))
-    parts: list[str] = []
-    start = prev = None
-    for rank in [*ordered, None]:
-        if rank is not None and prev is not None and rank == prev + 1:
-            prev = rank
-            continue
-        if start is not None and prev is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = rank
-    return ",".join(parts)
-
-
-def _ranks_word(ranks: Iterable[int]) -> str:
-    ranks = sorted(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
-
-
-def _ms(value: float) -> str:
-    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
-
-
-def _span(values: Sequence[float]) -> str:
-    low, high = min(values), max(values)
-    if abs(high - low) < 0.05:
-        return f"{_ms(low)} ms"
-    return f"{_ms(low)} to {_ms(high)} ms" if low < 0 else f"{_ms(low)}-{_ms(high)} ms"
-
-
-def _signed(value: float) -> str:
-    return ("+" if value > 0 else "") + _ms(value)
-
-
-def _change(values: Sequence[float], where: str) -> str:
-    """How values changed over `where`: "grew ... by 1.2-3.4 ms" when none shrank, else
-    signed ("changed ... by -2.54 to +1.43 ms"), so a negative growth never reads as one."""
-    if min(values) > -0.005:  # a sum's rounding noise around 0 is not a shrink
-        return f"grew over {where} by {_span([max(v, 0.0) for v in values])}"
-    low, high = min(values), max(values)
-    amount = f"{_signed(low)}" if abs(high - low) < 0.05 else f"{_signed(low)} to {_signed(high)}"
-    return f"changed over {where} by {amount} ms"
-
-
-def _median(values: Iterable[float]) -> float:
-    return float(statistics.median(list(values)))
-
-
-def arrival_order(
-    collectives: Sequence[MatchedCollective], hosts: Mapping[int, str | None]
-) -> Arrival | None:
-    """The matched collective with the longest wait for its last rank, or None."""
-    best: Arrival | None = None
-    for coll in collectives:
-        ranks = coll.ranks
-        if len(ranks) < 2:
-            continue
-        shared = len({hosts.get(r) for r in ranks}) == 1 and hosts.get(ranks[0]) is not None
-        if shared:
-            latest = max(ranks, key=lambda r: coll.start_us[r])
-            waits = {r: (coll.start_us[latest] - coll.start_us[r]) / 1000 for r in ranks}
-            clock = "shared host clock"
-        else:
-            duration = {r: coll.end_us[r] - coll.start_us[r] for r in ranks}
-            latest = min(ranks, key=lambda r: duration[r])
-            waits = {r: (duration[r] - duration[latest]) / 1000 for r in ranks}
-            clock = "end-aligned"
-        wait = max(waits.values())
-        if best is None or wait > best.wait_ms:
-            best = Arrival(coll.label(), latest, wait, waits, clock, len(collectives))
-    return best
-
-
-@dataclass(frozen=True)
-class _Baseline:
-    slowdown_ms: float
-    baseline_ms: float
-    what: str
-
-
-def _slowdown(
-    current: Mapping[int, RankEvidence],
-    reference: Mapping[int, RankEvidence],
-    reference_step: int | None,
-    step_ms: float | None,
-    expected_ms: float | None,
-) -> _Baseline | None:
-    if step_ms is not None and expected_ms:
-        return _Baseline(
-            step_ms - expected_ms, expected_ms, "the detector's rolling median at this step"
-        )
-    common = [r for r in current if r in reference]
-    if common:
-        now = _median(current[r].breakdown.step_ms for r in common)
-        before = _median(reference[r].breakdown.step_ms for r in common)
-        what = f"reference step {reference_step}" if reference_step is not None else "reference"
-        return _Baseline(now - before, before, what)
-    return None
-
-
-@dataclass(frozen=True)
-class _Standout:
-    culprits: list[int]
-    others: list[int]
-    worst: int
-    excess_ms: float
-    waited_ms: float
-
-
-def _standout(
-    current: Mapping[int, RankEvidence],
-    reference: Mapping[int, RankEvidence],
-    step: float,
-    notes: dict[str, Any],
-) -> _Standout | None:
-    own = {r: e.breakdown.own_ms for r, e in current.items()}
-    comm = {r: e.breakdown.exposed_comm_ms for r, e in current.items()}
-    comm_growth: dict[int, float] | None = None
-    if all(r in reference for r in current):
-        # Compare what changed since the reference: a rank whose host always launches
-        # later (it idles while the others wait for it every step) is not this step's
-        # culprit. Measured on 2 H200s with DDP: one rank idles ~10 ms of a 13 ms step in
-        # every step, and a slowdown on both ranks named it.
-        for r in own:
-            own[r] -= reference[r].breakdown.own_ms
-        comm_growth = {r: comm[r] - reference[r].breakdown.exposed_comm_ms for r in comm}
-        notes["standout_basis"] = "growth over the reference step"
-    order = sorted(own, key=lambda r: (own[r], r))
-    gap_at = max(range(len(order) - 1), key=lambda i: own[order[i + 1]] - own[order[i]])
-    base = _median(own[r] for r in order[: gap_at + 1])
-    threshold = max(MIN_STANDOUT_MS, STANDOUT_FRACTION * step)
-    culprits = sorted(r for r in own if own[r] - base >= threshold)
-    if not culprits:
-        notes["standout"] = (
-            f"largest extra own time {_ms(max(own.values()) - base)} ms < {_ms(threshold)} ms"
-        )
-        return None
-    if len(culprits) > MAX_CULPRIT_SHARE * len(own):
-        notes["standout"] = f"{len(culprits)} of {len(own)} ranks slow: more than half"
-        return None
-    others = [r for r in own if r not in culprits]
-    worst = max(culprits, key=lambda r: (own[r], -r))
-    excess = own[worst] - _median(own[r] for r in others)
-    waited = _median(comm[r] for r in others) - comm[worst]
-    if comm_growth is not None:
-        # others that always wait for this rank already waited in the reference: what
-        # they wait now counts, and so does what they wait more
-        waited = max(waited, _median(comm_growth[r] for r in others) - comm_growth[worst])
-    if waited < WAIT_SHARE * excess:
-        notes["standout"] = (
-            f"{_ranks_word(culprits)} had {_ms(excess)} ms extra own time but the others "
-            f"waited only {_ms(waited)} ms more"
-        )
-        return None
-    return _Standout(culprits, others, worst, excess, waited)
-
-
-def _cause_of(
-    rank: int,
-    others: Sequence[int],
-    current: Mapping[int, RankEvidence],
-    reference: Mapping[int, RankEvidence],
-    extra_ms: float,
-) -> tuple[Cause | None, _Part, dict[str, float]]:
-    """The part of `rank`'s time that grew most over the others (and its reference).
-
-    With a reference, only the extra time that is new counts: a rank that always
-    computes more (uneven shards) and now also stalls is a host stall, not compute.
-    """
-    mine = current[rank].breakdown
-    before = reference[rank].breakdown if rank in reference else None
-    if before is not None:
-        extra_ms = min(extra_ms, mine.own_ms - before.own_ms)
-    growth: dict[str, float] = {}
-    for part in _PARTS:
-        over_others = part.read(mine) - _median(part.read(current[o].breakdown) for o in others)
-        if before is not None:
-            over_others = min(over_others, part.read(mine) - part.read(before))
-        growth[part.cause] = round(over_others, 4)
-    best = max(_PARTS, key=lambda part: growth[part.cause])  # first of equals on ties
-    if extra_ms <= 0 or growth[best.cause] < CAUSE_SHARE * extra_ms:
-        return None, best, growth
-    return best.cause, best, growth
-
-
-def _also(
-    growth: Mapping[Cause, float] | Mapping[str, float], cause: str, extra_ms: float
-) -> list[Cause]:
-    """The other parts that grew by at least ALSO_SHARE of the extra time, largest first."""
-    if extra_ms <= 0:
-        return []
-    others = [p.cause for p in _PARTS if p.cause != cause]
-    big = [c for c in others if growth.get(c, 0.0) >= ALSO_SHARE * extra_ms]
-    return sorted(big, key=lambda c: -growth[c])
-
-
-def _node_of(culprits: Sequence[int], hosts: Mapping[int, str | None]) -> str | None:
-    """The host whose ranks are exactly the culprits, if there is one."""
-    names = {hosts.get(r) for r in culprits}
-    if len(names) != 1:
-        return None
-    host = next(iter(names))
-    if host is None:
-        return None
-    on_host = {r for r, h in hosts.items() if h == host}
-    return host if on_host == set(culprits) else None
-
-
-def _outside_note(outside: Sequence[float]) -> str:
-    """Idle time outside the ops' span is not in the timeline's idle row: the verdict
-    says how much of its idle that is, so its number matches the report's table."""
-    if max(outside) < 0.005:
-        return ""
-    whose = "its" if len(outside) == 1 else "their"
-    return f" (incl. {_span(outside)} outside {whose} ops)"
-
-
-def _reference_note(
-    rank: int,
-    part: Callable[[Breakdown], float],
-    reference: Mapping[int, RankEvidence],
-    reference_step: int | None,
-) -> str:
-    if rank not in reference:
-        return ""
-    where = f"reference step {reference_step}" if reference_step is not None else "reference"
-    return f", {_ms(part(reference[rank].breakdown))} ms in {where}"
-
-
-def _culprit_verdict(
-    found: _Standout,
-    current: Mapping[int, RankEvidence],
-    reference: Mapping[int, RankEvidence],
-    reference_step: int | None,
-    arrival: Arrival | None,
-    details: dict[str, Any],
-) -> Verdict:
-    hosts = {r: e.host for r, e in current.items()}
-    culprit = found.worst
-    if arrival is not None and arrival.latest_rank in found.culprits:
-        culprit = arrival.latest_rank
-    node = _node_of(found.culprits, hosts)
-    cause, part, growth = _cause_of(culprit, found.others, current, reference, found.excess_ms)
-    values = [part.read(current[r].breakdown) for r in found.culprits]
-    others_part = _median(part.read(current[o].breakdown) for o in found.others)
-    who = _ranks_word(found.culprits) + (f" (all of node {node})" if node else "")
-    text = f"{who}: {part.label} {_span(values)}"
-    if part.cause == "host_stall":
-        text += _outside_note([current[r].breakdown.outside_ms for r in found.culprits])
-    text += f" vs {_ms(others_part)} ms median of the others"
-    if len(values) == 1:
-        text += _reference_note(culprit, part.read, reference, reference_step)
-    if cause is None:
-        text += f" (extra own time {_ms(found.excess_ms)} ms spread over several parts)"
-    also = _also(growth, part.cause, found.excess_ms)
-    if also:
-        text += "; " + ", ".join(f"{_PART_OF[c].label} also +{_ms(growth[c])} ms" for c in also)
-        details["also"] = also
-    comm = [current[o].breakdown.exposed_comm_ms for o in found.others]
-    text += f"; {_ranks_word(found.others)}: exposed comm {_span(comm)}"
-    if arrival is not None:
-        agrees = arrival.latest_rank in found.culprits
-        details["arrival_agrees"] = agrees
-        if agrees and arrival.wait_ms >= MIN_STANDOUT_MS:
-            text += (
-                f"; rank {arrival.latest_rank} arrived last at {arrival.collective}, "
-                f"{_ms(arrival.wait_ms)} ms after the first"
-            )
-    details.update(
-        culprit_ranks=found.culprits,
-        extra_own_ms=round(found.excess_ms, 4),
-        others_waited_ms=round(found.waited_ms, 4),
-        growth_ms=growth,
-    )
-    if culprit in current and current[culprit].host is not None:
-        details["culprit_host"] = current[culprit].host
-    return Verdict(culprit, node, cause or "unknown", text, details)
-
-
-def _late_arrival_verdict(
-    arrival: Arrival,
-    current: Mapping[int, RankEvidence],
-    reference: Mapping[int, RankEvidence],
-    step: float,
-    details: dict[str, Any],
-) -> Verdict | None:
-    if arrival.wait_ms < max(MIN_STANDOUT_MS, STANDOUT_FRACTION * step):
-        return None
-    late = arrival.latest_rank
-    comm = {r: e.breakdown.exposed_comm_ms for r, e in current.items()}
-    if late not in comm or comm[late] > min(comm.values()):
-        return None  # the late starter must also be the one that waited least
-    others = [r for r in current if r != late]
-    cause, _, growth = _cause_of(late, others, current, reference, arrival.wait_ms)
-    text = (
-        f"rank {late} arrived last at {arrival.collective}, {_ms(arrival.wait_ms)} ms after "
-        f"the first ({arrival.clock}); exposed comm {_ms(comm[late])} ms vs "
-        f"{_span([comm[o] for o in others])} on {_ranks_word(others)}"
-    )
-    if cause is None:
-        cause = "host_stall"
-        text += "; no extra work on its timeline: the delay was on its host"
-    details.update(culprit_ranks=[late], growth_ms=growth)
-    return Verdict(late, None, cause, text, details)
-
-
-def _extra_work_verdict(
-    current: Mapping[int, RankEvidence],
-    reference: Mapping[int, RankEvidence],
-    reference_step: int | None,
-    base: _Baseline,
-    details: dict[str, Any],
-) -> Verdict | None:
-    """Extra work (computation or memcpy over the reference) that explains the slowdown.
-
-    On every rank: a global slowdown. On a few ranks only (at most `MAX_CULPRIT_SHARE`),
-    the others clearly without it: those ranks are the culprits. Kernel time is the
-    part of a breakdown that does not move between ranks; idle and exposed comm do.
-    Measured on 2 H200s (DDP, launch-bound): which rank's host comes last to a
-    collective changes from step to step, so a 10 ms kernel on both ranks showed as one
-    rank's idle, and a 10 ms kernel on one rank filled idle time it would have had
-    anyway while the other rank idled instead of waiting.
-    """
-    if base.slowdown_ms <= 0 or not all(r in reference for r in current):
-        return None
-    where = f"reference step {reference_step}" if reference_step is not None else "reference"
-    enough = GLOBAL_SHARE * base.slowdown_ms
-    for part in (p for p in _PARTS if p.cause != "host_stall"):
-        grown = {
-            r: part.read(e.breakdown) - part.read(reference[r].breakdown)
-            for r, e in current.items()
-        }
-        if min(grown.values()) >= enough:
-            details["global_part"] = part.cause
-            details["growth_ms"] = {part.cause: round(_median(grown.values()), 4)}
-            text = (
-                f"all {len(current)} ranks: {part.label} {_change(list(grown.values()), where)}"
-                f" against a slowdown of {_ms(base.slowdown_ms)} ms: every rank slowed together"
-            )
-            return Verdict(None, None, "global", text, details)
-        culprits = sorted(r for r, g in grown.items() if g >= enough)
-        others = [r for r in grown if r not in culprits]
-        if (
-            culprits
-            and len(culprits) <= MAX_CULPRIT_SHARE * len(grown)
-            and max(grown[r] for r in others) < enough / 2
-        ):
-            worst = max(culprits, key=lambda r: (grown[r], -r))
-            node = _node_of(culprits, {r: e.host for r, e in current.items()})
-            who = _ranks_word(culprits) + (f" (all of node {node})" if node else "")
-            text = (
-                f"{who}: {part.label} {_change([grown[r] for r in culprits], where)} vs "
-                f"{_span([grown[r] for r in others])} on {_ranks_word(others)}, against a "
-                f"slowdown of {_ms(base.slowdown_ms)} ms"
-            )
-            details.update(
-                culprit_ranks=culprits,
-                growth_ms={part.cause: round(grown[worst], 4)},
-                work_part=part.cause,
-            )
-            return Verdict(worst, node, part.cause, text, details)
-    return None
-
-
-def _everyone_verdict(
-    current: Mapping[int, RankEvidence],
-    reference: Mapping[int, RankEvidence],
-    reference_step: int | None,
-    base: _Baseline | None,
-    details: dict[str, Any],
-) -> Verdict:
-    common = sorted(r for r in current if r in reference)
-    with_reference = bool(common)
-    if common:
-        where = f"reference step {reference_step}" if reference_step is not None else "reference"
-
-        def grown(part: Callable[[Breakdown], float]) -> dict[int, float]:
-            return {r: part(current[r].breakdown) - part(reference[r].breakdown) for r in common}
-
-        slowdown = _median(grown(lambda b: b.step_ms).values())
-
-        def amount(values: Sequence[float]) -> str:
-            return _change(values, where)
-    elif base is not None:
-        common = sorted(current)
-
-        def grown(part: Callable[[Breakdown], float]) -> dict[int, float]:
-            return {r: part(current[r].breakdown) for r in common}
-
-        slowdown = base.slowdown_ms
-
-        def amount(values: Sequence[float]) -> str:
-            return f"at {_span(values)}"
-    else:
-        return Verdict(
-            None,
-            None,
-            "unknown",
-            "no rank stands out, and there is no reference step or median to compare with",
-            details,
-        )
-    details["slowdown_ms"] = round(slowdown, 4)
-    if slowdown <= 0:
-        return Verdict(None, None, "unknown", "no rank stands out and no slowdown", details)
-    comm = grown(lambda b: b.exposed_comm_ms)
-    own = grown(lambda b: b.own_ms)
-    comm_all = min(comm.values()) >= GLOBAL_SHARE * slowdown
-    own_all = min(own.values()) >= GLOBAL_SHARE * slowdown
-    everyone = f"all {len(common)} ranks" if len(common) > 1 else _ranks_word(common)
-    if comm_all and (not own_all or _median(comm.values()) >= _median(own.values())):
-        text = (
-            f"{everyone}: exposed comm {amount(list(comm.values()))}, own time "
-            f"{amount(list(own.values()))}: the collective itself is slow"
-        )
-        details["growth_ms"] = {"exposed_comm": round(_median(comm.values()), 4)}
-        return Verdict(None, None, "communication", text, details)
-    if own_all:
-        parts = {part.cause: grown(part.read) for part in _PARTS}
-        cause = max(parts, key=lambda c: _median(parts[c].values()))
-        label = _PART_OF[cause].label
-        medians = {c: _median(v.values()) for c, v in parts.items()}
-        growth = f"{everyone}: {label} {amount(list(parts[cause].values()))}"
-        # without a reference the parts are absolute times, not growth: nothing to add
-        also = _also(medians, cause, slowdown) if with_reference else []
-        growth += "".join(f", {_PART_OF[c].label} {amount(list(parts[c].values()))}" for c in also)
-        growth += f", exposed comm {amount(list(comm.values()))}"
-        if also:
-            details["also"] = also
-        details["growth_ms"] = {c: round(v, 4) for c, v in medians.items()}
-        details["global_part"] = cause
-        if len(current) == 1:  # one rank: "everyone" is that rank, and the part is the cause
-            return Verdict(common[0], None, cause, growth, details)
-        return Verdict(None, None, "global", f"{growth}: every rank slowed together", details)
-    text = (
-        f"no rank stands out; own time {amount(list(own.values()))}, exposed comm "
-        f"{amount(list(comm.values()))} against a slowdown of {_ms(slowdown)} ms"
-    )
-    return Verdict(None, None, "unknown", text, details)
-
-
-def _prefer_extra_work(
-    verdict: Verdict,
-    work: Verdict | None,
-    current: Mapping[int, RankEvidence],
-    reference: Mapping[int, RankEvidence],
-    base: _Baseline | None,
-) -> Verdict:
-    """The verdict found from own time and waiting, unless extra kernel time on other
-    ranks (`work`) says otherwise and their step windows grew while the named rank's did
-    not: then the waiting only moved between ranks (it turned into the named rank's
-    idle), and the extra kernel time says who and why."""
-    if work is None or base is None:
-        return verdict
-    culprits = work.details.get("culprit_ranks", [])
-    if verdict.culprit_rank in culprits:
-        return verdict  # the same rank; its other grown parts are named as "also"
-
-    def window_growth(ranks: Iterable[int]) -> float:
-        return _median(current[r].breakdown.step_ms - reference[r].breakdown.step_ms for r in ranks)
-
-    named = (
-        [verdict.culprit_rank]
-        if verdict.culprit_rank is not None
-        else [r for r in current if r not in culprits]
-    )
-    if window_growth(culprits) - window_growth(named) >= GLOBAL_SHARE * base.slowdown_ms:
-        return work
-    return verdict
 
 
 def decide(
@@ -715,8 +120,8 @@ def decide(
     details: dict[str, Any] = {}
     if not current:
         return Verdict(None, None, "unknown", "no rank's breakdown could be read", details)
-    step = _median(e.breakdown.step_ms for e in current.values())
-    base = _slowdown(current, before, reference_step, step_ms, expected_ms)
+    step = median(e.breakdown.step_ms for e in current.values())
+    base = slowdown(current, before, reference_step, step_ms, expected_ms)
     if base is not None:
         details["baseline"] = base.what
         details["baseline_ms"] = round(base.baseline_ms, 4)
@@ -738,24 +143,24 @@ def decide(
         }
     work = None
     if base is not None and len(current) >= 2:
-        work = _extra_work_verdict(current, before, reference_step, base, dict(details))
+        work = extra_work_verdict(current, before, reference_step, base, dict(details))
         if work is not None and work.culprit_rank is None:
             return work  # the same extra work on every rank
 
     def agreeing(verdict: Verdict) -> Verdict:
-        return _prefer_extra_work(verdict, work, current, before, base)
+        return prefer_extra_work(verdict, work, current, before, base)
 
     if len(current) >= 2:
-        found = _standout(current, before, step, details)
+        found = standout(current, before, step, details)
         if found is not None:
             return agreeing(
-                _culprit_verdict(found, current, before, reference_step, arrival, details)
+                culprit_verdict(found, current, before, reference_step, arrival, details)
             )
         if arrival is not None:
-            late = _late_arrival_verdict(arrival, current, before, step, details)
+            late = late_arrival_verdict(arrival, current, before, step, details)
             if late is not None:
                 return agreeing(late)
-    return agreeing(_everyone_verdict(current, before, reference_step, base, details))
+    return agreeing(everyone_verdict(current, before, reference_step, base, details))
 
 
 def note_python_gc(verdict: Verdict, pauses: Mapping[str, Mapping[str, Any]]) -> Verdict:

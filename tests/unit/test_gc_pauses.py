@@ -11,13 +11,18 @@ from pathlib import Path
 import torch
 
 from distanom.analysis.html_report import render_html
-from distanom.analysis.report import build_report, render_text
-from distanom.analysis.run import load_run, load_steps
+from distanom.analysis.report import Report, build_report, render_text, report_json, write_outputs
+from distanom.analysis.run import RunData, load_run, load_steps
 from distanom.gc_pauses import GcPauses
 from tests.conftest import Ticks
 from tests.unit.rungen import Capture, make_run
 from tests.unit.stepgen import gpu_job
 from tests.unit.test_agent_steps import make_agent
+
+
+def run_report(data: RunData) -> Report:
+    """The report of a loaded run, its files written, as `distanom report` makes it."""
+    return write_outputs(data, build_report(data))
 
 
 def test_collections_are_added_up_until_taken() -> None:
@@ -98,8 +103,8 @@ def test_the_report_names_a_long_collection_in_a_captured_step(tmp_path: Path) -
     with_gc_columns(run.steps_csv(0), {40: (0.2, 0), 41: (30.0, 2)}, damaged=12)
     with_gc_columns(run.steps_csv(1), {40: (22.5, 2)}, damaged=-1)
     data = load_run(str(run.path))
-    report = build_report(data)
-    capture = report["captures"][0]
+    report = run_report(data)
+    capture = report_json(report)["captures"][0]
     assert capture["python_gc"] == {
         "0": {"ms": 0.2, "generation": 0},
         "1": {"ms": 22.5, "generation": 2},
@@ -110,18 +115,18 @@ def test_the_report_names_a_long_collection_in_a_captured_step(tmp_path: Path) -
     # rank 0's young collection is below the line's threshold; step 41 was not captured
     assert "python garbage collection during the step: rank 1 22.50 ms (generation 2)" in text
     assert "rank 0 0.20" not in text and "30.00" not in text
-    page = render_html(report, load_steps(data), {"multiplier": 1.5}, use_matplotlib=False).html
+    page = render_html(run_report(data), use_matplotlib=False).html
     assert "Python garbage collection during the step: rank 1 22.50 ms (generation 2)" in page
     # a damaged collection cell loses the collection, not the step; ranks 2-3 have the
     # older format
-    assert not any("unreadable row" in p for p in report["problems"])
-    assert report["steps"]["count"] == 99
+    assert not any("unreadable row" in p for p in report_json(report)["problems"])
+    assert report_json(report)["steps"]["count"] == 99
 
 
 def test_runs_written_before_the_gc_columns_still_load(tmp_path: Path) -> None:
     run = make_run(tmp_path, [Capture(40, "anomaly", gpu_job(), 4.1, 1.2)], hosts=["a"] * 4)
-    report = build_report(load_run(str(run.path)))
-    assert "python_gc" not in report["captures"][0]
+    report = run_report(load_run(str(run.path)))
+    assert "python_gc" not in report_json(report)["captures"][0]
     assert "python garbage collection" not in render_text(report)
 
 
@@ -138,8 +143,8 @@ def test_a_host_stall_verdict_names_the_culprits_collection(tmp_path: Path) -> N
     run = make_run(tmp_path, [Capture(40, "anomaly", stalled, 4.1, 1.2)], hosts=["a"] * 4)
     with_gc_columns(run.steps_csv(0), {40: (2.5, 2)}, damaged=-1)  # not the culprit
     with_gc_columns(run.steps_csv(1), {40: (2.9, 2)}, damaged=-1)
-    report = build_report(load_run(str(run.path)))
-    verdict = report["captures"][0]["verdict"]
+    report = run_report(load_run(str(run.path)))
+    verdict = report_json(report)["captures"][0]["verdict"]
     assert (verdict["culprit_rank"], verdict["cause"]) == (1, "host_stall")
     assert verdict["evidence"].endswith(
         "; Python garbage collection ran 2.90 ms on rank 1 during the step (generation 2)"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from distanom.analysis.html_report import render_html, rolling_threshold
-from distanom.analysis.report import build_report
-from distanom.analysis.run import StepSeries, load_run, load_steps
+from distanom.analysis.html_report import render_html
+from distanom.analysis.report import Report, build_report, rolling_threshold, write_outputs
+from distanom.analysis.run import RunData, StepSeries, load_run
 from distanom.cli import main as cli_main
 from distanom.config import CaptureConfig, DetectConfig
 from distanom.detect import Detector
@@ -50,6 +50,11 @@ class Page(HTMLParser):
         return " ".join(" ".join(self.text).split())
 
 
+def run_report(data: RunData) -> Report:
+    """The report of a loaded run, its files written, as `distanom report` makes it."""
+    return write_outputs(data, build_report(data))
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     slow = gpu_job(extra_compute_us={3: 3000.0})
@@ -69,8 +74,8 @@ def run_dir(tmp_path: Path) -> Path:
 
 def page_of(run_dir: Path, *, use_matplotlib: bool) -> str:
     data = load_run(str(run_dir))
-    report = build_report(data)
-    return render_html(report, load_steps(data), DETECT, use_matplotlib=use_matplotlib).html
+    report = write_outputs(data, build_report(data, step_times=True))
+    return render_html(report, use_matplotlib=use_matplotlib).html
 
 
 def check_content(page: Page) -> None:

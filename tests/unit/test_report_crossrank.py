@@ -10,13 +10,18 @@ from typing import Any
 
 import pytest
 
-from distanom.analysis.report import build_report, render_text
-from distanom.analysis.run import load_run
+from distanom.analysis.report import Report, build_report, render_text, report_json, write_outputs
+from distanom.analysis.run import RunData, load_run
 from distanom.cli import main as cli_main
 from tests.unit.rungen import Capture, make_run
 from tests.unit.stepgen import MATMUL, NCCL, cpu_job, gpu_job
 
 HOSTS = ["a", "a", "b", "b"]
+
+
+def run_report(data: RunData) -> Report:
+    """The report of a loaded run, its files written, as `distanom report` makes it."""
+    return write_outputs(data, build_report(data))
 
 
 @pytest.fixture
@@ -34,12 +39,12 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def by_step(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    return {c["step"]: c for c in report["captures"]}
+def by_step(report: Report) -> dict[int, dict[str, Any]]:
+    return {c["step"]: c for c in report_json(report)["captures"]}
 
 
 def test_every_capture_gets_a_verdict(run_dir: Path) -> None:
-    captures = by_step(build_report(load_run(str(run_dir))))
+    captures = by_step(run_report(load_run(str(run_dir))))
     v40 = captures[40]["verdict"]
     assert (v40["culprit_rank"], v40["culprit_node"], v40["cause"]) == (3, None, "compute")
     assert v40["evidence"].startswith("rank 3: computation")
@@ -52,7 +57,7 @@ def test_every_capture_gets_a_verdict(run_dir: Path) -> None:
 
 
 def test_kernel_diff_names_the_extra_matmul_against_the_reference(run_dir: Path) -> None:
-    captures = by_step(build_report(load_run(str(run_dir))))
+    captures = by_step(run_report(load_run(str(run_dir))))
     diff = captures[40]["kernel_diff"]
     assert diff["reference_step"] == 20
     top = diff["ranks"]["3"]["changes"][0]
@@ -68,7 +73,7 @@ def test_kernel_diff_names_the_extra_matmul_against_the_reference(run_dir: Path)
 
 def test_merged_trace_is_written_once_and_holds_every_rank(run_dir: Path) -> None:
     data = load_run(str(run_dir))
-    capture = by_step(build_report(data))[40]
+    capture = by_step(run_report(data))[40]
     assert capture["merged_trace"] == "captures/step_40/merged.trace.json.gz"
     path = data.run.path / capture["merged_trace"]
     merged = json.loads(gzip.decompress(path.read_bytes()))
@@ -81,17 +86,17 @@ def test_merged_trace_is_written_once_and_holds_every_rank(run_dir: Path) -> Non
     )
     assert "rank 3 (b) GPU 0" in names and len(names) == 8
     before = path.stat().st_mtime_ns
-    build_report(load_run(str(run_dir)))
+    run_report(load_run(str(run_dir)))
     assert path.stat().st_mtime_ns == before  # up to date: not written again
     trace = data.run.trace_path(40, 1)
     os.utime(trace, ns=(before + 10**9, before + 10**9))
-    build_report(load_run(str(run_dir)))
+    run_report(load_run(str(run_dir)))
     assert path.stat().st_mtime_ns > before  # a newer rank trace: merged again
 
 
 def test_summary_json_and_text_carry_the_verdict_and_top_changes(run_dir: Path) -> None:
     data = load_run(str(run_dir))
-    report = build_report(data)
+    report = run_report(data)
     summary = json.loads(data.run.summary_json(40).read_text())
     assert summary["verdict"]["culprit_rank"] == 3
     assert summary["kernel_diff"]["reference_step"] == 20
@@ -110,7 +115,7 @@ def test_summary_json_and_text_carry_the_verdict_and_top_changes(run_dir: Path) 
 def test_cli_json_has_the_new_fields(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["report", str(run_dir), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    capture = by_step(report)[40]
+    capture = {c["step"]: c for c in report["captures"]}[40]
     assert capture["verdict"]["cause"] == "compute"
     assert capture["kernel_diff"]["ranks"]["3"]["changes"][0]["name"] == MATMUL
     assert capture["merged_trace"].endswith("merged.trace.json.gz")
@@ -124,11 +129,11 @@ def test_a_damaged_rank_trace_leaves_a_verdict_on_the_others(tmp_path: Path) -> 
     )
     run.trace_path(40, 2).write_bytes(b"\x1f\x8bnot gzip")
     data = load_run(str(tmp_path))
-    report = build_report(data)
+    report = run_report(data)
     capture = by_step(report)[40]
     assert (capture["verdict"]["culprit_rank"], capture["verdict"]["cause"]) == (1, "host_stall")
     assert capture["kernel_diff"]["note"] == "no reference step captured in this run"
-    rank2 = [p for p in report["problems"] if p.startswith("step 40 rank 2")]
+    rank2 = [p for p in report_json(report)["problems"] if p.startswith("step 40 rank 2")]
     assert len(rank2) == 1  # reported once, by the tables
     assert capture["unreadable_ranks"] == [2]
     text = render_text(report)
@@ -142,11 +147,11 @@ def test_a_trace_damaged_after_its_tables_were_cached_is_not_counted(tmp_path: P
     """The tables CSV still gives the rank a row, but its trace cannot be read: the
     captures table counts only readable traces."""
     run = make_run(tmp_path, [Capture(40, "anomaly", gpu_job(), 4.1, 1.2)], hosts=HOSTS)
-    first = build_report(load_run(str(tmp_path)))
+    first = run_report(load_run(str(tmp_path)))
     assert "4/4  " in render_text(first) and by_step(first)[40]["unreadable_ranks"] == []
     trace = run.trace_path(40, 3)
     trace.write_bytes(trace.read_bytes()[:200])  # truncated gzip
-    report = build_report(load_run(str(tmp_path)))
+    report = run_report(load_run(str(tmp_path)))
     capture = by_step(report)[40]
     assert "gpu_timeline" in capture["ranks"]["3"]  # from the cached CSV
     assert capture["unreadable_ranks"] == [3]
@@ -162,7 +167,7 @@ def test_stall_before_the_first_op_shows_in_the_table_as_in_the_verdict(
     table shows it in its own column (and in the total), so both blame the same rank."""
     docs = cpu_job(stall_us={1: 50_000.0}, stall_before_first_op=True)
     run = make_run(tmp_path, [Capture(40, "anomaly", docs, 52.0, 1.5)], hosts=["a"] * 4)
-    report = build_report(load_run(str(tmp_path)))
+    report = run_report(load_run(str(tmp_path)))
     capture = by_step(report)[40]
     assert (capture["verdict"]["culprit_rank"], capture["verdict"]["cause"]) == (1, "host_stall")
     outside = capture["ranks"]["1"]["outside_ms"]

@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from distanom.analysis.report import build_report, render_text
-from distanom.analysis.run import load_run
+from distanom.analysis.report import Report, build_report, render_text, report_json, write_outputs
+from distanom.analysis.run import RunData, load_run
 from distanom.rundir import write_json_atomic
 from tests.unit.rungen import Capture, make_run
 from tests.unit.stepgen import gpu_job
+
+
+def run_report(data: RunData) -> Report:
+    """The report of a loaded run, its files written, as `distanom report` makes it."""
+    return write_outputs(data, build_report(data))
 
 
 def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> None:
@@ -37,7 +42,7 @@ def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> Non
             "detector": {"judged": 90, "anomalous": 5, "captured": 3, "skipped_budget": 2},
         },
     )
-    text = render_text(build_report(load_run(str(run.path))))
+    text = render_text(run_report(load_run(str(run.path))))
     assert "tracer: cupti (auto)" in text
     assert (
         "measured overhead 12.9% of step time while tracing, 7.8% of steps traced: 0.98% "
@@ -56,7 +61,7 @@ def test_no_overhead_line_before_any_untraced_window(tmp_path: Path) -> None:
         run.status_json,
         {"state": "finished", "world_size": 1, "tracer": {"duty_cycle": {"traced_fraction": 1.0}}},
     )
-    text = render_text(build_report(load_run(str(run.path))))
+    text = render_text(run_report(load_run(str(run.path))))
     assert "overhead not measured yet" in text
 
 
@@ -68,8 +73,8 @@ def test_header_names_which_median_the_threshold_multiplies(tmp_path: Path) -> N
         run.status_json,
         {"state": "finished", "world_size": 2, "median_ms": 1.8, "threshold_ms": 2.7},
     )
-    report = build_report(load_run(str(run.path)))
-    assert report["steps"]["detector_median_ms"] == 1.8
+    report = run_report(load_run(str(run.path)))
+    assert report_json(report)["steps"]["detector_median_ms"] == 1.8
     text = render_text(report)
     assert (
         "  steps: 99   median 1.5 ms over the run   detector threshold 2.7 ms = 1.5 x its "
@@ -79,7 +84,7 @@ def test_header_names_which_median_the_threshold_multiplies(tmp_path: Path) -> N
 
 def test_header_without_the_detectors_median_still_names_it(tmp_path: Path) -> None:
     run = make_run(tmp_path, [], hosts=["a"])  # status.json from before median_ms was kept
-    text = render_text(build_report(load_run(str(run.path))))
+    text = render_text(run_report(load_run(str(run.path))))
     header = "median 1.5 ms over the run   detector threshold 2.2 ms (1.5 x its rolling median)"
     assert header in text
 
@@ -87,8 +92,8 @@ def test_header_without_the_detectors_median_still_names_it(tmp_path: Path) -> N
 def test_a_trace_that_may_lack_records_is_named_among_the_problems(tmp_path: Path) -> None:
     stats = {0: {"held_buffers_at_serve": 0}, 1: {"held_buffers_at_serve": 1}}
     run = make_run(tmp_path, [Capture(40, "anomaly", gpu_job(), 4.1, 1.2, stats)], hosts=["a"] * 4)
-    report = build_report(load_run(str(run.path)))
-    assert report["problems"] == [
+    report = run_report(load_run(str(run.path)))
+    assert report_json(report)["problems"] == [
         "step 40 rank 1: trace may lack records (a CUPTI buffer was not handed back in time)"
     ]
     assert "step 40 rank 1: trace may lack records" in render_text(report)
@@ -103,8 +108,8 @@ def test_the_capture_workers_cost_is_summarised(tmp_path: Path) -> None:
     run = make_run(
         tmp_path, [Capture(40, "anomaly", gpu_job(), 4.1, 1.2, None, costs)], hosts=["a"] * 4
     )
-    report = build_report(load_run(str(run.path)))
-    assert report["capture_cost"] == {
+    report = run_report(load_run(str(run.path)))
+    assert report_json(report)["capture_cost"] == {
         "files": 2,
         "median_ms": 22.0,
         "max_ms": 24.0,
@@ -118,8 +123,8 @@ def test_the_capture_workers_cost_is_summarised(tmp_path: Path) -> None:
 
 def test_no_capture_cost_line_without_recorded_costs(tmp_path: Path) -> None:
     run = make_run(tmp_path, [Capture(40, "anomaly", gpu_job(), 4.1, 1.2)], hosts=["a"] * 4)
-    report = build_report(load_run(str(run.path)))
-    assert report["capture_cost"] is None
+    report = run_report(load_run(str(run.path)))
+    assert report_json(report)["capture_cost"] is None
     assert "capture work" not in render_text(report)
 
 
@@ -134,7 +139,7 @@ def test_damaged_costs_in_the_index_are_left_out(tmp_path: Path) -> None:
     run = make_run(
         tmp_path, [Capture(40, "anomaly", gpu_job(), 4.1, 1.2, None, costs)], hosts=["a"] * 4
     )
-    report = build_report(load_run(str(run.path)))
-    assert report["capture_cost"]["files"] == 1
-    assert report["capture_cost"]["median_ms"] == 20.0
-    json.dumps(report, allow_nan=False)  # what `distanom report --json` does
+    report = run_report(load_run(str(run.path)))
+    assert report_json(report)["capture_cost"]["files"] == 1
+    assert report_json(report)["capture_cost"]["median_ms"] == 20.0
+    json.dumps(report_json(report), allow_nan=False)  # what `distanom report --json` does

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distanom.analysis.engine import tables_from_trace
-from distanom.analysis.report import build_report, render_text
-from distanom.analysis.run import load_run
+from distanom.analysis.report import Report, build_report, render_text, report_json, write_outputs
+from distanom.analysis.run import RunData, load_run
 from distanom.analysis.trace_io import Trace, load_trace
 from distanom.errors import TraceFormatError
 from distanom.rundir import RunDir, create_run, write_json_atomic
@@ -66,6 +66,11 @@ documents = st.one_of(
         optional={"baseTimeNanoseconds": json_values, "distributedInfo": json_values},
     ),
 )
+
+
+def run_report(data: RunData) -> Report:
+    """The report of a loaded run, its files written, as `distanom report` makes it."""
+    return write_outputs(data, build_report(data))
 
 
 def read_or_refuse(path: Path) -> Trace | None:
@@ -122,12 +127,12 @@ def test_report_of_a_damaged_run_shows_what_survived(tmp_path: Path) -> None:
     run.append_index(
         {"event": "written", "step": 8, "rank": 0, "kind": "anomaly", "trace": "../../x"}
     )
-    report = build_report(load_run(str(run.path)))
-    (capture,) = report["captures"]
+    report = run_report(load_run(str(run.path)))
+    (capture,) = report_json(report)["captures"]
     assert capture["step"] == 7 and capture["missing_ranks"] == [2]
     assert "host_timeline" in capture["ranks"]["0"]
     assert "host_timeline" not in capture["ranks"]["1"]
-    problems = "\n".join(report["problems"])
+    problems = "\n".join(report_json(report)["problems"])
     assert "index.jsonl line 3" in problems  # the torn line
     assert "escapes the run directory" in problems
     assert "step 7 rank 1" in problems  # the truncated trace is named

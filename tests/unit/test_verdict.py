@@ -102,7 +102,7 @@ def test_growth_that_spans_negative_values_is_a_signed_change() -> None:
 
 
 def test_rounding_noise_below_zero_still_reads_as_growth() -> None:
-    from distanom.analysis.verdict import _change
+    from distanom.analysis.text import change as _change
 
     # a sum that did not change can come out a hair below zero
     assert _change([-1e-9, 3.0], "reference step 20") == (

@@ -1,0 +1,143 @@
+"""The report as JSON: `distanom report --json` and each capture's summary.json.
+
+Both are contracts for machines: keys, order and values stay as they are (a golden
+test holds them). Reads only the model (`distanom.analysis.model`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distanom.analysis.model import Capture, KernelDiff, RankEntry, Report
+from distanom.analysis.tables_io import timeline_json
+
+__all__ = ["capture_json", "kernel_diff_json", "report_json", "summary_json"]
+
+
+def report_json(report: Report) -> dict[str, Any]:
+    """The whole report as `distanom report --json` prints it."""
+    facts, steps, state, cost = (
+        report.facts,
+        report.steps,
+        report.capture_state,
+        report.capture_cost,
+    )
+    return {
+        "run_id": facts.run_id,
+        "run_dir": facts.run_dir,
+        "world_size": facts.world_size,
+        "hosts": facts.hosts,
+        "state": facts.state,
+        "started_at": facts.started_at,
+        "torch": facts.torch,
+        "argv": facts.argv,
+        "steps": {
+            "count": steps.count,
+            "last": steps.last,
+            "median_ms": steps.median_ms,
+            "threshold_ms": steps.threshold_ms,
+            "multiplier": steps.multiplier,
+            "detector_median_ms": steps.detector_median_ms,
+        },
+        "tracer": report.tracer,
+        "detector": report.detector,
+        "episodes": report.episodes,
+        "capture_state": {
+            "written": state.written,
+            "skipped_disk": state.skipped_disk,
+            "missed": state.missed,
+            "capture_off": state.capture_off,
+            "consensus_error": state.consensus_error,
+        },
+        "captures": [capture_json(capture) for capture in report.captures],
+        "capture_cost": None
+        if cost is None
+        else {
+            "files": cost.files,
+            "median_ms": cost.median_ms,
+            "max_ms": cost.max_ms,
+            "parts_median_ms": cost.parts_median_ms,
+        },
+        "problems": list(report.problems),
+    }
+
+
+def _rank_json(entry: RankEntry) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "trace": entry.trace,
+        "host": entry.host,
+        "bytes": entry.bytes,
+        "tracer": entry.tracer,
+        "tracer_stats": entry.tracer_stats,
+    }
+    if entry.timeline is not None:
+        key = "gpu_timeline" if entry.timeline_kind == "gpu" else "host_timeline"
+        body[key] = timeline_json(entry.timeline)
+        body["timeline_kind"] = entry.timeline_kind
+    if entry.outside_ms is not None:
+        body["outside_ms"] = entry.outside_ms
+    return body
+
+
+def kernel_diff_json(diff: KernelDiff) -> dict[str, Any]:
+    """A capture's kernel diff as JSON (`reference_step`, `ranks`, or a `note`)."""
+    if diff.reference_step is None:
+        return {"reference_step": None, "note": diff.note, "ranks": {}}
+    return {
+        "reference_step": diff.reference_step,
+        "ranks": {str(rank): change.as_json() for rank, change in diff.ranks.items()},
+    }
+
+
+def _gc_json(capture: Capture) -> dict[str, Any]:
+    return {
+        str(rank): {"ms": pause.ms, "generation": pause.generation}
+        for rank, pause in capture.python_gc.items()
+    }
+
+
+def capture_json(capture: Capture) -> dict[str, Any]:
+    """One capture as it appears in the report's `captures` list."""
+    body: dict[str, Any] = {
+        "step": capture.step,
+        "kinds": capture.kinds,
+        "step_ms": capture.step_ms,
+        "median_ms": capture.median_ms,
+        "threshold_ms": capture.threshold_ms,
+        "ratio": capture.ratio,
+        "slowest_rank": capture.slowest_rank,
+        "request": capture.request,
+        "ranks": {str(rank): _rank_json(entry) for rank, entry in capture.ranks.items()},
+        "missing_ranks": capture.missing_ranks,
+    }
+    if capture.python_gc:
+        body["python_gc"] = _gc_json(capture)
+    body["verdict"] = capture.verdict.as_json()
+    body["kernel_diff"] = kernel_diff_json(capture.kernel_diff)
+    body["merged_trace"] = capture.merged_trace
+    body["unreadable_ranks"] = capture.unreadable_ranks
+    return body
+
+
+def summary_json(capture: Capture) -> dict[str, Any]:
+    """captures/step_<N>/summary.json: all ranks of one capture side by side."""
+    return {
+        "step": capture.step,
+        "kinds": capture.kinds,
+        "step_ms": capture.step_ms,
+        "ratio": capture.ratio,
+        "missing_ranks": capture.missing_ranks,
+        "unreadable_ranks": capture.unreadable_ranks,
+        "ranks": {
+            str(rank): {
+                "host": entry.host,
+                "breakdown_ms": entry.breakdown(),
+                "outside_ms": entry.outside_ms,
+            }
+            for rank, entry in capture.ranks.items()
+        },
+        "verdict": capture.verdict.as_json(),
+        "kernel_diff": kernel_diff_json(capture.kernel_diff),
+        "merged_trace": capture.merged_trace,
+        "python_gc": _gc_json(capture),
+    }

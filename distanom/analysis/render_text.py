@@ -1,0 +1,253 @@
+"""The report as text: what `distanom report RUN_DIR` prints.
+
+Reads only the model (`distanom.analysis.model.Report`); the phrases the HTML page
+shares with it (`median_parts`, `ranks_cell`, `gc_sentence`, `breakdown_numbers`,
+`OUTSIDE_NOTE`) live here too, so both say the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distanom.analysis.kernel_diff import kernel_diff_lines
+from distanom.analysis.model import BREAKDOWN_ROWS, Capture, RankEntry, Report, StepStats
+from distanom.analysis.render_json import kernel_diff_json
+from distanom.analysis.text import fmt, table
+from distanom.analysis.verdict import GC_NOTE_MS
+
+__all__ = [
+    "OUTSIDE_NOTE",
+    "breakdown_numbers",
+    "gc_sentence",
+    "median_parts",
+    "ranks_cell",
+    "render_text",
+]
+
+# Under the breakdown table of CPU-only traces: what its "outside ops" column holds.
+OUTSIDE_NOTE = (
+    "outside ops: step window before the rank's first op or after its last "
+    "(idle to the verdict; in total)"
+)
+
+
+def gc_sentence(capture: Capture) -> str | None:
+    """The ranks whose Python garbage collection took GC_NOTE_MS or more in the step."""
+    parts = [
+        f"rank {rank} {pause.ms:.2f} ms (generation {pause.generation})"
+        for rank, pause in capture.python_gc.items()
+        if pause.ms >= GC_NOTE_MS
+    ]
+    return "python garbage collection during the step: " + ", ".join(parts) if parts else None
+
+
+def breakdown_numbers(entry: RankEntry, outside: bool) -> list[float | None] | None:
+    """One rank's row of the breakdown table, text or HTML: the four parts, with
+    `outside` the time outside its ops (None: unknown), then the total, which includes
+    it. None when the rank has no tables."""
+    values = entry.breakdown()
+    if values is None:
+        return None
+    numbers: list[float | None] = [values[row] for row in BREAKDOWN_ROWS[:4]]
+    total = values["total_time"]
+    if outside:
+        numbers.append(entry.outside_ms)
+        total += entry.outside_ms or 0.0
+    return [*numbers, total]
+
+
+def ranks_cell(capture: Capture) -> str:
+    """Ranks whose trace was read, of those expected; unreadable ones are named apart."""
+    unreadable = capture.unreadable_ranks
+    expected = len(capture.ranks) + len(capture.missing_ranks)
+    cell = f"{len(capture.ranks) - len(unreadable)}/{expected}"
+    return cell + (f" ({len(unreadable)} unreadable)" if unreadable else "")
+
+
+def median_parts(steps: StepStats) -> list[str]:
+    """The run's median and the detector's threshold with the median it is a multiple
+    of: the detector's rolling one, not the run's (they differ), so both are named."""
+    parts = [f"median {fmt(steps.median_ms)} ms over the run"]
+    if steps.threshold_ms is None:
+        return parts
+    threshold = f"detector threshold {fmt(steps.threshold_ms)} ms"
+    multiplier, rolling = steps.multiplier, steps.detector_median_ms
+    if multiplier and rolling is not None:
+        threshold += f" = {multiplier} x its latest rolling median {fmt(rolling)} ms"
+    elif multiplier:
+        threshold += f" ({multiplier} x its rolling median)"
+    return [*parts, threshold]
+
+
+def _breakdown_lines(capture: Capture) -> list[str]:
+    outside = capture.shows_outside
+    rows = []
+    kinds = set()
+    for rank, entry in capture.ranks.items():
+        numbers = breakdown_numbers(entry, outside)
+        if numbers is None:
+            continue
+        kinds.add(entry.timeline_kind or "gpu")
+        cells = ["-" if n is None else f"{n:.2f}" for n in numbers]
+        rows.append([str(rank), entry.host or "-", *cells])
+    if not rows:
+        return []
+    what = "GPU time" if kinds == {"gpu"} else "host time (CPU-only trace)"
+    header = ["rank", "host", "compute", "exp.comm", "exp.memcpy", "idle"]
+    header += ["outside ops", "total"] if outside else ["total"]
+    lines = ["", f"step {capture.step} ({','.join(capture.kinds)}): {what}, ms"]
+    lines += ["  " + line for line in table(header, rows)]
+    return lines + ([f"  {OUTSIDE_NOTE}"] if outside else [])
+
+
+def _cross_rank_lines(capture: Capture) -> list[str]:
+    """The verdict line and the top kernel changes of one capture."""
+    lines = [f"  verdict: {capture.verdict.sentence()}"]
+    culprit = capture.verdict.culprit_rank
+    lines += kernel_diff_lines(kernel_diff_json(capture.kernel_diff), culprit, top=5)
+    if capture.merged_trace:
+        lines.append(f"  all ranks in one trace: {capture.merged_trace}")
+    return lines
+
+
+def _overhead_lines(tracer: dict[str, Any]) -> list[str]:
+    """The run's own measure of what tracing cost (traced vs untraced windows)."""
+    duty = tracer.get("duty_cycle") or {}
+    overhead = duty.get("measured_overhead_pct")
+    fraction = duty.get("traced_fraction")
+    if not isinstance(fraction, (int, float)):
+        return []
+    budget = duty.get("budget_pct")
+    measured = (
+        f"measured overhead {overhead:.1f}% of step time while tracing"
+        if isinstance(overhead, (int, float))
+        else "overhead not measured yet (no untraced window so far)"
+    )
+    line = f"  tracing: {measured}, {100 * fraction:.1f}% of steps traced"
+    effective = duty.get("effective_overhead_pct")
+    if isinstance(effective, (int, float)):
+        line += f": {effective:.2f}% of the run"
+    if isinstance(budget, (int, float)):
+        line += f" (budget {budget:g}%)"
+    lines = [line]
+    for direction, count_key, excess_key in (
+        ("on", "switches_on", "switch_on_excess_ms"),
+        ("off", "switches_off", "switch_excess_ms"),
+    ):
+        switch_ms, switches = duty.get(excess_key), duty.get(count_key)
+        if isinstance(switch_ms, (int, float)) and isinstance(switches, int) and switches:
+            lines.append(
+                f"  tracing switched {direction} {switches} time(s); the step after a switch "
+                f"ran {switch_ms:.1f} ms longer (median of the recent ones), counted in the "
+                "overhead"
+            )
+    return lines
+
+
+def _run_lines(report: Report) -> list[str]:
+    """The header: the run, its steps, tracing cost, detector and capture counters."""
+    facts, steps = report.facts, report.steps
+    hosts = facts.hosts
+    lines = [
+        f"run {facts.run_id}  ({facts.run_dir})",
+        f"  world size {facts.world_size}"
+        + (f" on {len(set(hosts))} host(s): {', '.join(sorted(set(hosts)))}" if hosts else "")
+        + f"   state: {facts.state}",
+        f"  steps: {steps.count}   " + "   ".join(median_parts(steps)),
+    ]
+    tracer = report.tracer
+    if tracer.get("note"):
+        lines.append(f"  {tracer['note']}")
+    lines += _overhead_lines(tracer)
+    detector = report.detector
+    if detector:
+        lines.append(
+            f"  detector: {detector.get('judged', 0)} steps judged, "
+            f"{detector.get('anomalous', 0)} anomalous in {len(report.episodes)} "
+            f"episode(s), {detector.get('captured', 0)} captured"
+            + (
+                f", {detector['skipped_budget']} over budget"
+                if detector.get("skipped_budget")
+                else ""
+            )
+            + (
+                f", {detector['anomalous_untraced']} while tracing was off"
+                if detector.get("anomalous_untraced")
+                else ""
+            )
+        )
+    cost = report.capture_cost
+    if cost:
+        parts = ", ".join(
+            f"{p.removesuffix('_ms')} {v:.1f}" for p, v in cost.parts_median_ms.items()
+        )
+        lines.append(
+            f"  capture work: {cost.median_ms:.1f} ms per rank and capture (median of "
+            f"{cost.files} files; {parts}; max {cost.max_ms:.1f}), on each rank's "
+            "capture thread"
+        )
+    state = report.capture_state
+    if state.skipped_disk:
+        lines.append(
+            f"  disk budget (capture.max_disk_mb) reached: {state.skipped_disk} capture(s) "
+            "counted but not written on rank 0"
+        )
+    if state.missed:
+        lines.append(
+            f"  {state.missed} capture(s) decided after the tracer had dropped the step "
+            "(raise tracer.history_steps)"
+        )
+    for reason in (state.capture_off, state.consensus_error):
+        if reason:
+            lines.append(f"  capture stepped aside: {reason}")
+    return lines
+
+
+def _capture_lines(captures: list[Capture]) -> list[str]:
+    """The captures table, then each capture's breakdown, collections and verdict."""
+    if not captures:
+        return ["no captures"]
+    rows = []
+    for capture in captures:
+        first = next(iter(capture.ranks.values())).trace if capture.ranks else "-"
+        rows.append(
+            [
+                str(capture.step),
+                ",".join(capture.kinds),
+                fmt(capture.step_ms),
+                fmt(capture.ratio, 2),
+                ranks_cell(capture),
+                first,
+            ]
+        )
+    lines = [f"captures ({len(captures)}):"]
+    header = ["step", "kind", "step ms", "x rolling median", "ranks", "trace"]
+    lines += ["  " + line for line in table(header, rows)]
+    for capture in captures:
+        lines += _breakdown_lines(capture)
+        sentence = gc_sentence(capture)
+        lines += [f"  {sentence}"] if sentence else []
+        lines += _cross_rank_lines(capture)
+    for capture in captures:
+        if capture.missing_ranks:
+            missing = ",".join(str(r) for r in capture.missing_ranks)
+            lines.append(f"  step {capture.step}: no trace from rank(s) {missing}")
+        if capture.unreadable_ranks:
+            unreadable = ",".join(str(r) for r in capture.unreadable_ranks)
+            lines.append(
+                f"  step {capture.step}: unreadable trace from rank(s) {unreadable} (see problems)"
+            )
+    return lines
+
+
+def render_text(report: Report) -> str:
+    """The report for people: run facts, captures with their tables and verdicts, problems."""
+    lines = [*_run_lines(report), "", *_capture_lines(report.captures)]
+    problems = report.problems
+    if problems:
+        lines.append("")
+        lines.append(f"problems ({len(problems)}):")
+        lines += [f"  {problem}" for problem in problems[:50]]
+        if len(problems) > 50:
+            lines.append(f"  ... {len(problems) - 50} more")
+    return "\n".join(lines) + "\n"
