@@ -83,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `distanom` command with `argv` (default sys.argv[1:]); returns the exit status."""
     try:
         args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
         handler = _COMMANDS[args.command]

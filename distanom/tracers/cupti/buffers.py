@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from distanom.tracers.cupti.library import BUFFER_ALIGN
+BUFFER_ALIGN = 8  # ACTIVITY_RECORD_ALIGNMENT: CUPTI's buffers and records are 8-byte aligned
 
 # CUPTI hands a buffer back only once every record in it is complete; on a GPU that is
 # never idle the buffer being filled always ends with kernels still in flight, so a

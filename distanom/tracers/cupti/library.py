@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from distanom.errors import TracerUnavailableError
+from distanom.tracers.cupti.buffers import BUFFER_ALIGN
 from distanom.tracers.cupti.callbacks import (
     COMPLETE_CB,
     REQUEST_CB,
@@ -53,8 +54,6 @@ CUPTI_ERROR_MAX_LIMIT_REACHED = 12  # cuptiActivityGetNextRecord: no more record
 CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED = 39
 
 FLUSH_FORCED = 1  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
-
-BUFFER_ALIGN = 8  # ACTIVITY_RECORD_ALIGNMENT
 
 
 class DetachError(TracerUnavailableError):
