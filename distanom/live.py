@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from distanom.analysis.report import table
+from distanom.analysis.text import table
 from distanom.errors import CaptureRequestError
 from distanom.records.index import read_index
 from distanom.records.requests import (

@@ -141,7 +141,7 @@ def _step_times(series: StepSeries, detect: Mapping[str, Any]) -> StepTimes:
 
 
 def _state(status: dict[str, Any]) -> str:
-    from distanom.control import job_alive
+    from distanom.records.status import job_alive
 
     if not status:
         return "unknown"

@@ -13,7 +13,6 @@ from distanom.analysis.model import Report
 from distanom.analysis.outputs import write_outputs
 from distanom.analysis.render_json import report_json, summary_json
 from distanom.analysis.render_text import render_text
-from distanom.analysis.text import table  # status.py imports it from here
 
 __all__ = [
     "Report",
@@ -23,6 +22,5 @@ __all__ = [
     "report_json",
     "rolling_threshold",
     "summary_json",
-    "table",
     "write_outputs",
 ]
