@@ -1,15 +1,13 @@
-"""Shared test helpers: repository paths, running real torchrun jobs on CPU, and loading
-bench/ scripts (not a package) as modules."""
+"""Shared test helpers: repository paths, a fake clock, and running real torchrun jobs on
+CPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -28,16 +26,6 @@ class Ticks:
     def __call__(self) -> int:
         self.now += self.step_ns
         return self.now
-
-
-def load_bench_script(name: str) -> ModuleType:
-    """bench/<name>.py as a module (registered, so its dataclasses and pickling work)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def free_port() -> int:
