@@ -429,5 +429,6 @@ class CaptureWorker:
         self.stats.errors += 1
         self.stats.last_error = reason
         if self.stats.errors == 1:
-            log.warning("capture: %s (logged once, later failures are counted; capture "
-                        "goes on)", reason)
+            log.warning(
+                "capture: %s (logged once, later failures are counted; capture goes on)", reason
+            )

@@ -392,8 +392,6 @@ class RunDir:
                 os.close(lock)
 
 
-
-
 def capture_steps_on_disk(run: RunDir) -> list[int]:
     """Steps that have a capture directory (a fallback when the index is damaged)."""
     root = run.path / "captures"

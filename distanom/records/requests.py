@@ -181,7 +181,7 @@ def read_request(path: Path, stem: str) -> Request | str:
     if not isinstance(body, dict):
         return "not a JSON object"
     n_steps = body.get("steps")
-    if not _is_int(n_steps):
+    if not isinstance(n_steps, int) or isinstance(n_steps, bool):
         return "steps is not an integer"
     ranks = body.get("ranks", [])
     if not isinstance(ranks, list) or len(ranks) > MAX_RANK_RANGES:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-MAX_WORLD_SIZE = 1 << 17  # far beyond any job; larger is damage (a report would loop on it)
-
 from distanom.errors import RunDirError
 from distanom.rundir import RunDir, read_json, write_json_atomic
+
+MAX_WORLD_SIZE = 1 << 17  # far beyond any job; larger is damage (a report would loop on it)
 
 
 class RunInfo(TypedDict, total=False):

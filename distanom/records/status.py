@@ -101,7 +101,7 @@ def heartbeat(status: Status | dict[str, Any] | None) -> float | None:
 
 
 def stale_since(status: Status | dict[str, Any] | None, now: float | None = None) -> str | None:
-    """"stale since <UTC time>" for a job that says it is running but whose heartbeat
+    """ "stale since <UTC time>" for a job that says it is running but whose heartbeat
     stopped (killed, hung, its node gone); None for a live or finished job."""
     if not status or status.get("state") != "running" or job_alive(status, now):
         return None
