@@ -205,7 +205,22 @@ def _parse_json(text: bytes) -> Any:
             return _orjson.loads(text)
         except _orjson.JSONDecodeError:
             pass
-    return json.loads(text, parse_constant=_reject_constant)
+    doc = json.loads(text, parse_constant=_reject_constant)
+    _refuse_huge_times(doc)  # only this parser reads integers beyond 64 bits
+    return doc
+
+
+def _refuse_huge_times(doc: Any) -> None:
+    """ValueError when an event's ts or dur is an integer beyond 64 bits: no float holds
+    it, so every later sum with it would overflow."""
+    events = doc.get("traceEvents") if isinstance(doc, dict) else None
+    for event in events if isinstance(events, list) else ():
+        if not isinstance(event, dict):
+            continue
+        for key in ("ts", "dur"):
+            value = event.get(key)
+            if type(value) is int and not -(2**63) <= value < 2**63:
+                raise ValueError(f"an event's {key} is an integer beyond 64 bits")
 
 
 def read_trace_document(
@@ -215,8 +230,9 @@ def read_trace_document(
 
     Gzip is detected by its magic bytes, so a gzipped file named `.json` works too.
     Raises `TraceFormatError` when the file is missing, truncated or damaged gzip, larger
-    than `max_bytes` once decompressed, not JSON (NaN/Infinity included), not an object,
-    or has no `traceEvents` list.
+    than `max_bytes` once decompressed or than this machine's memory can parse, not JSON
+    (NaN/Infinity included), not an object, or has no `traceEvents` list. A
+    `baseTimeNanoseconds` outside 0..2**63 is dropped.
     """
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
@@ -253,6 +269,8 @@ def read_trace_document(
         raise _fail(p, f"top level is a JSON {_json_type(doc)}, not an object")
     if not isinstance(doc.get("traceEvents"), list):
         raise _fail(p, "no 'traceEvents' list at the top level")
+    if "baseTimeNanoseconds" in doc and _base_time(doc["baseTimeNanoseconds"]) is None:
+        del doc["baseTimeNanoseconds"]  # implausible (e.g. 400 digits): as if absent
     return doc
 
 
