@@ -126,7 +126,8 @@ def _write_html(report: Report, out: str, stream: TextIO) -> None:
 
     page = render_html(report)
     try:
-        written = write_html(page, Path(out))
+        # the folder the user named may be a link (runs/latest): resolved, then written
+        written = write_html(page, Path(out).parent.resolve() / Path(out).name)
     except OSError as err:
         raise DistanomError(f"{out}: cannot write the page: {err.strerror or err}") from None
     print(f"wrote {', '.join(str(p) for p in written)}", file=stream)
