@@ -205,3 +205,43 @@ def test_validate_request_refuses_negative_and_too_many_ranges() -> None:
         validate_request(1, ((-5, 0),), 4)
     with pytest.raises(CaptureRequestError, match="at most 8"):
         validate_request(1, tuple((i, i) for i in range(9)), 100)
+
+
+def test_rank0_polling_survives_every_hostile_request(
+    run: RunDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import queue
+
+    from distanom import control_loop
+    from distanom.config import load_config
+    from distanom.duty_cycle import DutyCycle
+    from distanom.health import Health
+    from distanom.world import WorldInfo
+
+    config = load_config(None, [])
+    world = WorldInfo.from_env({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    health = Health()
+    loop = control_loop.ControlLoop(
+        config, world, run.path.parent, [], health=health, duty=DutyCycle(config),
+        boundaries=None, inbox=queue.SimpleQueue(),  # type: ignore[arg-type]
+    )  # fmt: skip
+    loop.run = run
+    for i, name in enumerate(sorted(HOSTILE)):
+        _request(run, f"20260101T000000-{i:08x}", HOSTILE[name])
+    _request(run, "20260101T000000-000000ff", '{"steps": 1, "ranks": [[5, 5]]}')  # no rank 5
+    for _ in range(3):
+        loop._poll_requests()
+    assert loop._offered_request is None and health.capture_off_reason is None
+    assert len(list(run.requests_dir.glob("*.response.json"))) == len(HOSTILE) + 1
+    good = "20260101T000001-00000001"
+    _request(run, good, '{"steps": 2, "ranks": [[1, 1]]}')
+    loop._poll_requests()
+    assert loop._offered_request is not None and loop._offered_request[1] == good
+
+    def broken(*args: object, **kwargs: object) -> list[object]:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    loop._offered_request = None
+    monkeypatch.setattr(control_loop, "pending_requests", broken)
+    loop._poll_requests()  # logged once, never raised into the round loop
+    assert health.capture_off_reason is None
