@@ -10,14 +10,14 @@ by `distanom report`. A decision that replaces an older
 capture (budget, newer reference) deletes this rank's files of the old one (or cancels it
 while still pending here), and the step's folder once no rank's files remain in it.
 
-Budgets enforced here are per rank: bytes written (`capture.max_disk_mb`). Any failure
-(full disk, vanished directory, broken export) is logged once and capture steps aside
-for the rest of the run; training never sees an exception from here.
+Budgets enforced here are per rank: bytes written (`capture.max_disk_mb`). A failure of
+one capture (full disk, a link planted in the run directory, an index lock held by
+someone else, a broken export) is counted (`CaptureStats.errors`, `last_error`), logged
+once, and the worker goes on with the next; training never sees an exception from here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import logging
@@ -28,10 +28,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-# Imported at agent start, never first on the worker thread: a first import holds the GIL
-# while the training thread waits (rundir imports it lazily for the report's sake;
-# docs/agent.md has the measurement).
-import filelock  # noqa: F401
 import orjson
 
 from distanom.config import Config
@@ -71,6 +67,8 @@ class CaptureStats:
     skipped_disk: int = 0
     skipped_other_ranks: int = 0
     failed: str | None = None
+    errors: int = 0  # captures that failed (each logged once per kind of error)
+    last_error: str | None = None
     missed_steps: list[int] = field(default_factory=list)
 
 
@@ -209,9 +207,9 @@ class CaptureWorker:
                     continue
                 if not self._handle(decision):
                     still.append(decision)
-            except Exception as err:  # never let one capture take the worker down silently
+            except Exception as err:  # one capture's failure never stops the next
                 self._lookups.pop((decision.step, decision.kind), None)
-                self._fail(f"writing capture of step {decision.step} failed: {err}")
+                self._error(f"capture of step {decision.step} failed: {err}")
         self._pending = still
 
     def _applies(self, decision: CaptureDecision) -> bool:
@@ -374,13 +372,7 @@ class CaptureWorker:
             self._index_dropped(step, kind, replaced_by)
             return
         del self._kinds[step]
-        trace = self._run.trace_path(step, rank)
-        for path in self._run.rank_capture_files(step, rank):
-            with contextlib.suppress(FileNotFoundError):
-                size = path.stat().st_size
-                path.unlink()
-                if path == trace:
-                    self.stats.bytes_written -= size
+        self.stats.bytes_written -= self._run.remove_rank_files(step, rank)
         self._remove_dir_if_empty(step)
         self.stats.dropped += 1
         self._index_dropped(step, kind, replaced_by)
@@ -432,7 +424,11 @@ class CaptureWorker:
         )
         append_record(self._run, record)
 
-    def _fail(self, reason: str) -> None:
-        if self.stats.failed is None:
-            self.stats.failed = reason
-            log.warning("capture: %s; capture steps aside for the rest of the run", reason)
+    def _error(self, reason: str) -> None:
+        """Count a failed capture; the first is logged, the rest only counted."""
+        self.stats.errors += 1
+        self.stats.last_error = reason
+        if self.stats.errors == 1:
+            log.warning(
+                "capture: %s (logged once, later failures are counted; capture goes on)", reason
+            )

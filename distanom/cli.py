@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from distanom.errors import DistanomError
+from distanom.sanitize import terminal_safe
 
 if TYPE_CHECKING:
     from distanom.analysis.model import Report
@@ -89,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler = _COMMANDS[args.command]
         return handler(args)
     except DistanomError as err:
-        print(f"distanom: {err}", file=sys.stderr)
+        print(terminal_safe(f"distanom: {err}"), file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         return 130
@@ -114,7 +115,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(report_json(report))
     else:
-        sys.stdout.write(render_text(report))
+        sys.stdout.write(terminal_safe(render_text(report)))
     return 0
 
 
@@ -125,7 +126,8 @@ def _write_html(report: Report, out: str, stream: TextIO) -> None:
 
     page = render_html(report)
     try:
-        written = write_html(page, Path(out))
+        # the folder the user named may be a link (runs/latest): resolved, then written
+        written = write_html(page, Path(out).parent.resolve() / Path(out).name)
     except OSError as err:
         raise DistanomError(f"{out}: cannot write the page: {err.strerror or err}") from None
     print(f"wrote {', '.join(str(p) for p in written)}", file=stream)
@@ -138,7 +140,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(output.as_json())
     else:
-        sys.stdout.write(output.as_text())
+        sys.stdout.write(terminal_safe(output.as_text()))
     return 0
 
 
@@ -155,7 +157,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if args.json:
             _print_json(status)
         else:
-            text = render_status(run, status)
+            text = terminal_safe(render_status(run, status))
             if args.watch:
                 sys.stdout.write("\x1b[H\x1b[2J")  # clear and redraw in place
             sys.stdout.write(text)

@@ -335,7 +335,8 @@ class ControlLoop:
         )
         try:
             steps.write(row)
-        except (OSError, ValueError):
+        except (OSError, ValueError) as err:
+            self._warn_once("steps", "steps file: %s; step times not recorded", err)
             self._steps = None
 
     def _flush_steps(self) -> None:
@@ -351,10 +352,14 @@ class ControlLoop:
     def _poll_requests(self) -> None:
         if self.run is None or self._offered_request is not None:
             return
-        try:
-            requests = pending_requests(self.run)
-        except OSError:
-            return
+        try:  # a hostile request file must never reach the round loop (capture stays on)
+            self._take_request()
+        except Exception as err:
+            self._warn_once("requests", "requests/: %s; request skipped", err)
+
+    def _take_request(self) -> None:
+        assert self.run is not None
+        requests = pending_requests(self.run, skip=set(self._request_numbers.values()))
         for request in requests:
             if request.request_id in self._request_numbers.values():
                 continue
@@ -385,8 +390,10 @@ class ControlLoop:
             ranks=list(ranks) if ranks is not None else "all",
             world_size=self.world.world_size,
         )
-        with contextlib.suppress(OSError):
+        try:
             answer(self.run, request_id, accepted)
+        except OSError as err:
+            self._warn_once("answer", "requests/: answer not written (%s)", err)
 
     # -- status (rank 0) ---------------------------------------------------------------
 
@@ -422,6 +429,7 @@ class ControlLoop:
             "missed": stats.missed if stats else 0,
             "skipped_disk": stats.skipped_disk if stats else 0,
             "failed": stats.failed if stats else None,
+            "errors": stats.errors if stats else 0,
         }
         return {
             "state": state,

@@ -10,55 +10,71 @@ no agent here.
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any
+from typing import Any, TypeGuard
 
 from distanom.analysis.text import table
 from distanom.errors import CaptureRequestError
 from distanom.records.index import read_index
 from distanom.records.requests import (
+    MAX_REQUEST_STEPS,
     parse_ranks,
     read_response,
     submit_request,
     validate_request,
 )
-from distanom.records.status import Status, job_alive, read_status
+from distanom.records.run_info import world_size_of
+from distanom.records.status import Status, heartbeat, job_alive, read_status, stale_since
 from distanom.rundir import RunDir
+from distanom.sanitize import terminal_safe
 
 POLL_S = 0.2
 
 
 def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
-    """The status of a job as a few lines of text (`distanom status`)."""
-    alive = job_alive(status)
-    state = status.get("state", "unknown")
-    if state == "running" and not alive:
-        age = time.time() - float(status.get("updated_at", 0))
-        state = f"not responding (last heartbeat {age:.0f} s ago)"
+    """The status of a job as a few lines of text (`distanom status`); every field is
+    checked before use (a damaged file shows "-" where a value is wrong)."""
+    state = str(status.get("state", "unknown"))[:40]
+    stale = stale_since(status)
+    if stale is not None:
+        updated = heartbeat(status)
+        age = f", last heartbeat {time.time() - updated:.0f} s ago" if updated else ""
+        state = f"not responding ({stale}{age})"
     lines = [
         f"run {run.run_id}: {state}",
-        f"  step {status.get('step')} (gathered up to {status.get('gathered_step')}),"
-        f" world size {status.get('world_size')}",
+        f"  step {_int(status.get('step'))} (gathered up to {_int(status.get('gathered_step'))}),"
+        f" world size {_int(status.get('world_size'))}",
         f"  step median {_ms(status.get('median_ms'))},"
         f" threshold {_ms(status.get('threshold_ms'))}",
     ]
-    tracer = status.get("tracer") or {}
+    tracer = _obj(status.get("tracer"))
     if tracer.get("note"):
-        lines.append(f"  {tracer['note']}")
+        lines.append(f"  {str(tracer['note'])[:500]}")
     overhead = tracer.get("overhead_pct")
-    if isinstance(overhead, (int, float)):
+    if _number(overhead):
         lines.append(f"  measured tracing overhead: {overhead:.2f}% of step time")
-    captures = status.get("captures") or {}
-    detector = status.get("detector") or {}
+    captures = _obj(status.get("captures"))
+    detector = _obj(status.get("detector"))
+    written_bytes = captures.get("bytes")
+    written_mb = written_bytes / 1e6 if _number(written_bytes) else 0.0
     lines.append(
-        f"  anomalous steps {detector.get('anomalous', 0)}, captures written "
-        f"{captures.get('written', 0)} ({(captures.get('bytes') or 0) / 1e6:.1f} MB on rank 0)"
+        f"  anomalous steps {_int(detector.get('anomalous', 0))}, captures written "
+        f"{_int(captures.get('written', 0))} ({written_mb:.1f} MB on rank 0)"
     )
+    if _number(captures.get("errors")) and captures["errors"] > 0:
+        lines.append(f"  captures failed: {_int(captures['errors'])} (capture went on)")
     for key in ("capture_off", "consensus_error"):
         if status.get(key):
-            lines.append(f"  capture stepped aside: {status[key]}")
-    recent = status.get("recent_ms") or {}
-    order = [str(r) for r in status.get("slowest_ranks") or []] + sorted(recent, key=int)
+            lines.append(f"  capture stepped aside: {str(status[key])[:500]}")
+    recent = {
+        str(rank): times
+        for rank, times in list(_obj(status.get("recent_ms")).items())[:MAX_RANKS_SHOWN]
+        if str(rank).isdigit() and len(str(rank)) < 10 and isinstance(times, list)
+    }
+    slowest = status.get("slowest_ranks")
+    slowest = slowest[:MAX_RANKS_SHOWN] if isinstance(slowest, list) else []
+    order = [str(r) for r in slowest if isinstance(r, int)] + sorted(recent, key=int)
     seen: list[str] = []
     for rank in order:
         if rank in recent and rank not in seen:
@@ -66,21 +82,44 @@ def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
     if seen:
         lines.append("  recent step times (ms), slowest ranks first:")
         rows = [
-            [f"rank {rank}"] + [("-" if t is None else f"{t:.1f}") for t in recent[rank][-8:]]
+            [f"rank {rank}"] + [(f"{t:.1f}" if _number(t) else "-") for t in recent[rank][-8:]]
             for rank in seen[:16]
         ]
-        lines += ["    " + line for line in table([""] * len(rows[0]), rows)[1:]]
+        width = max(len(row) for row in rows)
+        rows = [row + [""] * (width - len(row)) for row in rows]
+        lines += ["    " + line for line in table([""] * width, rows)[1:]]
     return "\n".join(lines) + "\n"
 
 
+MAX_RANKS_SHOWN = 4096
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value: Any) -> TypeGuard[float]:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and -1e15 < value < 1e15  # also refuses NaN and integers too large for a float
+    )
+
+
+def _int(value: Any) -> str:
+    return str(int(value)) if _number(value) else "-"
+
+
 def _ms(value: Any) -> str:
-    return f"{value:.1f} ms" if isinstance(value, (int, float)) else "-"
+    return f"{value:.1f} ms" if _number(value) else "-"
 
 
 def request_capture(run_dir: str, n_steps: int, ranks_text: str | None, timeout_s: float) -> int:
     """Ask the live job in `run_dir` to capture its next `n_steps` steps on the ranks named
     by `ranks_text`, wait for every file and print their paths; returns the exit status
     (CaptureRequestError when refused, stopped or timed out)."""
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise CaptureRequestError(f"--timeout must be a positive number of seconds: {timeout_s}")
     run = RunDir.open(run_dir)
     status = read_status(run)
     if not job_alive(status):
@@ -88,29 +127,56 @@ def request_capture(run_dir: str, n_steps: int, ranks_text: str | None, timeout_
         raise CaptureRequestError(f"{run.path}: the job is not running ({state}); nothing to ask")
     assert status is not None
     ranges = parse_ranks(ranks_text)
-    world_size = int(status.get("world_size") or 1)
+    world_size = world_size_of(dict(status))
     validate_request(n_steps, ranges, world_size)
     request_id = submit_request(run, n_steps, ranges)
     deadline = time.monotonic() + timeout_s
     response = _wait_response(run, request_id, deadline)
     if response.get("status") != "accepted":
-        raise CaptureRequestError(f"request refused by the job: {response.get('reason')}")
-    steps = [int(s) for s in response.get("steps", [])]
+        raise CaptureRequestError(
+            f"request refused by the job: {str(response.get('reason'))[:500]}"
+        )
+    steps, ranks = _accepted(response, world_size)
     ranks_field = response.get("ranks")
-    if ranks_field == "all" or not isinstance(ranks_field, list):
-        ranks = list(range(world_size))
-    else:
-        ranks = [int(r) for r in ranks_field]
     print(
         f"job accepted: capturing step(s) {steps[0]}-{steps[-1]} on rank(s) "
         f"{'all' if ranks_field == 'all' else ','.join(map(str, ranks))}; waiting for the files",
         flush=True,
     )
-    written = _wait_files(run, str(response.get("request")), steps, ranks, deadline)
+    number = response.get("request")
+    if not isinstance(number, str) or len(number) > 64:
+        raise CaptureRequestError("the job's response is malformed (request)")
+    written = _wait_files(run, number, steps, ranks, deadline)
     for step in steps:
         for rank in ranks:
-            print(f"step {step} rank {rank}: {run.path / written[(step, rank)]}")
+            print(terminal_safe(f"step {step} rank {rank}: {run.path / written[(step, rank)]}"))
     return 0
+
+
+def _accepted(response: dict[str, Any], world_size: int) -> tuple[list[int], list[int]]:
+    """The steps and ranks of an accepted response, checked (CaptureRequestError when the
+    file is not what a job writes)."""
+    steps = response.get("steps")
+    if not (
+        isinstance(steps, list)
+        and 0 < len(steps) <= MAX_REQUEST_STEPS
+        and all(_is_count(s, 2**53) for s in steps)
+    ):
+        raise CaptureRequestError("the job's response is malformed (steps)")
+    ranks_field = response.get("ranks")
+    if ranks_field == "all":
+        return steps, list(range(world_size))
+    if not (
+        isinstance(ranks_field, list)
+        and 0 < len(ranks_field) <= world_size
+        and all(_is_count(r, world_size) for r in ranks_field)
+    ):
+        raise CaptureRequestError("the job's response is malformed (ranks)")
+    return steps, ranks_field
+
+
+def _is_count(value: Any, limit: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < limit
 
 
 def _wait_response(run: RunDir, request_id: str, deadline: float) -> dict[str, Any]:

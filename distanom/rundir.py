@@ -18,8 +18,13 @@
 ```
 
 Each rank writes only its own files; shared files (index.jsonl) are appended under a
-`filelock`. Every other write goes to a temporary file in the same directory and is
-renamed into place, so a reader never trusts a half-written file. What each file holds,
+lock file (mode 0600, waited for a bounded time). Every other write goes to a temporary
+file in the same directory and is renamed into place, so a reader never trusts a
+half-written file. The run directory may be shared with other users (docs/trust.md):
+every folder below it is entered without following symlinks and every file is created
+or appended with O_NOFOLLOW (`distanom.safe_io`), so a planted link is refused, never
+written or deleted through; the `.tmp` files a killed writer left are removed by
+`clean_orphans`. What each file holds,
 and how it is read back, is `distanom.records`'. A capture folder every
 rank has taken its files out of (the capture was replaced) is removed by whichever rank
 empties it last: rmdir(2) removes only an empty folder, so no lock is needed. Paths read
@@ -35,18 +40,29 @@ import json
 import math
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from distanom.errors import RunDirError
+from distanom.safe_io import (
+    open_append_at,
+    open_dir,
+    parse_json,
+    read_capped,
+    take_lock,
+    unlink_at,
+    write_atomic,
+    write_atomic_at,
+)
 
 INDEX_NAME = "index.jsonl"
 RUN_JSON = "run.json"
 STATUS_JSON = "status.json"
 LATEST = "latest"
-LOCK_TIMEOUT_S = 30.0
+LOCK_TIMEOUT_S = 5.0  # a real writer holds it for one fsync; longer is someone else
 MAX_JSON_BYTES = 64 * 1024 * 1024
 CAPTURE_DIR_ATTEMPTS = 10  # another rank removing an emptied capture folder meanwhile
 # what `distanom report` writes into a capture folder: regenerated on demand, so a folder
@@ -54,6 +70,11 @@ CAPTURE_DIR_ATTEMPTS = 10  # another rank removing an emptied capture folder mea
 REPORT_OUTPUTS = frozenset({"summary.json", "merged.trace.json.gz"})
 # a folder removed by another rank (ESTALE: by another node over NFS) while making it
 _FOLDER_RACE_ERRNOS = (errno.ENOENT, errno.EEXIST, errno.ESTALE)
+
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_ORPHAN = re.compile(r"^\..+\.tmp$")
+MAX_ORPHAN_FOLDERS = 10_000
 
 
 class CaptureFolderContendedError(RunDirError):
@@ -119,21 +140,9 @@ def json_number(value: float | None, digits: int = 4) -> float | None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a fsynced temporary file renamed into place."""
-    import tempfile  # here, not at the top: `distanom analyze` starts faster without it
-
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp, FILE_MODE)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
+    """Write `data` to `path` through a fsynced temporary file renamed into place; the
+    folder's last component must not be a symlink (UnsafePathError, never followed)."""
+    write_atomic(path, data, FILE_MODE)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -141,15 +150,16 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode())
 
 
-def read_json(path: Path) -> Any:
-    """Read a small JSON file written by distanom; RunDirError on damage."""
+def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """Read a small JSON file written by distanom (a regular file, at most `max_bytes`,
+    nested at most MAX_JSON_DEPTH); RunDirError naming the file on any damage."""
     try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise RunDirError(f"{path}: larger than {MAX_JSON_BYTES} bytes")
-        return json.loads(path.read_text(encoding="utf-8"))
+        return parse_json(read_capped(path, max_bytes))
     except FileNotFoundError:
         raise RunDirError(f"{path}: missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except UnicodeDecodeError as err:
+        raise RunDirError(f"{path}: damaged JSON ({err.reason})") from None
+    except ValueError as err:
         raise RunDirError(f"{path}: damaged JSON ({err})") from None
     except OSError as err:
         raise RunDirError(f"{path}: cannot read: {err.strerror}") from None
@@ -249,14 +259,15 @@ class RunDir:
         keeps it non-empty. The folder is then made again; once the temporary file exists,
         no rank can remove it.
         """
+        parts = self._parts(path.parent)
         for attempt in range(CAPTURE_DIR_ATTEMPTS):
             if not self.path.is_dir():
                 raise RunDirError(f"{self.path}: run directory vanished")
             try:
-                path.parent.parent.mkdir(exist_ok=True)
-                # FileExistsError: it existed, then was removed before mkdir could tell
-                path.parent.mkdir(exist_ok=True)
-                write_bytes_atomic(path, data)
+                # every folder below the run directory made here and never followed if a
+                # link; FileExistsError: it existed, then was removed before mkdir could tell
+                with open_dir(self.path, parts, create=True) as folder:
+                    write_atomic_at(folder, path.name, data, FILE_MODE)
                 return
             except OSError as err:
                 if err.errno not in _FOLDER_RACE_ERRNOS:
@@ -279,15 +290,17 @@ class RunDir:
         """
         folder = self.capture_dir(step)
         try:
-            names = set(os.listdir(folder))
+            with open_dir(self.path, self._parts(folder)) as fd:
+                names = set(os.listdir(fd))
+                if names and names <= REPORT_OUTPUTS:
+                    # a rank writing meanwhile adds a temporary file: rmdir fails
+                    for name in names:
+                        unlink_at(fd, name)
         except FileNotFoundError:
             return False
-        if names and names <= REPORT_OUTPUTS:
-            for name in names:  # a rank writing meanwhile adds a temporary file: rmdir fails
-                with contextlib.suppress(FileNotFoundError):
-                    (folder / name).unlink()
         try:
-            os.rmdir(folder)
+            with open_dir(self.path, self._parts(folder.parent)) as fd:
+                os.rmdir(folder.name, dir_fd=fd)
         except FileNotFoundError:
             return False
         except OSError as err:
@@ -295,6 +308,53 @@ class RunDir:
                 return False
             raise
         return True
+
+    def remove_rank_files(self, step: int, rank: int) -> int:
+        """Remove rank `rank`'s files of captures/step_<step> (a link there is removed
+        itself, never followed); the size of its trace removed (0 when none)."""
+        folder = self.capture_dir(step)
+        removed = 0
+        try:
+            with open_dir(self.path, self._parts(folder)) as fd:
+                for path in self.rank_capture_files(step, rank):
+                    size = unlink_at(fd, path.name)
+                    if size is not None and path.name.endswith(".trace.json.gz"):
+                        removed = size
+        except FileNotFoundError:
+            return 0
+        return removed
+
+    def _parts(self, folder: Path) -> tuple[str, ...]:
+        """The components of `folder` below the run directory."""
+        return folder.relative_to(self.path).parts
+
+    def open_steps_file(self, rank: int) -> int:
+        """A descriptor appending to rank `rank`'s steps file (steps/ made if missing,
+        neither it nor the file followed if a link)."""
+        path = self.steps_csv(rank)
+        with open_dir(self.path, self._parts(path.parent), create=True) as folder:
+            return open_append_at(folder, path.name, FILE_MODE)
+
+    def clean_orphans(self, min_age_s: float, now: float | None = None) -> list[str]:
+        """Remove the temporary files (`.*.tmp`) a killed writer left in the run
+        directory, requests/ and captures/step_*/ once older than `min_age_s` (a live
+        writer's are seconds old); their paths relative to the run directory. Links are
+        never followed; at most MAX_ORPHAN_FOLDERS capture folders are looked at."""
+        now = time.time() if now is None else now
+        removed: list[str] = []
+        folders: list[tuple[str, ...]] = [(), ("requests",)]
+        with contextlib.suppress(OSError), open_dir(self.path, ("captures",)) as fd:
+            names = [n for n in os.listdir(fd) if _STEP_DIR.match(n)]
+            folders += [("captures", n) for n in names[:MAX_ORPHAN_FOLDERS]]
+        for parts in folders:
+            with contextlib.suppress(OSError), open_dir(self.path, parts) as fd:
+                for name in os.listdir(fd):
+                    if not _ORPHAN.match(name):
+                        continue
+                    info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    if now - info.st_mtime >= min_age_s and unlink_at(fd, name) is not None:
+                        removed.append("/".join((*parts, name)))
+        return removed
 
     def relative(self, path: Path) -> str:
         """`path` relative to the run directory."""
@@ -312,24 +372,24 @@ class RunDir:
     def append_index(self, record: Mapping[str, Any]) -> None:
         """Append one JSON line (sorted keys) to index.jsonl under the run's file lock,
         fsynced; the schema of a line is `distanom.records.index`'."""
-        import filelock  # only writers need it; readers (the report) start faster
-
         line = json.dumps(record, sort_keys=True, allow_nan=False)
-        lock = filelock.FileLock(str(self.index_path) + ".lock", timeout=LOCK_TIMEOUT_S)
-        with lock:
-            fd = os.open(self.index_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
+        # the lock is mode 0600 and never a link: nobody else can open it to hold it; a
+        # lock held past LOCK_TIMEOUT_S fails this write (TimeoutError), never hangs it
+        with open_dir(self.path) as folder:
+            lock = take_lock(folder, INDEX_NAME + ".lock", LOCK_TIMEOUT_S)
             try:
-                size = os.fstat(fd).st_size
-                # a writer killed mid-line left no newline: start a fresh line so the torn
-                # record stays the only casualty
-                torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
-                os.write(fd, (("\n" if torn else "") + line + "\n").encode())
-                os.fsync(fd)
+                fd = open_append_at(folder, INDEX_NAME, FILE_MODE, read=True)
+                try:
+                    size = os.fstat(fd).st_size
+                    # a writer killed mid-line left no newline: start a fresh line so the
+                    # torn record stays the only casualty
+                    torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+                    os.write(fd, (("\n" if torn else "") + line + "\n").encode())
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             finally:
-                os.close(fd)
-
-
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+                os.close(lock)
 
 
 def capture_steps_on_disk(run: RunDir) -> list[int]:

@@ -141,12 +141,12 @@ def _step_times(series: StepSeries, detect: Mapping[str, Any]) -> StepTimes:
 
 
 def _state(status: dict[str, Any]) -> str:
-    from distanom.records.status import job_alive
+    from distanom.records.status import job_alive, stale_since
 
     if not status:
         return "unknown"
     if status.get("state") == "running" and not job_alive(status):
-        return "stopped (no heartbeat)"
+        return f"stopped ({stale_since(status)})"
     return str(status.get("state"))
 
 

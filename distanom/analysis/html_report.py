@@ -214,7 +214,8 @@ def _bars(capture: Capture) -> _Bars | None:
         if rows is None:
             continue
         host = entry.host
-        labels.append(f"rank {rank}" + (f" ({host})" if host else ""))
+        # a `$` would start matplotlib mathtext (a crash on `$\frac{1}{$`): shown as is
+        labels.append(f"rank {rank}" + (f" ({host})" if host else "").replace("$", r"\$"))
         bar = {part: max(0.0, rows[part]) for part in PARTS}
         bar[OUTSIDE] = entry.outside_ms or 0.0
         values.append(bar)

@@ -3,25 +3,36 @@
 The index is folded into the current state (a file written, then perhaps dropped when a
 more severe capture replaced it); every path read from it is resolved inside the run
 directory. Damage (a corrupt index line, a missing trace, a rank that never wrote its
-file) is collected as `problems` next to what could be read, never raised, so a report
-of a damaged run still shows everything that survived. No torch here.
+file, a trace on disk the index does not name, a field of run.json or status.json of
+the wrong type) is collected as `problems` next to what could be read, never raised, so
+a report of a damaged run still shows everything that survived. Once the job is gone,
+the temporary files its killed writers left are removed (`RunDir.clean_orphans`). No
+torch here.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from distanom.analysis.run_checks import RUN_FIELDS, STATUS_FIELDS, checked
 from distanom.detect import StepSample
 from distanom.errors import RunDirError
 from distanom.records.index import IndexRecord, read_index
 from distanom.records.requests import accepted_ranks
-from distanom.records.run_info import hosts_of, load_run_info, world_size_of
-from distanom.records.status import load_status
+from distanom.records.run_info import hosts_of, load_run_info, world_size_of, world_size_problem
+from distanom.records.status import job_alive, load_status
 from distanom.records.steps import read_steps
 from distanom.rundir import RunDir, capture_steps_on_disk
+
+ORPHAN_AGE_S = 60.0  # a live writer's temporary file is seconds old
+MAX_LISTED = 1_000_000  # directory entries looked at
+_RANK_TRACE = re.compile(r"^rank(\d+)\.trace\.json\.gz$")
+_RANK_STEPS = re.compile(r"^rank(\d+)\.csv$")
 
 __all__ = [
     "CaptureInfo",
@@ -146,17 +157,27 @@ def load_run(path: str) -> RunData:
     problems: list[str] = []
     info: dict[str, Any]
     try:
-        info = cast(dict[str, Any], load_run_info(run))
+        info = checked(cast(dict[str, Any], load_run_info(run)), RUN_FIELDS, run.run_json, problems)
     except RunDirError as err:
         problems.append(str(err))
         info = {}
+    size_problem = world_size_problem(info)
+    if size_problem is not None:
+        problems.append(f"{run.run_json}: {size_problem}")
     status: dict[str, Any] | None
     try:
         loaded = load_status(run)
         status = cast(dict[str, Any], loaded) if loaded is not None else None
+        if status is not None:
+            status = checked(status, STATUS_FIELDS, run.status_json, problems)
     except RunDirError as err:
         problems.append(str(err))
         status = None
+    if not job_alive(status):  # the job is gone: what its killed writers left goes
+        removed = run.clean_orphans(ORPHAN_AGE_S)
+        if removed:
+            shown = ", ".join(removed[:5]) + (", ..." if len(removed) > 5 else "")
+            problems.append(f"removed {len(removed)} temporary file(s) of a killed writer: {shown}")
     data = RunData(run, info, status, [], problems)
     data.captures = _fold_index(data)
     return data
@@ -224,7 +245,23 @@ def _fold_index(data: RunData) -> list[CaptureInfo]:
     for step in sorted(on_disk):
         if any(run.capture_dir(step).glob("rank*.trace.json.gz")):
             data.problems.append(f"step {step}: trace files on disk but not in the index")
+    for info in kept:  # a rank killed between writing its trace and indexing it
+        for rank in _ranks_on_disk(run, info.step):
+            if rank not in info.ranks:
+                data.problems.append(
+                    f"step {info.step} rank {rank}: trace file on disk but not in the index"
+                )
     return sorted(kept, key=lambda info: info.step)
+
+
+def _ranks_on_disk(run: RunDir, step: int) -> list[int]:
+    """Ranks with a trace file in captures/step_<step> (at most MAX_LISTED looked at)."""
+    ranks = []
+    for path in itertools.islice(run.capture_dir(step).glob("rank*.trace.json.gz"), MAX_LISTED):
+        match = _RANK_TRACE.match(path.name)
+        if match and len(match.group(1)) < 9:
+            ranks.append(int(match.group(1)))
+    return sorted(ranks)
 
 
 def _expected_ranks(data: RunData, info: CaptureInfo, records: list[IndexRecord]) -> list[int]:
@@ -238,17 +275,33 @@ def _expected_ranks(data: RunData, info: CaptureInfo, records: list[IndexRecord]
     return list(range(data.world_size))
 
 
+def _step_files(data: RunData) -> list[int]:
+    """Ranks of the world with a steps file, found by listing steps/ (never by probing
+    each rank of a world size read from a file)."""
+    folder = data.run.path / "steps"
+    if not folder.is_dir():
+        return []
+    ranks = []
+    for path in itertools.islice(folder.iterdir(), MAX_LISTED):
+        match = _RANK_STEPS.match(path.name)
+        if match and len(match.group(1)) < 9 and int(match.group(1)) < data.world_size:
+            ranks.append(int(match.group(1)))
+    return sorted(ranks)
+
+
 def load_steps(data: RunData) -> StepSeries:
     """Every rank's steps/rank<R>.csv, aligned by step; damaged rows become problems."""
     per_rank_rows: dict[int, dict[int, tuple[float, bool, bool, float]]] = {}
     collections: dict[int, dict[int, tuple[float, int]]] = {}
-    for rank in range(data.world_size):
+    for rank in _step_files(data):
         path = data.run.steps_csv(rank)
-        if not path.exists():
-            continue
         rows: dict[int, tuple[float, bool, bool, float]] = {}
         pauses: dict[int, tuple[float, int]] = {}
-        read = read_steps(path)
+        try:
+            read = read_steps(path)
+        except OSError as err:
+            data.problems.append(f"{data.run.relative(path)}: cannot be read ({err.strerror})")
+            continue
         for row in read.rows:
             rows[row.step] = (row.duration_ms, row.traced, row.after_flush, row.self_ms)
             pause = row.gc_pause

@@ -15,6 +15,9 @@ atomically: temp file in the same directory, then `os.replace`).
 Missing values: a kernel without `args.stream` has stream None, an unlinked kernel has
 category None, and an undefined percentage (0/0) is `float("nan")`. In CSV both None
 and NaN are an empty cell (as pandas writes them); in JSON (`jsonable`) both are null.
+A text cell starting with = + - @ (a spreadsheet formula) is written with a leading `'`
+and read back without it (`distanom.sanitize`); numbers and ordinary names are as
+TraceLens writes them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 from distanom.analysis.trace_io import Trace
 from distanom.errors import TraceFormatError
 from distanom.rundir import write_bytes_atomic
+from distanom.sanitize import spreadsheet_safe, spreadsheet_text
 
 __all__ = [
     "HOST_COMM_KEYWORDS",
@@ -397,6 +401,8 @@ def _cell(value: Any) -> str:
         return ""
     if isinstance(value, float):
         return repr(value) if math.isfinite(value) else ("" if math.isnan(value) else repr(value))
+    if isinstance(value, str):  # names come from the trace: never a live formula
+        return spreadsheet_safe(value)
     return str(value)
 
 
@@ -524,8 +530,8 @@ def read_kernel_summary_csv(path: str | os.PathLike[str]) -> list[dict[str, Any]
             elif column in _FLOAT_COLUMNS:
                 row[column] = _float_cell(path, text, column)
             elif column == "Kernel name":
-                row[column] = text
+                row[column] = spreadsheet_text(text)
             else:
-                row[column] = text or None
+                row[column] = spreadsheet_text(text) or None
         rows.append(row)
     return rows

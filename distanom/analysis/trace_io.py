@@ -25,7 +25,6 @@ import contextlib
 import gc
 import gzip
 import json
-import math
 import os
 import threading
 import zlib
@@ -175,6 +174,23 @@ def _gunzip_capped(path: Path, raw: Any, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
+PARSE_MEMORY_FACTOR = 30
+"""Memory a parsed trace takes per byte of JSON text (Python objects per event, measured
+~29x on Kineto traces)."""
+
+
+def available_memory() -> int:
+    """Bytes of memory available to parse into (Linux MemAvailable; 2**62 when unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 2**62
+
+
 def _reject_constant(token: str) -> Any:
     raise ValueError(f"non-standard JSON constant {token}")
 
@@ -189,7 +205,22 @@ def _parse_json(text: bytes) -> Any:
             return _orjson.loads(text)
         except _orjson.JSONDecodeError:
             pass
-    return json.loads(text, parse_constant=_reject_constant)
+    doc = json.loads(text, parse_constant=_reject_constant)
+    _refuse_huge_times(doc)  # only this parser reads integers beyond 64 bits
+    return doc
+
+
+def _refuse_huge_times(doc: Any) -> None:
+    """ValueError when an event's ts or dur is an integer beyond 64 bits: no float holds
+    it, so every later sum with it would overflow."""
+    events = doc.get("traceEvents") if isinstance(doc, dict) else None
+    for event in events if isinstance(events, list) else ():
+        if not isinstance(event, dict):
+            continue
+        for key in ("ts", "dur"):
+            value = event.get(key)
+            if type(value) is int and not -(2**63) <= value < 2**63:
+                raise ValueError(f"an event's {key} is an integer beyond 64 bits")
 
 
 def read_trace_document(
@@ -199,13 +230,29 @@ def read_trace_document(
 
     Gzip is detected by its magic bytes, so a gzipped file named `.json` works too.
     Raises `TraceFormatError` when the file is missing, truncated or damaged gzip, larger
-    than `max_bytes` once decompressed, not JSON (NaN/Infinity included), not an object,
-    or has no `traceEvents` list.
+    than `max_bytes` once decompressed or than this machine's memory can parse, not JSON
+    (NaN/Infinity included), not an object, or has no `traceEvents` list. A
+    `baseTimeNanoseconds` outside 0..2**63 is dropped.
     """
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     p = Path(path)
-    text, is_gzip = _read_capped(p, max_bytes)
+    # parsing needs ~PARSE_MEMORY_FACTOR times the text: refuse before reading (or
+    # decompressing) a text this machine cannot parse
+    room = available_memory() // PARSE_MEMORY_FACTOR
+    if room < max_bytes:
+        try:
+            text, is_gzip = _read_capped(p, room)
+        except TraceFormatError as err:
+            if "larger than" in str(err) or "decompresses to more" in str(err):
+                raise _fail(
+                    p,
+                    f"too large to parse here: more than {room} bytes of JSON need more than "
+                    f"~{room * PARSE_MEMORY_FACTOR / 1e9:.1f} GB, the memory available",
+                ) from None
+            raise
+    else:
+        text, is_gzip = _read_capped(p, max_bytes)
     try:
         with _gc_paused():
             doc = _parse_json(text)
@@ -222,6 +269,8 @@ def read_trace_document(
         raise _fail(p, f"top level is a JSON {_json_type(doc)}, not an object")
     if not isinstance(doc.get("traceEvents"), list):
         raise _fail(p, "no 'traceEvents' list at the top level")
+    if "baseTimeNanoseconds" in doc and _base_time(doc["baseTimeNanoseconds"]) is None:
+        del doc["baseTimeNanoseconds"]  # implausible (e.g. 400 digits): as if absent
     return doc
 
 
@@ -287,6 +336,12 @@ def _optional_int(value: Any) -> int | None:
     return None
 
 
+def _base_time(value: Any) -> int | None:
+    """`baseTimeNanoseconds` when a plausible Unix time in ns (0..2**63), else None."""
+    base = _optional_int(value)
+    return base if base is not None and 0 <= base < 2**63 else None
+
+
 def _place(value: Any) -> int | str:
     """A pid/tid as int or str (anything else is stringified)."""
     if isinstance(value, (int, str)) and not isinstance(value, bool):
@@ -295,8 +350,18 @@ def _place(value: Any) -> int | str:
 
 
 def is_finite_number(value: Any) -> TypeGuard[float]:
-    """A finite JSON number (bool excluded)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite JSON number (bool excluded) within ±MAX_TIME_US (an integer too large for
+    a float, e.g. 400 digits, is not)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and -MAX_TIME_US <= value <= MAX_TIME_US
+    )
+
+
+MAX_TIME_US = 1e17
+"""Largest |ts| or dur accepted (µs, ~3,000 years): Unix-epoch µs are ~1.8e15; a larger
+value is damage, and sums of two such values stay finite."""
 
 
 def trace_from_document(doc: Mapping[str, Any], source: str) -> Trace:
@@ -346,7 +411,7 @@ def trace_from_document(doc: Mapping[str, Any], source: str) -> Trace:
             _place(e.get("tid")),
         )
         for e in host
-        if is_finite_number(e.get("ts")) and is_finite_number(e.get("dur"))
+        if is_finite_number(e.get("ts")) and is_finite_number(e.get("dur")) and e["dur"] >= 0
     )
     info = doc.get("distributedInfo")
     props = doc.get("deviceProperties")
@@ -355,7 +420,7 @@ def trace_from_document(doc: Mapping[str, Any], source: str) -> Trace:
         gpu_events=gpu_events,
         host_events=host_events,
         distributed_info=info if isinstance(info, dict) else None,
-        base_time_ns=_optional_int(doc.get("baseTimeNanoseconds")),
+        base_time_ns=_base_time(doc.get("baseTimeNanoseconds")),
         device_properties=tuple(p for p in props if isinstance(p, dict))
         if isinstance(props, list)
         else (),
@@ -376,14 +441,13 @@ def _gpu_event(source: str, e: Mapping[str, Any], links: _LinkTables) -> GpuEven
     if not (
         type(ts) in _NUMBER_TYPES
         and type(dur) in _NUMBER_TYPES
-        and dur >= 0
-        and math.isfinite(ts)
-        and math.isfinite(dur)
+        and -MAX_TIME_US <= ts <= MAX_TIME_US
+        and 0 <= dur <= MAX_TIME_US
     ):
         raise _fail(
             source,
             f"{e.get('cat')} event {str(e.get('name'))[:60]!r} has no valid ts/dur "
-            f"(ts={ts!r}, dur={dur!r})",
+            f"(ts={_short(ts)}, dur={_short(dur)})",
         )
     args = e.get("args")
     if type(args) is not dict:
@@ -408,6 +472,15 @@ def _gpu_event(source: str, e: Mapping[str, Any], links: _LinkTables) -> GpuEven
         external_id=external_id if type(external_id) is int else _optional_int(external_id),
         link=links.category(e, correlation if links.key == "correlation" else external_id),
     )
+
+
+def _short(value: Any) -> str:
+    """repr of a value for an error line, at most 40 characters (never a 400-digit int:
+    str() of one that large raises)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
+        return "<integer too large>"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _link_key(runtime: Sequence[Mapping[str, Any]]) -> str:

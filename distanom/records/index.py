@@ -11,15 +11,19 @@ accessors), so one damaged field never hides the rest of a line.
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from distanom.rundir import RunDir
+from distanom.safe_io import open_regular, parse_json
 
 MAX_INDEX_LINE = 64 * 1024  # a longer line is damage, not data
+MAX_INDEX_LINES = 1_000_000  # a line per captured file: far more is damage
+MAX_STEP = 2**53
+MAX_RANK = 2**24
 MAX_COST_MS = 86_400_000.0  # a real cost is a few ms: beyond a day is damage
 
 
@@ -186,16 +190,21 @@ def read_index(run: RunDir) -> tuple[list[IndexRecord], list[IndexProblem]]:
     problems: list[IndexProblem] = []
     if not run.index_path.exists():
         return records, problems
-    for number, raw in enumerate(_lines(run), start=1):
-        if not raw.strip():
-            continue
-        if len(raw) > MAX_INDEX_LINE:
+    try:
+        lines = list(_lines(run, problems))
+    except OSError as err:  # a FIFO, a device or a directory in its place
+        problems.append(IndexProblem(0, f"cannot be read ({err.strerror or err})"))
+        return records, problems
+    for number, raw in lines:
+        if raw is None:
             problems.append(IndexProblem(number, "line too long"))
             continue
+        if not raw.strip():
+            continue
         try:
-            body = json.loads(raw)
-        except json.JSONDecodeError:
-            problems.append(IndexProblem(number, "not JSON (truncated or corrupt)"))
+            body = parse_json(raw)
+        except ValueError:
+            problems.append(IndexProblem(number, "not JSON (truncated, corrupt or too deep)"))
             continue
         record = _valid(body)
         if record is None:
@@ -205,17 +214,32 @@ def read_index(run: RunDir) -> tuple[list[IndexRecord], list[IndexProblem]]:
     return records, problems
 
 
-def _lines(run: RunDir) -> Iterator[str]:
-    with open(run.index_path, "rb") as handle:
-        for raw in handle:
-            yield raw.decode("utf-8", errors="replace")
+def _lines(run: RunDir, problems: list[IndexProblem]) -> Iterator[tuple[int, bytes | None]]:
+    """(number, line) for each line, at most MAX_INDEX_LINES; a line over MAX_INDEX_LINE
+    is skipped in chunks, never held whole, and given as None."""
+    with os.fdopen(open_regular(run.index_path), "rb") as handle:
+        number = 0
+        while True:
+            raw = handle.readline(MAX_INDEX_LINE + 1)
+            if not raw:
+                return
+            number += 1
+            if number > MAX_INDEX_LINES:
+                problems.append(IndexProblem(number, f"more than {MAX_INDEX_LINES} lines"))
+                return
+            if len(raw) > MAX_INDEX_LINE:
+                while raw and not raw.endswith(b"\n"):
+                    raw = handle.readline(MAX_INDEX_LINE + 1)
+                yield number, None
+                continue
+            yield number, raw
 
 
 def _valid(body: Any) -> IndexRecord | None:
     if not isinstance(body, dict):
         return None
     step, rank, event = _int(body.get("step")), _int(body.get("rank")), body.get("event")
-    if step is None or step < 0 or rank is None or rank < 0:
+    if step is None or not 0 <= step < MAX_STEP or rank is None or not 0 <= rank < MAX_RANK:
         return None
     if event not in ("written", "dropped"):
         return None

@@ -12,6 +12,8 @@ from typing import Any, TypedDict
 from distanom.errors import RunDirError
 from distanom.rundir import RunDir, read_json, write_json_atomic
 
+MAX_WORLD_SIZE = 1 << 17  # far beyond any job; larger is damage (a report would loop on it)
+
 
 class RunInfo(TypedDict, total=False):
     """The body of run.json (keys in the order written)."""
@@ -65,12 +67,25 @@ def load_run_info(run: RunDir) -> RunInfo:
 
 
 def world_size_of(info: RunInfo | dict[str, Any]) -> int:
-    """The run's world size, 1 when absent or damaged."""
+    """The run's world size, 1 when absent or damaged (not an integer, or outside
+    1..MAX_WORLD_SIZE)."""
     size = info.get("world_size")
-    return size if isinstance(size, int) and size > 0 else 1
+    valid = isinstance(size, int) and not isinstance(size, bool) and 0 < size <= MAX_WORLD_SIZE
+    return size if valid else 1  # type: ignore[return-value]
+
+
+def world_size_problem(info: RunInfo | dict[str, Any]) -> str | None:
+    """What is wrong with run.json's world_size, None when it is valid or absent."""
+    size = info.get("world_size")
+    if size is None or world_size_of(info) == size:
+        return None
+    shown = repr(size) if len(repr(size)) < 40 else repr(size)[:40] + "..."
+    return f"world_size {shown} is not an integer in 1..{MAX_WORLD_SIZE}; read as 1"
 
 
 def hosts_of(info: RunInfo | dict[str, Any]) -> list[str]:
     """The host of each rank, [] when absent or damaged."""
     hosts = info.get("hosts")
-    return [str(h) for h in hosts] if isinstance(hosts, list) else []
+    if not isinstance(hosts, list):
+        return []
+    return [h if isinstance(h, str) else str(h)[:200] for h in hosts[:MAX_WORLD_SIZE]]

@@ -9,14 +9,19 @@ written before the last columns existed still read: missing columns read as 0 / 
 
 from __future__ import annotations
 
-import csv
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from distanom.rundir import FILE_MODE
+from distanom.safe_io import open_append_at, open_dir, open_regular
+
 STEPS_CSV_HEADER = "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen\n"
 MAX_STEP_ROWS = 10_000_000  # a steps file is one short line per step
+MAX_STEP = 2**53  # a step number a float still holds exactly; beyond is damage
+MAX_ROW_CHARS = 1024  # a longer row is damage, skipped without reading it whole
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +57,10 @@ class StepsWriter:
     """
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(exist_ok=True)
-        self._file: IO[str] = open(path, "a", encoding="ascii")  # noqa: SIM115
+        # the folder (made if missing) and the file are never followed if links
+        with open_dir(path.parent.parent, (path.parent.name,), create=True) as folder:
+            fd = open_append_at(folder, path.name, FILE_MODE)
+        self._file: IO[str] = os.fdopen(fd, "a", encoding="ascii")
         if self._file.tell() == 0:
             self._file.write(STEPS_CSV_HEADER)
 
@@ -85,14 +92,29 @@ def read_steps(path: Path) -> StepsFile:
     The header (first line) and rows past `MAX_STEP_ROWS` are skipped. A row needs a step
     and a duration; flags read as set only when exactly 1; a missing self_ms reads as 0;
     garbage collection columns that are missing, unreadable, not finite or not positive
-    read as none.
+    read as none. Rows longer than MAX_ROW_CHARS, steps out of range and times that are
+    not finite count as damaged. OSError when the file cannot be opened or is not a
+    regular file (a FIFO or a device is refused without blocking).
     """
     rows: list[StepRow] = []
     bad = 0
-    with open(path, encoding="ascii", errors="replace", newline="") as handle:
-        for number, row in enumerate(csv.reader(handle)):
+    fd = open_regular(path)  # a FIFO or a device in its place: OSError, never a hang
+    with os.fdopen(fd, encoding="ascii", errors="replace", newline="") as handle:
+        number = -1
+        while True:
+            line = handle.readline(MAX_ROW_CHARS + 1)
+            if not line:
+                break
+            number += 1
+            if len(line) > MAX_ROW_CHARS:  # damage: skip the rest of the line unread
+                while line and not line.endswith("\n"):
+                    line = handle.readline(MAX_ROW_CHARS + 1)
+                bad += number > 0
+                continue
             if number == 0 or number > MAX_STEP_ROWS:
                 continue
+            # rows are written unquoted: a comma split reads them as csv would
+            row = line.rstrip("\r\n").split(",")
             try:
                 after = len(row) > 3 and row[3].strip() == "1"
                 spent = float(row[4]) if len(row) > 4 else 0.0
@@ -100,6 +122,9 @@ def read_steps(path: Path) -> StepsFile:
                 duration = float(row[1])
                 traced = row[2].strip() == "1"
             except (ValueError, IndexError):
+                bad += 1
+                continue
+            if not (0 <= step < MAX_STEP and math.isfinite(duration) and math.isfinite(spent)):
                 bad += 1
                 continue
             gc_ms, gc_generation = _gc_pause(row)

@@ -15,7 +15,7 @@ the capture thread and the step is cut out of it:
 Step intervals come from `mark_step`'s host timestamps (`time.time_ns()`, the clock
 Kineto's `baseTimeNanoseconds` + `ts` uses). Costs: Kineto records every runtime call,
 so on kernel-dense GPU steps it is the expensive backend (see reference measurements).
-With CUDA activities a window is written to a private temporary file as soon as its
+With CUDA activities a window is written to a private (0700) temporary folder as soon as its
 cycle ends: exported after the next cycle has started, torch can give its GPU and
 runtime events timestamps near zero instead of Unix-epoch times (docs/cupti.md), which
 no cut can use. Without CUDA the export waits until a capture needs it.
@@ -227,7 +227,7 @@ class KinetoTracer:
             end_ns = start_ns + mono_ns
         documents = []
         for window in windows:
-            window.document = window.document or _load(window)
+            window.document = window.document or _load(window, self._scratch())
             documents.append(window.document)  # kept: a second cut from it is cheap
         trace = cut_step(documents, step, start_ns, end_ns)
         if jumped:
@@ -235,7 +235,9 @@ class KinetoTracer:
         return trace
 
     def _scratch(self) -> str:
-        """A private folder for window files, removed at close."""
+        """A private folder (mode 0700) for window files, removed at close. Every export
+        goes here, never to the shared temporary folder: torch writes `<name>.tmp` beside
+        the file and follows a link planted there (docs/trust.md)."""
         if self._scratch_dir is None:
             self._scratch_dir = tempfile.mkdtemp(prefix="distanom-kineto-")
         return self._scratch_dir
@@ -267,12 +269,13 @@ def _save(results: Any, folder: str) -> str:
     return path
 
 
-def _load(window: _Window) -> dict[str, Any]:
-    """The parsed export of a window (written now if its cycle did not write it)."""
+def _load(window: _Window, folder: str) -> dict[str, Any]:
+    """The parsed export of a window (written now into the private `folder` if its cycle
+    did not write it)."""
     path = window.saved
     temporary = path is None
     if path is None:
-        path = _save(window.results, tempfile.gettempdir())
+        path = _save(window.results, folder)
     try:
         with open(path, encoding="utf-8") as handle:
             document: dict[str, Any] = json.load(handle)

@@ -167,14 +167,16 @@ def test_a_write_that_fails_leaves_no_empty_folder(
 ) -> None:
     run = RunDir(create_run(tmp_path, "fail"))
 
-    def full_disk(path: Path, data: bytes) -> None:
+    def full_disk(folder: int, name: str, data: bytes, mode: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(rundir, "write_bytes_atomic", full_disk)
+    monkeypatch.setattr(rundir, "write_atomic_at", full_disk)
     worker = rank_worker(run, 0, 1)
     worker.submit([reference(26)])
     worker.close(5.0)
-    assert not worker.active and "No space left" in str(worker.stats.failed)
+    # the failure is counted and said; capture stays on for the next one
+    assert worker.active and worker.stats.errors == 1
+    assert "No space left" in str(worker.stats.last_error)
     assert step_dirs(run) == {}
 
 
@@ -255,11 +257,11 @@ def test_a_folder_that_keeps_vanishing_misses_one_capture_not_all(
     run = RunDir(create_run(tmp_path, "contended"))
     attempts: list[Path] = []
 
-    def removed_under_us(path: Path, data: bytes) -> None:
-        attempts.append(path)
-        raise FileNotFoundError(2, "No such file or directory", str(path.parent))
+    def removed_under_us(folder: int, name: str, data: bytes, mode: int) -> None:
+        attempts.append(Path(name))
+        raise FileNotFoundError(2, "No such file or directory", name)
 
-    monkeypatch.setattr(rundir, "write_bytes_atomic", removed_under_us)
+    monkeypatch.setattr(rundir, "write_atomic_at", removed_under_us)
     worker = rank_worker(run, 0, 1)
     worker.submit([reference(26)])
     worker.close(5.0)

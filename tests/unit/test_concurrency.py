@@ -142,16 +142,16 @@ def test_capture_file_write_survives_its_folder_removed_meanwhile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = RunDir(create_run(tmp_path, None))
-    real = rundir.write_bytes_atomic
+    real = rundir.write_atomic_at
     calls = []
 
-    def other_rank_removes_it_first(path: Path, data: bytes) -> None:
-        calls.append(path)
+    def other_rank_removes_it_first(folder: int, name: str, data: bytes, mode: int) -> None:
+        calls.append(name)
         if len(calls) == 1:  # after our mkdir, before our temporary file
             assert run.remove_capture_dir_if_empty(7)
-        real(path, data)
+        real(folder, name, data, mode)
 
-    monkeypatch.setattr(rundir, "write_bytes_atomic", other_rank_removes_it_first)
+    monkeypatch.setattr(rundir, "write_atomic_at", other_rank_removes_it_first)
     run.write_capture_file(run.trace_path(7, 1), b"trace")
     assert len(calls) == 2 and run.trace_path(7, 1).read_bytes() == b"trace"
     assert not run.remove_capture_dir_if_empty(7)  # not empty: kept
