@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from distanom.analysis.hangs import hang_lines, read_hangs
 from distanom.analysis.text import table
 from distanom.errors import CaptureRequestError
 from distanom.records.index import read_index
@@ -70,7 +71,19 @@ def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
             for rank in seen[:16]
         ]
         lines += ["    " + line for line in table([""] * len(rows[0]), rows)[1:]]
+    lines += _hang_lines(run, status)
     return "\n".join(lines) + "\n"
+
+
+def _hang_lines(run: RunDir, status: Status | dict[str, Any]) -> list[str]:
+    """The latest hang the ranks recorded, with its verdict (hang records are written by
+    each rank itself, so they show even while rank 0's status is stale)."""
+    world_size = status.get("world_size")
+    hangs, _ = read_hangs(run, world_size if isinstance(world_size, int) else 1)
+    if not hangs:
+        return []
+    earlier = f" ({len(hangs) - 1} earlier hang(s): distanom report)" if len(hangs) > 1 else ""
+    return ["  " + line for line in hang_lines(hangs[-1])] + ([earlier] if earlier else [])
 
 
 def _ms(value: Any) -> str:
