@@ -99,6 +99,11 @@ def test_a_rank_blocked_in_user_code_is_named_while_the_job_hangs(
         assert any("wait_forever" in frame for frame in hang["ranks"]["1"]["stack"])
         assert hang["ranks"]["0"]["collective"]["completed"] is False
         assert hang["ranks"]["1"]["collective"]["seq"] < hang["ranks"]["0"]["collective"]["seq"]
+        assert cli_main(["report", run]) == 0
+        assert "HANG 1: hung at step 25: culprit rank 1" in capsys.readouterr().out
+        page = tmp_path / "report.html"
+        assert cli_main(["report", run, "--html", str(page)]) == 0
+        assert "Hangs (1)" in page.read_text() and "wait_forever" in page.read_text()
         assert cli_main(["status", run]) == 0
         status = capsys.readouterr().out
         assert "culprit rank 1" in status
