@@ -35,12 +35,14 @@ rank = dist.get_rank()
 model = DDP(torch.nn.Linear(8, 8))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x = torch.randn(4, 8)
+after_backward = sys.argv[1] == "after_backward"
 for step in range(100000):
-    if rank == 1 and step == 25:
-        print("hang_train: rank 1 blocks", flush=True)
+    if rank == 1 and step == 25 and not after_backward:
         wait_forever()
     opt.zero_grad()
     model(x).sum().backward()
+    if rank == 1 and step == 25 and after_backward:
+        wait_forever()  # its collectives of the step are done: rank 0 ends step 25
     opt.step()
     time.sleep(0.01)
 """
@@ -55,9 +57,12 @@ def _wait_for(predicate: object, deadline: float, job: subprocess.Popen[str]) ->
     raise AssertionError("timed out")
 
 
+@pytest.mark.parametrize("where", ["before_backward", "after_backward"])
 def test_a_rank_blocked_in_user_code_is_named_while_the_job_hangs(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """after_backward: rank 0 ends one more step than rank 1, so its control thread
+    waits in a consensus round for rank 1 meanwhile; the watch does not need it."""
     script = tmp_path / "hang_train.py"
     script.write_text(SCRIPT)
     command = [
@@ -65,7 +70,7 @@ def test_a_rank_blocked_in_user_code_is_named_while_the_job_hangs(
         "-m", "distanom.launch", "--run-dir", "runs",
         "--set", f"hang.after_s={AFTER_S}", "--set", f"hang.poll_s={POLL_S}",
         "--set", "tracer.backend=none", "--set", "control.status_interval_s=0.5",
-        str(script),
+        str(script), where,
     ]  # fmt: skip
     env = job_env(TORCH_FR_BUFFER_SIZE="2000")
     stderr = tmp_path / "stderr.txt"
@@ -81,9 +86,9 @@ def test_a_rank_blocked_in_user_code_is_named_while_the_job_hangs(
         _wait_for(lambda: all(p.exists() for p in records), time.monotonic() + 150, job)
         assert job.poll() is None  # diagnosed while the job still hangs
         run = str((runs / "latest").resolve())
-        for path in records:
+        for rank, path in enumerate(records):
             record = json.loads(path.read_text())
-            assert record["last_step"] == 24
+            assert record["last_step"] == (25 if rank == 0 and where == "after_backward" else 24)
             # detected within the configured time (two polls late at most, plus load)
             assert AFTER_S <= record["silent_s"] <= AFTER_S + 2 * POLL_S + 3.0
             threads = {t["name"] for t in record["threads"]}

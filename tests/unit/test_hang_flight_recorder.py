@@ -77,9 +77,10 @@ def watch():
         time.sleep(0.05)
 
 threading.Thread(target=watch, daemon=True).start()
+start = len(ticks)
 if rank == 1:
     time.sleep(2.0)  # the user's code, in Python: the other rank waits meanwhile
-start = len(ticks)
+    print(json.dumps({"ticks_in_sleep": len(ticks) - start}), flush=True)
 dist.all_reduce(t)
 if rank == 0:
     print(json.dumps({"ticks_in_wait": len(ticks) - start, **seen}), flush=True)
@@ -110,6 +111,7 @@ def test_a_watcher_thread_reads_the_collective_a_rank_waits_in(tmp_path: Path) -
     outs = [proc.communicate(timeout=120) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     seen = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert json.loads(outs[1][0].strip().splitlines()[-1])["ticks_in_sleep"] >= 10
     assert seen["ticks_in_wait"] >= 10  # ~2 s waiting in gloo: the thread kept running
     assert seen["note"] is None
     assert seen["groups"] == [
