@@ -33,6 +33,7 @@ from distanom.config import Config
 from distanom.control_loop import FINAL_ROUND_TIMEOUT_S, ControlLoop
 from distanom.detect import Detector
 from distanom.duty_cycle import DutyCycle
+from distanom.hang import HangWatch
 from distanom.health import Health
 from distanom.records.status import TracerReport
 from distanom.rundir import RunDir
@@ -77,6 +78,14 @@ class Agent:
             inbox=inbox,
         )
         self._inbox = inbox
+        self.hang = HangWatch(
+            config.hang,
+            world,
+            current_step=lambda: self.boundaries.current_step,
+            median_ms=lambda: self.control.detector.median_ms,
+            run=lambda: self.control.run,
+        )
+        self.control.hang_watch = self.hang
 
     # -- installation ------------------------------------------------------------------
 
@@ -90,6 +99,7 @@ class Agent:
         trace_io.PAUSE_GC_DURING_LOAD = False  # never touch the GC of the training process
         self.boundaries.install_hook()
         self.control.start()
+        self.hang.start()
         # last: nothing after it can fail and leave it installed
         self.boundaries.gc_pauses.install()
 
@@ -170,6 +180,7 @@ class Agent:
         if boundaries.closed:
             return
         boundaries.closed = True
+        self.hang.stop()  # training is over: no more steps to wait for
         boundaries.remove_hook()
         tracer = boundaries.tracer
         drain_s = max(self.config.analysis.exit_timeout_s, EXIT_DRAIN_FLOOR_S)

@@ -219,6 +219,44 @@ class ControlConfig(_Section):
     )
 
 
+class HangConfig(_Section):
+    """`hang:` when a job counts as hung, and what each rank writes then."""
+
+    enabled: bool = Field(
+        True,
+        description="watch for hangs: no step ended for `after_s`, or a consensus round timed out",
+    )
+    after_s: float | None = Field(
+        None,
+        gt=0,
+        le=86_400,
+        description="a rank with no step ended for this long writes a hang record; null: "
+        "median_factor x the median step time, at least floor_s",
+    )
+    median_factor: float = Field(
+        50.0, gt=1, le=1_000_000, description="with after_s null: the limit in median steps"
+    )
+    floor_s: float = Field(
+        120.0,
+        gt=0,
+        le=86_400,
+        description="with after_s null: the least limit (phases without optimizer steps, "
+        "such as a long evaluation, must stay under it)",
+    )
+    poll_s: float = Field(
+        1.0, gt=0, le=600, description="how often the watch looks at the step counter"
+    )
+    max_frames: int = Field(
+        48, ge=1, le=1000, description="innermost frames kept per thread in a hang record"
+    )
+    max_collectives: int = Field(
+        8,
+        ge=1,
+        le=1000,
+        description="latest Flight Recorder entries kept per process group in a hang record",
+    )
+
+
 class LogConfig(_Section):
     """`log:` distanom's own log level."""
 
@@ -244,6 +282,7 @@ class Config(_Section):
         default_factory=ControlConfig, description="on-demand capture and live status"
     )
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
+    hang: HangConfig = Field(default_factory=HangConfig, description="hang watch")
 
 
 def _format_validation_error(source: str, err: ValidationError) -> str:

@@ -42,6 +42,7 @@ from distanom.consensus import (
 from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, CaptureDecision, Detector, StepSample
 from distanom.duty_cycle import DutyCycle
 from distanom.errors import CaptureRequestError, RunDirError
+from distanom.hang import HangWatch
 from distanom.health import Health
 from distanom.records.requests import (
     Accepted,
@@ -96,7 +97,9 @@ class ControlLoop:
         self._offered_request: tuple[CaptureRequest, str] | None = None
         self._steps: StepsWriter | None = None
         self._started_at = time.time()
+        self._round_began = time.monotonic()  # when the latest round started waiting
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
+        self.hang_watch: HangWatch | None = None  # told when a round fails
 
     # -- life cycle (called from the training thread) ----------------------------------
 
@@ -138,6 +141,8 @@ class ControlLoop:
             finished = True
         except GroupUnavailableError as err:
             self.health.consensus_error = str(err)
+            if self.hang_watch is not None:
+                self.hang_watch.round_timed_out(str(err), time.monotonic() - self._round_began)
             self._warn_once(
                 "consensus",
                 "consensus: %s (a rank gone or too slow); capture steps aside",
@@ -283,6 +288,7 @@ class ControlLoop:
         timeout = None
         if final:
             timeout = min(self.config.consensus.timeout_s, FINAL_ROUND_TIMEOUT_S)
+        self._round_began = time.monotonic()
         matrix = self.group.all_gather(encode_round(local, batch), timeout_s=timeout)
         result = decode_round(matrix, batch)
         if offered is not None:

@@ -14,6 +14,7 @@ import math
 import time
 from typing import Any, TypeGuard
 
+from distanom.analysis.hangs import hang_lines, read_hangs
 from distanom.analysis.text import table
 from distanom.errors import CaptureRequestError
 from distanom.records.index import read_index
@@ -24,7 +25,7 @@ from distanom.records.requests import (
     submit_request,
     validate_request,
 )
-from distanom.records.run_info import world_size_of
+from distanom.records.run_info import MAX_WORLD_SIZE, world_size_of
 from distanom.records.status import Status, heartbeat, job_alive, read_status, stale_since
 from distanom.rundir import RunDir
 from distanom.sanitize import terminal_safe
@@ -88,6 +89,7 @@ def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
         width = max(len(row) for row in rows)
         rows = [row + [""] * (width - len(row)) for row in rows]
         lines += ["    " + line for line in table([""] * width, rows)[1:]]
+    lines += _hang_lines(run, status)
     return "\n".join(lines) + "\n"
 
 
@@ -108,6 +110,18 @@ def _number(value: Any) -> TypeGuard[float]:
 
 def _int(value: Any) -> str:
     return str(int(value)) if _number(value) else "-"
+
+
+def _hang_lines(run: RunDir, status: Status | dict[str, Any]) -> list[str]:
+    """The latest hang the ranks recorded, with its verdict (hang records are written by
+    each rank itself, so they show even while rank 0's status is stale)."""
+    world_size = status.get("world_size")
+    ranks = world_size if isinstance(world_size, int) and 0 < world_size <= MAX_WORLD_SIZE else 1
+    hangs, _ = read_hangs(run, ranks)
+    if not hangs:
+        return []
+    earlier = f" ({len(hangs) - 1} earlier hang(s): distanom report)" if len(hangs) > 1 else ""
+    return ["  " + line for line in hang_lines(hangs[-1])] + ([earlier] if earlier else [])
 
 
 def _ms(value: Any) -> str:

@@ -20,6 +20,7 @@ from distanom.analysis import crossrank
 from distanom.analysis.collectives import MatchResult, match_collectives
 from distanom.analysis.crossrank import RankFacts
 from distanom.analysis.engine import tables_of
+from distanom.analysis.hangs import read_hangs
 from distanom.analysis.kernel_diff import pick_reference
 from distanom.analysis.merge import MERGED_NAME
 from distanom.analysis.model import (
@@ -65,6 +66,8 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
     config = data.info.get("config") if isinstance(data.info.get("config"), dict) else {}
     detect = (config or {}).get("detect", {})
     counters = status.get("captures") or {}
+    hangs, hang_problems = read_hangs(data.run, data.world_size)
+    problems.extend(hang_problems)
     return Report(
         facts=RunFacts(
             run_id=data.run.run_id,
@@ -101,6 +104,7 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
         capture_cost=capture_cost(data),
         problems=problems,
         detect_config=detect if isinstance(detect, dict) else {},
+        hangs=hangs,
     )
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distanom.analysis.hangs import hang_lines
 from distanom.analysis.kernel_diff import top_changes
 from distanom.analysis.model import BREAKDOWN_ROWS, Capture, Report, StepTimes
 from distanom.analysis.render_json import kernel_diff_json
@@ -468,6 +469,9 @@ def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
         )
     for capture in captures:
         body += _capture_section(capture, figure_class, pngs)
+    if report.hangs:
+        body.append(f"<h2>Hangs ({len(report.hangs)})</h2>")
+        body += ["<pre>" + _e("\n".join(hang_lines(hang))) + "</pre>" for hang in report.hangs]
     problems = report.problems
     if problems:
         items = "".join(f"<li>{_e(p)}</li>" for p in problems[:200])

@@ -14,6 +14,7 @@ from typing import Any
 
 from distanom.analysis.engine import TraceTables
 from distanom.analysis.evidence import Verdict
+from distanom.analysis.hangs import Hang
 from distanom.analysis.kernel_diff import RankDiff
 from distanom.analysis.tables import Timeline
 
@@ -203,3 +204,5 @@ class Report:
     problems: list[str]
     detect_config: Mapping[str, Any] = field(default_factory=dict)
     """The run's `detect` config section (multiplier, windows) as run.json holds it."""
+    hangs: list[Hang] = field(default_factory=list)
+    """Every hang the ranks recorded, with its verdict (`distanom.analysis.hangs`)."""

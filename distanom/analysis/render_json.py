@@ -59,6 +59,7 @@ def report_json(report: Report) -> dict[str, Any]:
             "parts_median_ms": cost.parts_median_ms,
         },
         "problems": list(report.problems),
+        "hangs": [hang.as_json() for hang in report.hangs],
     }
 
 

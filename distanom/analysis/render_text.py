@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distanom.analysis.hangs import hang_lines
 from distanom.analysis.kernel_diff import kernel_diff_lines
 from distanom.analysis.model import BREAKDOWN_ROWS, Capture, RankEntry, Report, StepStats
 from distanom.analysis.render_json import kernel_diff_json
@@ -243,6 +244,8 @@ def _capture_lines(captures: list[Capture]) -> list[str]:
 def render_text(report: Report) -> str:
     """The report for people: run facts, captures with their tables and verdicts, problems."""
     lines = [*_run_lines(report), "", *_capture_lines(report.captures)]
+    for hang in report.hangs:
+        lines += ["", *hang_lines(hang)]
     problems = report.problems
     if problems:
         lines.append("")
