@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import distanom
-from distanom.boundary import FINAL, StepBoundaries, StepRecord
+from distanom.boundary import FINAL, STEP_SKIPPED, StepBoundaries, StepRecord
 from distanom.capture import CaptureWorker
 from distanom.config import Config
 from distanom.consensus import (
@@ -332,6 +332,7 @@ class ControlLoop:
             item.self_ms,
             item.gc_ms,
             item.gc_generation,
+            bool(item.flags & STEP_SKIPPED),
         )
         try:
             steps.write(row)
