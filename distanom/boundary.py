@@ -42,6 +42,7 @@ from distanom.detect import STEP_AFTER_FLUSH, STEP_DISTURBED, STEP_TRACED
 from distanom.duty_cycle import DutyCycle
 from distanom.gc_pauses import GcPauses
 from distanom.health import Health
+from distanom.log_lines import HEADLINE
 from distanom.tracers import Tracer, create_tracer
 
 log = logging.getLogger(__name__)
@@ -280,7 +281,9 @@ class StepBoundaries:
                     self.tracer_started = True
                     tracer.start()
                     self._tracing_during = True
-                    log.info("started: %s; %s", self.step_source(), self.tracer_note)
+                    log.info(
+                        "started: %s; %s", self.step_source(), self.tracer_note, extra=HEADLINE
+                    )
                 elif self._capture_is_off():
                     if tracer.tracing:  # nothing will be captured
                         tracer.set_tracing(False)
@@ -353,7 +356,7 @@ class StepBoundaries:
             self._warn_once("tracer", "tracer: cannot be created (%s); detection only", err)
             self.tracer, self.tracer_note = None, f"tracer: none ({err})"
         if self.tracer is None:
-            log.info("started: %s; %s", self.step_source(), self.tracer_note)
+            log.info("started: %s; %s", self.step_source(), self.tracer_note, extra=HEADLINE)
 
     def _tracer_failed(self, err: BaseException) -> None:
         self._warn_once("tracer", "tracer: failed (%s); capture steps aside", err)
