@@ -85,6 +85,7 @@ class StepSeries:
     self_ms: list[float] = field(default_factory=list)  # the longest on any rank
     # Python garbage collection per rank and step: (ms, highest generation or -1)
     gc: dict[int, dict[int, tuple[float, int]]] = field(default_factory=dict)
+    skipped: frozenset[int] = frozenset()  # steps whose optimizer step was skipped, any rank
 
     def samples(self) -> list[StepSample]:
         """The steps as the detector saw them (same fields the consensus gathers)."""
@@ -242,6 +243,7 @@ def load_steps(data: RunData) -> StepSeries:
     """Every rank's steps/rank<R>.csv, aligned by step; damaged rows become problems."""
     per_rank_rows: dict[int, dict[int, tuple[float, bool, bool, float]]] = {}
     collections: dict[int, dict[int, tuple[float, int]]] = {}
+    skipped: set[int] = set()
     for rank in range(data.world_size):
         path = data.run.steps_csv(rank)
         if not path.exists():
@@ -249,6 +251,7 @@ def load_steps(data: RunData) -> StepSeries:
         rows: dict[int, tuple[float, bool, bool, float]] = {}
         pauses: dict[int, tuple[float, int]] = {}
         read = read_steps(path)
+        skipped.update(row.step for row in read.rows if row.skipped)
         for row in read.rows:
             rows[row.step] = (row.duration_ms, row.traced, row.after_flush, row.self_ms)
             pause = row.gc_pause
@@ -269,4 +272,4 @@ def load_steps(data: RunData) -> StepSeries:
     traced = [all(rows.get(step, missing)[1] for rows in every) for step in steps]
     flushed = [any(rows.get(step, missing)[2] for rows in every) for step in steps]
     own = [max((rows.get(step, missing)[3] for rows in every), default=0.0) for step in steps]
-    return StepSeries(steps, per_rank, traced, flushed, own, collections)
+    return StepSeries(steps, per_rank, traced, flushed, own, collections, frozenset(skipped))

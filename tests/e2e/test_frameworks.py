@@ -111,6 +111,11 @@ def test_grad_scaler_loop_with_overflows_keeps_the_loops_step_numbers(
     assert_blamed(found, [30, 55])  # not 26/50: skipped iterations still end a step
     for rank in (0, 1):
         assert skipped_steps(tmp_path, rank) == set(overflow) - {0}  # step 0 has no row
+    assert found["steps"]["optimizer_skipped"] == len(overflow) - 1
+    for capture in found["captures"]:
+        assert capture["optimizer_step_skipped"] == (capture["step"] in overflow)
+        assert capture["culprit_rank"] == capture["verdict"]["culprit_rank"]
+        assert capture["longest_step_rank"] == capture["slowest_rank"]
     merged = [
         c for c in found["captures"] if len({20, 21, 22} & {c["step"]}) and "anomaly" in c["kinds"]
     ]
