@@ -37,3 +37,20 @@ def test_end_line_says_what_was_captured_where_and_at_what_cost() -> None:
         "finished: 200 steps (3 with the optimizer step skipped); 6 trace files (2.5 MB), "
         "1 captures missed in runs/x; 12.3 ms of capture work; tracing cost 1.2% of step time"
     )
+
+
+def test_a_stale_running_status_is_not_called_running(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    import pytest
+
+    from distanom.errors import CaptureRequestError
+    from distanom.live import request_capture
+
+    (tmp_path / "status.json").write_text(
+        json.dumps({"state": "running", "updated_at": 1.0, "status_interval_s": 2.0})
+    )
+    (tmp_path / "run.json").write_text("{}")
+    with pytest.raises(CaptureRequestError, match="not running") as info:
+        request_capture(str(tmp_path), 1, None, 1.0)
+    assert "(running)" not in str(info.value) and "heartbeat stopped" in str(info.value)
