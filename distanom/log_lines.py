@@ -58,7 +58,10 @@ def end_line(
     parts = [f"{outcome}: {steps} steps"]
     if skipped:
         parts[0] += f" ({skipped} with the optimizer step skipped)"
-    captured = f"{written} trace files ({bytes_written / 1e6:.1f} MB)"
+    size = (
+        f"{bytes_written / 1e6:.1f} MB" if bytes_written >= 1e6 else f"{bytes_written / 1e3:.0f} kB"
+    )
+    captured = f"{written} trace files ({size})"
     if missed:
         captured += f", {missed} captures missed"
     parts.append(captured + (f" in {where}" if where else ""))

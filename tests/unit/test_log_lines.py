@@ -33,6 +33,11 @@ def test_end_line_says_what_was_captured_where_and_at_what_cost() -> None:
         outcome="finished", steps=200, skipped=3, written=6, bytes_written=2_500_000,
         missed=1, where="runs/x", overhead_pct=1.25, capture_ms=12.34,
     )  # fmt: skip
+    small = end_line(
+        outcome="finished", steps=9, skipped=0, written=2, bytes_written=48_200, missed=0,
+        where=None, overhead_pct=None,
+    )  # fmt: skip
+    assert small == "finished: 9 steps; 2 trace files (48 kB); 0.0 ms of capture work"
     assert line == (
         "finished: 200 steps (3 with the optimizer step skipped); 6 trace files (2.5 MB), "
         "1 captures missed in runs/x; 12.3 ms of capture work; tracing cost 1.2% of step time"
