@@ -30,12 +30,14 @@ def needs(package: str) -> pytest.MarkDecorator:
     )
 
 
-def run_job(tmp_path: Path, script: str, args: list[str], timeout: float = 420) -> str:
-    """Run a 2-rank job of `script`; returns its stdout (stderr on failure)."""
+def run_job(
+    tmp_path: Path, script: str, args: list[str], timeout: float = 420, nproc: int = 2
+) -> str:
+    """Run an `nproc`-rank job of `script`; returns its stdout (stderr on failure)."""
     done = subprocess.run(
         [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node=2", "-m", "distanom.launch", "--run-dir", "runs", *FAST,
+            f"--nproc-per-node={nproc}", "-m", "distanom.launch", "--run-dir", "runs", *FAST,
             str(SCRIPTS / script), *args,
         ],
         cwd=tmp_path, env=job_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
@@ -52,14 +54,15 @@ def report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def assert_blamed(found: dict, stalls: list[int]) -> None:
-    """Each stalled step is captured on both ranks at that number, blamed on the stalled rank."""
+def assert_blamed(found: dict, stalls: list[int], stall_rank: int = STALL_RANK) -> None:
+    """Each stalled step is captured on every rank at that number, blamed on the stalled rank."""
     captures = {c["step"]: c for c in found["captures"]}
     for step in stalls:
         assert step in captures, (step, sorted(captures))
         capture = captures[step]
-        assert "anomaly" in capture["kinds"] and sorted(capture["ranks"]) == ["0", "1"]
-        assert capture["verdict"]["culprit_rank"] == STALL_RANK, capture["verdict"]
+        ranks = [str(r) for r in range(found["world_size"])]
+        assert "anomaly" in capture["kinds"] and sorted(capture["ranks"]) == ranks
+        assert capture["verdict"]["culprit_rank"] == stall_rank, capture["verdict"]
         assert capture["ratio"] > 3
 
 

@@ -4,6 +4,7 @@ forced overflows, or gradient accumulation; one rank stalls at given iterations.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -19,13 +20,18 @@ def main() -> None:
     parser.add_argument("--overflow", default="", help="iterations whose loss is made inf")
     parser.add_argument("--stall-rank", type=int, default=1)
     parser.add_argument("--stall-steps", default="")
+    parser.add_argument("--cuda", action="store_true", help="on the GPU (NCCL), fp16 autocast")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if args.cuda else "gloo")
     rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.cuda else None
+    if device is not None:
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Linear(32, 32))
+    model = DistributedDataParallel(torch.nn.Linear(32, 32).to(device or "cpu"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if args.scaler else None
+    kind = "cuda" if args.cuda else "cpu"
+    scaler = torch.amp.GradScaler(kind, init_scale=2.0**8) if args.scaler else None
     overflow = {int(s) for s in args.overflow.split(",") if s}
     stalls = {int(s) for s in args.stall_steps.split(",") if s}
     skipped = 0
@@ -33,7 +39,9 @@ def main() -> None:
         if rank == args.stall_rank and iteration in stalls:
             time.sleep(0.6)
         for micro in range(args.accumulate):
-            loss = model(torch.randn(16, 32)).square().mean() / args.accumulate
+            with torch.autocast(kind, dtype=torch.float16, enabled=args.cuda):
+                loss = model(torch.randn(16, 32, device=device)).square().mean()
+            loss = loss.float() / args.accumulate
             if iteration in overflow and micro == 0:
                 loss = loss * float("inf")  # every rank: DDP averages the inf gradients
             (scaler.scale(loss) if scaler else loss).backward()

@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--stall-rank", type=int, default=1)
     parser.add_argument("--stall-steps", default="")
     parser.add_argument("--out", default="hf_out")
+    parser.add_argument("--cuda", action="store_true", help="on the GPU, fp16 (NCCL)")
     args = parser.parse_args()
     torch.manual_seed(0)
     config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16)
@@ -48,8 +49,9 @@ def main() -> None:
         per_device_train_batch_size=2,
         gradient_accumulation_steps=args.accumulate,
         learning_rate=1e-3,
-        use_cpu=True,
-        ddp_backend="gloo",
+        use_cpu=not args.cuda,
+        fp16=args.cuda,
+        ddp_backend=None if args.cuda else "gloo",
         report_to=[],
         save_strategy="no",
         logging_strategy="no",

@@ -42,13 +42,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--stall-rank", type=int, default=1)
     parser.add_argument("--stall-steps", default="")
+    parser.add_argument("--cuda", action="store_true", help="on the GPU, 16-mixed (NCCL)")
     args = parser.parse_args()
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(20_000, 16), torch.randn(20_000, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=8)
     stalls = {int(s) for s in args.stall_steps.split(",") if s}
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator="gpu" if args.cuda else "cpu",
+        precision="16-mixed" if args.cuda else "32-true",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
         strategy="ddp",
         max_steps=args.steps,
