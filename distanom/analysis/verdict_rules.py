@@ -290,14 +290,27 @@ def late_arrival_verdict(
         return None
     late = arrival.latest_rank
     comm = {r: e.breakdown.exposed_comm_ms for r, e in current.items()}
-    if late not in comm or comm[late] > min(comm.values()):
-        return None  # the late starter must also be the one that waited least
+    if late not in comm:
+        return None
     others = [r for r in current if r != late]
+    nested = ""
+    if comm[late] > min(comm.values()):
+        # the late starter must also be the one that waited least, unless its own stall
+        # accounts for its lateness: a collective nested in an enclosing host op (an
+        # optimizer step that runs the backward in a closure) reads as computation there
+        stall = current[late].breakdown.stalled_ms
+        own_delay = stall - median(current[o].breakdown.stalled_ms for o in others)
+        if own_delay < CAUSE_SHARE * arrival.wait_ms:
+            return None
+        nested = (
+            f"; its idle {_ms(stall)} ms explains it (the others waited inside their own "
+            "ops, so their wait reads as computation)"
+        )
     cause, _, growth = _cause_of(late, others, current, reference, arrival.wait_ms)
     text = (
         f"rank {late} arrived last at {arrival.collective}, {_ms(arrival.wait_ms)} ms after "
         f"the first ({arrival.clock}); exposed comm {_ms(comm[late])} ms vs "
-        f"{_span([comm[o] for o in others])} on {_ranks_word(others)}"
+        f"{_span([comm[o] for o in others])} on {_ranks_word(others)}{nested}"
     )
     if cause is None:
         cause = "host_stall"

@@ -548,3 +548,17 @@ def test_a_culprit_without_a_grown_part_is_named_by_its_own_time_not_a_zero_part
         "exposed memcpy 0.00 ms vs 0.00 ms"
         not in decide(cpu, step_ms=11.0, expected_ms=5.0).evidence
     )
+
+
+def test_a_late_rank_whose_stall_explains_it_is_named_when_the_wait_was_nested() -> None:
+    # rank 0 waited inside an enclosing op (computation), rank 1 stalled (idle)
+    now = [ev(0, 603.7, 0.07, idle=0.9), ev(1, 3.2, 1.4, idle=600.9)]
+    before = [ev(0, 3.0, 0.5), ev(1, 3.0, 0.5)]
+    coll = MatchedCollective(
+        "gloo", 1, "gloo:all_reduce", {0: 1000.0, 1: 601_000.0}, {0: 602_000.0, 1: 602_100.0}
+    )
+    verdict = decide(
+        now, reference=before, reference_step=25, collectives=[coll], step_ms=605.0, expected_ms=5.0
+    )
+    assert (verdict.culprit_rank, verdict.cause) == (1, "host_stall"), verdict.evidence
+    assert "its idle 600.9 ms explains it" in verdict.evidence
