@@ -3,10 +3,12 @@
 Public API for training scripts (all optional: under `python -m distanom.launch` the
 optimizer's step ends each step with no change to the script):
 
-- `distanom.step()`: end a step by hand (loops without an optimizer, or
-  `step.source: manual`).
+- `distanom.step()`: end a step by hand, at the end of each iteration (loops without an
+  optimizer, or `step.source: manual`); beside an optimizer, the first call takes over
+  the counting without ending a second step, so steps keep the loop's numbers.
 - `distanom.use_optimizer(opt)`: this optimizer's `step()` ends a step, when there are
-  several.
+  several (or `step.optimizer` / `step.optimizer_index` in the config). A
+  `GradScaler.step(opt)` that skips `opt.step()` still ends the step.
 - `distanom.current_step()`: the index of the step in progress (None without an agent).
 
 Every call is a no-op when no agent is installed, so a script keeps running unchanged

@@ -35,6 +35,7 @@ from distanom.detect import Detector
 from distanom.duty_cycle import DutyCycle
 from distanom.hang import HangWatch
 from distanom.health import Health
+from distanom.log_lines import HEADLINE, end_line
 from distanom.records.status import TracerReport
 from distanom.rundir import RunDir
 from distanom.tracers import Tracer
@@ -173,14 +174,32 @@ class Agent:
 
     # -- shutdown ----------------------------------------------------------------------
 
-    def close(self) -> None:
-        """End of training: flush what is pending, within `analysis.exit_timeout_s`."""
+    def _end_line(self, outcome: str, exit_code: int) -> str:
+        stats = self.health.capture.stats if self.health.capture else None
+        duty = self.duty.report() or {}
+        run = self.run
+        return end_line(
+            outcome=outcome if outcome == "finished" else f"{outcome} (exit status {exit_code})",
+            steps=self.boundaries.current_step,
+            skipped=self.boundaries.skipped_steps,
+            written=stats.written if stats else 0,
+            bytes_written=stats.bytes_written if stats else 0,
+            missed=stats.missed if stats else 0,
+            where=str(run.path) if run is not None else None,
+            overhead_pct=duty.get("measured_overhead_pct"),
+            capture_ms=self.boundaries.last_busy_ns / 1e6,
+        )
+
+    def close(self, *, outcome: str = "finished", exit_code: int = 0) -> None:
+        """End of training: flush what is pending, within `analysis.exit_timeout_s`;
+        the run's state becomes `outcome` (finished, failed, interrupted) with `exit_code`."""
         global _ACTIVE
         boundaries = self.boundaries
         if boundaries.closed:
             return
         boundaries.closed = True
         self.hang.stop()  # training is over: no more steps to wait for
+        self.control.set_outcome(outcome, exit_code)
         boundaries.remove_hook()
         tracer = boundaries.tracer
         drain_s = max(self.config.analysis.exit_timeout_s, EXIT_DRAIN_FLOOR_S)
@@ -198,6 +217,8 @@ class Agent:
                 tracer.close()
         self.control.close()
         boundaries.gc_pauses.uninstall()
+        with contextlib.suppress(Exception):
+            log.info(self._end_line(outcome, exit_code), extra=HEADLINE)
         if _ACTIVE is self:
             _ACTIVE = None
         sys.stderr.flush()

@@ -3,12 +3,20 @@ possible at each one.
 
 Step N is the N-th `optimizer.step()` of the counted optimizer, from 0, or
 `distanom.step()` for loops without one. With several optimizers, the first one that
-steps is counted unless `step.optimizer` names a class or the script calls
+steps is counted unless `step.optimizer` names a class (and `step.optimizer_index` which
+of that class, in the order they first step) or the script calls
 `distanom.use_optimizer(opt)`. A global optimizer post-hook finds the counted optimizer
 at its first step; from then on a thin wrapper on that instance's `step` marks the
 boundary *after* `step()` returns. The post-hook runs inside the optimizer's
 `record_function` scope, where starting or stepping torch.profiler corrupts memory, so
 no tracer work ever happens there (docs/agent.md).
+
+Skipped optimizer steps: `torch.amp.GradScaler.step(opt)` (and `torch.cuda.amp`'s
+subclass) calls `opt.step()` only when the gradients are finite. Mixed-precision loops
+call it exactly once per iteration whether or not it steps, so a wrapper on the class's
+`step` ends the step itself, flagged `STEP_SKIPPED`, when the counted optimizer's step
+did not run inside it. The scaler's own decision is the signal: no private state of the
+scaler is read.
 
 At a boundary: one host timestamp, the clock's mark (a CUDA event or a host clock read),
 the tracer's step mark, the duty cycle's switch for the next step, and a queue put of
@@ -34,11 +42,13 @@ from distanom.detect import STEP_AFTER_FLUSH, STEP_DISTURBED, STEP_TRACED
 from distanom.duty_cycle import DutyCycle
 from distanom.gc_pauses import GcPauses
 from distanom.health import Health
+from distanom.log_lines import HEADLINE
 from distanom.tracers import Tracer, create_tracer
 
 log = logging.getLogger(__name__)
 
 FINAL = object()  # inbox sentinel: training is over
+STEP_SKIPPED = 8  # the step's optimizer step was skipped by a GradScaler (not sent in rounds)
 # steps whose time the clock has not given yet are kept this long at most: past it, the
 # clock gave up on them (their bookkeeping would grow without bound)
 MAX_UNRESOLVED = 4096
@@ -94,19 +104,30 @@ class StepBoundaries:
         self._self_ms: dict[int, float] = {}  # capture work during steps not yet resolved
         self._gc: dict[int, tuple[float, int]] = {}  # collections during steps not yet resolved
         self._tracing_during = False  # whether the tracer records the step in progress
+        self._scaler_patch: Any = None  # undoes the GradScaler wrapper
+        self._seen_of_class: list[weakref.ref[Any]] = []  # step.optimizer's class, first-step order
+        self._optimizer_boundaries = 0  # steps ended by the optimizer before distanom.step()
+        self.skipped_steps = 0  # steps whose optimizer step a GradScaler skipped
+        self.scaler_seen = False
 
     # -- hooks -------------------------------------------------------------------------
 
     def install_hook(self) -> None:
-        """Register the global optimizer post-hook that finds the counted optimizer."""
+        """Register the global optimizer post-hook that finds the counted optimizer, and
+        follow `GradScaler.step` so skipped optimizer steps still end a step."""
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._hook_handle = register_optimizer_step_post_hook(self._on_optimizer_step)
+        self._scaler_patch = patch_grad_scaler(self._after_scaler_step)
 
     def remove_hook(self) -> None:
-        """Remove the global optimizer post-hook (the wrapper stays, inert once closed)."""
+        """Remove the global optimizer post-hook and the scaler wrapper (the optimizer
+        wrapper stays, inert once closed)."""
         if self._hook_handle is not None:
             self._hook_handle.remove()
+        if self._scaler_patch is not None:
+            self._scaler_patch()
+            self._scaler_patch = None
 
     @property
     def counted_optimizer(self) -> Any:
@@ -143,32 +164,81 @@ class StepBoundaries:
 
         optimizer.step = step
 
+    def _selects(self, optimizer: Any) -> bool:
+        """Whether `optimizer` is the one `step.optimizer` / `step.optimizer_index` name."""
+        wanted = self.config.step.optimizer
+        if wanted is not None and type(optimizer).__name__ != wanted:
+            return False
+        index = self.config.step.optimizer_index
+        if wanted is None or index == 0:
+            return True
+        seen = self._seen_of_class
+        if not any(ref() is optimizer for ref in seen):
+            seen.append(weakref.ref(optimizer))
+        return len(seen) > index and seen[index]() is optimizer
+
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._manual or self._inside_counted_step or self._optimizer_ref is not None:
             return
-        wanted = self.config.step.optimizer
-        if wanted is not None and type(optimizer).__name__ != wanted:
+        if not self._selects(optimizer):
             return
         # First step of the counted optimizer: from now on its wrapper marks boundaries.
         self._optimizer_ref = weakref.ref(optimizer)
         self._wrap_step(optimizer)
         self.boundary(inside_optimizer=True)
 
+    def _after_scaler_step(self, optimizer: Any, step_before: int) -> None:
+        """After `GradScaler.step(optimizer)`: end the step here when the counted
+        optimizer's own step did not run (its gradients held inf/nan)."""
+        self.scaler_seen = True
+        if self._manual or self.closed or self.current_step != step_before:
+            return
+        counted = self.counted_optimizer
+        if counted is None:
+            if self._inside_counted_step or not self._selects(optimizer):
+                return
+            self._optimizer_ref = weakref.ref(optimizer)  # skipped at its first iteration
+            self._wrap_step(optimizer)
+        elif counted is not optimizer:
+            return
+        self.skipped_steps += 1
+        self.boundary(skipped=True)
+
+    def step_source(self) -> str:
+        """What ends a step, for the start line: `distanom.step()` or which optimizer."""
+        if self._manual:
+            return "steps end at distanom.step()"
+        counted = self.counted_optimizer
+        if counted is None:
+            return "steps end at optimizer.step() (no optimizer has stepped yet)"
+        name = type(counted).__name__
+        which = ""
+        if self.config.step.optimizer is not None and self.config.step.optimizer_index:
+            which = f" #{self.config.step.optimizer_index} (step.optimizer_index, from 0)"
+        scaler = " or its GradScaler.step() when skipped" if self.scaler_seen else ""
+        return f"steps end at {name}{which}.step(){scaler}"
+
     def manual_step(self) -> None:
         """`distanom.step()`: end a step by hand; optimizer steps stop counting."""
         if not self._manual:
             self._manual = True  # the script marks steps itself: optimizer hooks would double count
-            log.info("distanom.step() called: steps are counted by it, not by optimizer.step()")
+            log.debug("distanom.step() called: steps are counted by it, not by optimizer.step()")
+            if self.current_step == 1 and self._optimizer_boundaries == 1:
+                # a script that calls distanom.step() every iteration makes its first call
+                # in iteration 0, whose end the optimizer has just marked: same boundary
+                return
         self.boundary()
 
     # -- the boundary --------------------------------------------------------------------
 
-    def boundary(self, *, inside_optimizer: bool = False) -> None:
+    def boundary(self, *, inside_optimizer: bool = False, skipped: bool = False) -> None:
         """End the step in progress; never raises (a failure switches bookkeeping off)."""
         if self.closed or self._boundaries_off:
             return
+        if not self._manual:
+            self._optimizer_boundaries += 1
         try:
-            self._boundary_unguarded(inside_optimizer)
+            self._boundary_unguarded(inside_optimizer, skipped)
         except Exception as err:  # the last line of defence: never raise into training
             self._warn_once("boundary", "distanom: step bookkeeping failed (%s); disabled", err)
             self._boundaries_off = True  # close() still stops the tracer and finishes
@@ -177,7 +247,7 @@ class StepBoundaries:
                 with contextlib.suppress(Exception):
                     tracer.set_tracing(False)  # unwatched: tracing would only cost
 
-    def _boundary_unguarded(self, inside_optimizer: bool) -> None:
+    def _boundary_unguarded(self, inside_optimizer: bool, skipped: bool = False) -> None:
         step = self.current_step
         self.current_step = step + 1
         host_ns = time.time_ns()
@@ -192,7 +262,11 @@ class StepBoundaries:
                 self._warn_once("clock", "clock: step timing failed (%s); detection stops", err)
                 self.clock = None
         self_ms = self.self_ms_of_ended_step()
-        self._step_flags[step] = self._flags_of_ended_step() | (STEP_DISTURBED if self_ms else 0)
+        self._step_flags[step] = (
+            self._flags_of_ended_step()
+            | (STEP_DISTURBED if self_ms else 0)
+            | (STEP_SKIPPED if skipped else 0)
+        )
         if self_ms:
             self._self_ms[step] = self_ms
         gc_ms, gc_generation = self.gc_pauses.take()
@@ -207,7 +281,9 @@ class StepBoundaries:
                     self.tracer_started = True
                     tracer.start()
                     self._tracing_during = True
-                    log.info(self.tracer_note)
+                    log.info(
+                        "started: %s; %s", self.step_source(), self.tracer_note, extra=HEADLINE
+                    )
                 elif self._capture_is_off():
                     if tracer.tracing:  # nothing will be captured
                         tracer.set_tracing(False)
@@ -280,7 +356,7 @@ class StepBoundaries:
             self._warn_once("tracer", "tracer: cannot be created (%s); detection only", err)
             self.tracer, self.tracer_note = None, f"tracer: none ({err})"
         if self.tracer is None:
-            log.info(self.tracer_note)
+            log.info("started: %s; %s", self.step_source(), self.tracer_note, extra=HEADLINE)
 
     def _tracer_failed(self, err: BaseException) -> None:
         self._warn_once("tracer", "tracer: failed (%s); capture steps aside", err)
@@ -319,3 +395,36 @@ class StepBoundaries:
             except Exception as err:
                 self._warn_once("tracer", "tracer: stopping at the end failed (%s)", err)
         return gpu_done
+
+
+def patch_grad_scaler(after: Any) -> Any:
+    """Wrap `torch.amp.GradScaler.step` so `after(optimizer, step_before)` runs when it
+    returns (`step_before`: the boundaries' step counter before the call, read by the
+    caller's closure); returns a function that undoes the wrap, or None without a scaler
+    class. The wrapper never raises from `after` into training."""
+    try:
+        from torch.amp import GradScaler
+    except ImportError:
+        return None
+    original = GradScaler.__dict__.get("step")
+    if original is None:
+        return None
+    owner = getattr(after, "__self__", None)
+
+    @functools.wraps(original)
+    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        before = getattr(owner, "current_step", -1)
+        result = original(scaler, optimizer, *args, **kwargs)
+        try:
+            after(optimizer, before)
+        except Exception as err:  # never raise into training
+            log.debug("GradScaler.step follow-up failed: %s", err)
+        return result
+
+    GradScaler.step = step  # type: ignore[method-assign,assignment]
+
+    def undo() -> None:
+        if GradScaler.__dict__.get("step") is step:
+            GradScaler.step = original  # type: ignore[method-assign]
+
+    return undo

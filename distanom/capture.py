@@ -48,7 +48,22 @@ HEAVY_LOOKUP_NS = 1_000_000
 def encode_document(document: dict[str, Any]) -> bytes:
     """A trace document as JSON bytes. orjson first: it holds the GIL far shorter than
     json.dumps, time the training thread would wait (docs/agent.md); json.dumps takes what
-    orjson refuses (an integer wider than 64 bits, a key that is not a string)."""
+    orjson refuses (an integer wider than 64 bits, a key that is not a string).
+
+    `distributedInfo` comes first, written `"rank": N` with a space: HolisticTraceAnalysis
+    takes a file's rank from the first match of that pattern in it."""
+    info = document.get("distributedInfo")
+    if isinstance(info, dict) and len(document) > 1:
+        rest = {key: value for key, value in document.items() if key != "distributedInfo"}
+        try:
+            head = json.dumps({"distributedInfo": info}, allow_nan=False).encode()
+        except (TypeError, ValueError):  # not plain JSON: the compact form still writes it
+            return _encode_compact(document)
+        return head[:-1] + b"," + _encode_compact(rest)[1:]
+    return _encode_compact(document)
+
+
+def _encode_compact(document: dict[str, Any]) -> bytes:
     try:
         # NaN and infinities become null: a trace with one must still be written
         return orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)

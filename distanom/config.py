@@ -61,6 +61,13 @@ class StepConfig(_Section):
         description="class name of the optimizer whose step() ends a training step, when "
         "there are several (e.g. AdamW); null: the first optimizer that steps",
     )
+    optimizer_index: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="which of several optimizers of that class counts, in the order they "
+        "first step (0: the first; 1: the second, e.g. a GAN's generator)",
+    )
 
 
 class ClockConfig(_Section):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import distanom
-from distanom.boundary import FINAL, StepBoundaries, StepRecord
+from distanom.boundary import FINAL, STEP_SKIPPED, StepBoundaries, StepRecord
 from distanom.capture import CaptureWorker
 from distanom.config import Config
 from distanom.consensus import (
@@ -90,6 +90,7 @@ class ControlLoop:
         self.run: RunDir | None = None
         self.group: AgentGroup | None = None
         self._warn_once = health.warn_once
+        self._outcome = ("finished", 0)  # how the script ended: the run's last state
         self._recent: collections.deque[StepSample] = collections.deque(maxlen=RECENT_STEPS)
         self._gathered_step = -1
         self._request_numbers: dict[int, str] = {}
@@ -114,6 +115,10 @@ class ControlLoop:
     def join(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for the control thread to finish."""
         self._thread.join(timeout_s)
+
+    def set_outcome(self, state: str, exit_code: int) -> None:
+        """How the script ended (finished, failed, interrupted), for the last status."""
+        self._outcome = (state, exit_code)
 
     def close(self) -> None:
         """Release the group (only once the thread has finished) and the steps file."""
@@ -157,7 +162,7 @@ class ControlLoop:
         if capture is not None:
             capture.close(self.config.analysis.exit_timeout_s)
         if self.world.rank == 0:
-            self._write_status("finished")
+            self._write_status(self._outcome[0])
 
     def _drain_until_final(self) -> None:
         """Without consensus: keep consuming the inbox (the training thread must never fill
@@ -338,6 +343,7 @@ class ControlLoop:
             item.self_ms,
             item.gc_ms,
             item.gc_generation,
+            bool(item.flags & STEP_SKIPPED),
         )
         try:
             steps.write(row)
@@ -454,6 +460,7 @@ class ControlLoop:
             "capture_off": self.health.capture_off_reason,
             "consensus_error": self.health.consensus_error,
             "status_interval_s": self.config.control.status_interval_s,
+            "exit_code": self._outcome[1] if state != "running" else None,
         }
 
     def _write_status(self, state: str) -> None:

@@ -33,6 +33,7 @@ from typing import NoReturn
 
 from distanom.config import Config, load_config
 from distanom.errors import DistanomError
+from distanom.log_lines import QuietFilter
 from distanom.world import WorldInfo
 
 log = logging.getLogger("distanom")
@@ -120,6 +121,7 @@ def configure_logging(config: Config, world: WorldInfo) -> None:
     """Send distanom's log to stderr with a `[distanom rR/W]` prefix, at `log.level`."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[distanom {world.label}] %(levelname)s %(message)s"))
+    handler.addFilter(QuietFilter(world.rank, config.log.level))
     log.handlers[:] = [handler]
     log.setLevel(config.log.level)
     log.propagate = False  # the script's own logging setup must not duplicate or swallow ours
@@ -174,14 +176,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # distanom must never keep the script from running
         log.warning("cannot install the agent (%s); running the script without distanom", err)
         installed = False
-    code = 0
+    code, outcome = 0, "failed"  # an exception leaves "failed" with Python's status 1
     try:
         _run_script(args)
+        outcome = "finished"
     except SystemExit as exit_request:
         code = _exit_code(exit_request.code)
+        outcome = "finished" if code == 0 else "failed"
+    except KeyboardInterrupt:
+        outcome, code = "interrupted", 130  # what a shell reports for SIGINT
+        raise
+    except BaseException:
+        code = 1
+        raise
     finally:
         if installed:
-            agent.close()
+            agent.close(outcome=outcome, exit_code=code)
     return code
 
 

@@ -138,6 +138,8 @@ def request_capture(run_dir: str, n_steps: int, ranks_text: str | None, timeout_
     status = read_status(run)
     if not job_alive(status):
         state = (status or {}).get("state", "no status")
+        if state == "running":  # the file says running, but its heartbeat stopped
+            state = "its status heartbeat stopped"
         raise CaptureRequestError(f"{run.path}: the job is not running ({state}); nothing to ask")
     assert status is not None
     ranges = parse_ranks(ranks_text)

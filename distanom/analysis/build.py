@@ -86,6 +86,7 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
             threshold_ms=status.get("threshold_ms"),
             multiplier=detect.get("multiplier"),
             detector_median_ms=status.get("median_ms"),
+            optimizer_skipped=len(series.skipped),
         ),
         step_times=_step_times(series, detect if isinstance(detect, dict) else {})
         if step_times
@@ -303,6 +304,7 @@ def _cross_rank(
                 ),
                 merged=merged,
                 unreadable_ranks=sorted(r for r in capture.ranks if r not in mine),
+                optimizer_skipped=info.step in series.skipped,
             )
         )
     return out

@@ -22,13 +22,14 @@ import io
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
@@ -53,6 +54,7 @@ ENGINES = ("auto", "builtin", "tracelens")
 EngineName = Literal["builtin", "tracelens"]
 TimelineKind = Literal["gpu", "cpu"]
 
+STEP_SPAN = re.compile(r"distanom step \d+")  # the step annotation every capture carries
 _TRACELENS_MODULE = "TraceLens.Reporting.generate_perf_report_pytorch"
 _TRACELENS_FUNCTION = "generate_perf_report_pytorch"
 _NUMERIC_COLUMNS = frozenset(KERNEL_SUMMARY_COLUMNS[3:])
@@ -73,6 +75,16 @@ class TraceTables:
     """Who computed the tables."""
     kind: TimelineKind = "gpu"
     """"gpu": GPU events; "cpu": CPU-only trace, host spans (`host_timeline`)."""
+    step_window_us: float | None = None
+    """The step's host interval (its `distanom step N` annotation), None without one."""
+
+    @property
+    def outside_ops_ms(self) -> float | None:
+        """The part of the step window the timeline does not cover (ms): a stall before
+        the first or after the last operation shows here, never in the timeline's idle."""
+        if self.step_window_us is None:
+            return None
+        return max(0.0, self.step_window_us - self.timeline.total_time_us) / 1000
 
     def to_jsonable(self) -> dict[str, Any]:
         """A JSON-ready dict (NaN and None both become null)."""
@@ -125,9 +137,24 @@ def analyze_trace(
     return tables_of(load_trace(path, max_bytes=max_bytes), path, engine)
 
 
+def step_window_us(trace: Trace) -> float | None:
+    """The duration of the trace's `distanom step N` annotation (µs), None without one."""
+    for event in trace.host_events:
+        if event.cat == "user_annotation" and STEP_SPAN.fullmatch(event.name):
+            return event.dur
+    return None
+
+
 def tables_of(trace: Trace, path: str | os.PathLike[str], engine: str = "auto") -> TraceTables:
-    """The tables of a trace already loaded from `path`, by `engine` (see `analyze_trace`);
-    TraceLens, when it runs, reads the file itself."""
+    """The tables of a trace already loaded from `path`, by `engine` (see `analyze_trace`),
+    with the step window when the trace has one; TraceLens, when it runs, reads the file
+    itself."""
+    return replace(_tables_of(trace, path, engine), step_window_us=step_window_us(trace))
+
+
+def _tables_of(trace: Trace, path: str | os.PathLike[str], engine: str) -> TraceTables:
+    if engine == "tracelens" and (trace.gpu_events or trace.host_events):
+        _import_tracelens(required=True)  # asked for by name: never a silent fallback
     if not trace.gpu_events or engine == "builtin":
         return tables_from_trace(trace)
     generate = _import_tracelens(required=engine == "tracelens")

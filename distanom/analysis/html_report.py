@@ -36,6 +36,7 @@ from distanom.analysis.render_text import (
     median_parts,
     ranks_cell,
 )
+from distanom.analysis.report_order import by_severity, is_culprit, trimmed
 from distanom.rundir import write_bytes_atomic
 
 __all__ = ["HtmlPage", "render_html", "write_html"]
@@ -50,15 +51,19 @@ PART_LABELS = {
     "idle_time": "idle",
     OUTSIDE: "outside ops",
 }
+# waiting (exposed comm) is quiet grey; a stall (idle, and the idle outside the ops) is
+# red, so the culprit's stall is what the eye finds first
 PART_COLORS = {
     "computation_time": "#4c72b0",
-    "exposed_comm_time": "#dd8452",
+    "exposed_comm_time": "#c8c8c8",
     "exposed_memcpy_time": "#8172b3",
-    "idle_time": "#b0b0b0",
-    OUTSIDE: "#dcdcdc",
+    "idle_time": "#c0392b",
+    OUTSIDE: "#e8837a",
 }
 KIND_COLORS = {"anomaly": "#c0392b", "reference": "#27ae60", "requested": "#2e86c1"}
 TOP_KERNELS = 8
+# op changes under this share of the step are left out of the table (counted in a note)
+MIN_CHANGE_SHARE = 0.01
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;
@@ -73,6 +78,8 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .legend span{display:inline-block;width:12px;height:12px;margin:0 4px 0 12px;vertical-align:middle}
 img,svg{max-width:100%;height:auto}
 .problems{color:#8a4b00}
+tr.culprit td{background:#fdecea;font-weight:600}
+.tag{background:#c0392b;color:#fff;border-radius:3px;padding:0 5px;font-size:11px;margin-left:6px}
 """
 
 
@@ -216,7 +223,8 @@ def _bars(capture: Capture) -> _Bars | None:
             continue
         host = entry.host
         # a `$` would start matplotlib mathtext (a crash on `$\frac{1}{$`): shown as is
-        labels.append(f"rank {rank}" + (f" ({host})" if host else "").replace("$", r"\$"))
+        culprit = " ◀ culprit" if _culprit_mark(capture, rank)[1] else ""
+        labels.append(f"rank {rank}" + (f" ({host})" if host else "").replace("$", r"\$") + culprit)
         bar = {part: max(0.0, rows[part]) for part in PARTS}
         bar[OUTSIDE] = entry.outside_ms or 0.0
         values.append(bar)
@@ -387,12 +395,22 @@ def _breakdown_table(capture: Capture) -> str:
     for rank, entry in capture.ranks.items():
         numbers = breakdown_numbers(entry, outside) or [None] * columns
         cells = "".join(f'<td class="num">{_fmt(v)}</td>' for v in numbers)
-        rows.append(f"<tr><td>rank {_e(rank)}</td><td>{_e(entry.host or '-')}</td>{cells}</tr>")
+        mark, tag = _culprit_mark(capture, rank)
+        rows.append(
+            f"<tr{mark}><td>rank {_e(rank)}{tag}</td><td>{_e(entry.host or '-')}</td>{cells}</tr>"
+        )
     names = ["rank", "host", *(PART_LABELS[p] for p in PARTS)]
     names += [PART_LABELS[OUTSIDE], "total"] if outside else ["total"]
     head = "".join(f"<th>{h}</th>" for h in names)
     table = f"<table><tr>{head}</tr>{''.join(rows)}</table>"
     return table + (f'<p class="facts">{_e(OUTSIDE_NOTE)}</p>' if outside else "")
+
+
+def _culprit_mark(capture: Capture, rank: int) -> tuple[str, str]:
+    """The row attribute and the tag that mark the capture's culprit rank(s)."""
+    if is_culprit(capture, rank):
+        return ' class="culprit"', '<span class="tag">culprit</span>'
+    return "", ""
 
 
 def _kernel_table(capture: Capture) -> str:
@@ -413,8 +431,18 @@ def _kernel_table(capture: Capture) -> str:
     )
     if not changes:
         return title + "<p>nothing grew</p>"
+    changes, left_out, left_us = trimmed(changes, capture.step_ms, TOP_KERNELS, MIN_CHANGE_SHARE)
+    note = ""
+    if left_out:
+        note = (
+            f'<p class="facts">{left_out} smaller change(s), {_fmt(left_us / 1000)} ms in all, '
+            f"not shown (each under {MIN_CHANGE_SHARE:.0%} of the step or past the top "
+            f"{TOP_KERNELS})</p>"
+        )
+    if not changes:
+        return title + note
     rows = []
-    for change in changes[:TOP_KERNELS]:
+    for change in changes:
         shape = ""
         if change.get("grid") or change.get("block"):
             shape = f"grid {change.get('grid')} block {change.get('block')}"
@@ -425,7 +453,7 @@ def _kernel_table(capture: Capture) -> str:
             f'<td class="kernel">{_e(change.get("name"))}</td><td>{_e(shape)}</td></tr>'
         )
     head = "<tr><th>added µs</th><th>status</th><th>count</th><th>name</th><th>launch</th></tr>"
-    return title + f"<table>{head}{''.join(rows)}</table>"
+    return title + f"<table>{head}{''.join(rows)}</table>" + note
 
 
 def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
@@ -456,14 +484,17 @@ def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
     body.append(f"<h2>Captures ({len(captures)})</h2>")
     if captures:
         rows = "".join(
-            f"<tr><td>{_e(c.step)}</td><td>{_e(','.join(c.kinds))}</td>"
+            f'<tr><td><a href="#step-{_e(c.step)}">{_e(c.step)}</a></td>'
+            f"<td>{_e(','.join(c.kinds))}</td>"
             f'<td class="num">{_fmt(c.step_ms, 1)}</td>'
             f'<td class="num">{_fmt(c.ratio)}</td>'
             f"<td>{_e(ranks_cell(c))}</td>"
-            f"<td>{_e(c.verdict.sentence())}</td></tr>"
-            for c in captures
+            f"<td>{_culprit_cell(c)}{_e(c.verdict.sentence())}</td></tr>"
+            for c in by_severity(captures)
         )
         body.append(
+            '<p class="facts">Most severe first (x rolling median, anomalies before other '
+            "kinds); the sections below follow the steps in order. Terms: docs/glossary.md.</p>"
             "<table><tr><th>step</th><th>kind</th><th>step ms</th><th>x rolling median</th>"
             f"<th>ranks</th><th>verdict</th></tr>{rows}</table>"
         )
@@ -482,6 +513,25 @@ def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
         f"<body>{''.join(body)}</body></html>\n"
     )
     return HtmlPage(page, pngs)
+
+
+def _culprit_cell(capture: Capture) -> str:
+    rank = capture.verdict.culprit_rank
+    return "" if rank is None else f'<span class="tag">rank {_e(rank)}</span> '
+
+
+def _merged_link(capture: Capture) -> str:
+    """A link to the merged trace, and how to open it (Perfetto loads local files)."""
+    merged = capture.merged
+    if merged is None:
+        return ""
+    uri = Path(merged.path).resolve().as_uri()
+    return (
+        f'<p>All ranks in one trace: <a href="{_e(uri)}">{_e(merged.relative)}</a>. '
+        "Open it in Perfetto (https://ui.perfetto.dev, <i>Open trace file</i>; the "
+        "file never leaves the browser) or chrome://tracing; a link cannot open it there "
+        "directly.</p>"
+    )
 
 
 def _capture_section(capture: Capture, figure_class: Any, pngs: dict[str, bytes]) -> list[str]:
@@ -504,9 +554,7 @@ def _capture_section(capture: Capture, figure_class: Any, pngs: dict[str, bytes]
     body.append(_breakdown_table(capture))
     body.append(_kernel_table(capture))
     if capture.merged_trace:
-        body.append(
-            f"<p>All ranks in one trace (Perfetto): <code>{_e(capture.merged_trace)}</code></p>"
-        )
+        body.append(_merged_link(capture))
     if capture.missing_ranks:
         body.append(
             f"<p>No trace from rank(s) {_e(', '.join(map(str, capture.missing_ranks)))}</p>"

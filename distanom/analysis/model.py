@@ -68,6 +68,8 @@ class StepStats:
     multiplier: Any
     detector_median_ms: Any
     """The detector's latest rolling median, the one its threshold multiplies."""
+    optimizer_skipped: int = 0
+    """Steps whose optimizer step a GradScaler skipped (inf/nan gradients)."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,8 @@ class Capture:
     kernel_diff: KernelDiff
     merged: MergedTrace | None
     unreadable_ranks: list[int]
+    optimizer_skipped: bool = False
+    """The step's optimizer step was skipped (a GradScaler found inf/nan gradients)."""
 
     @property
     def merged_trace(self) -> str | None:

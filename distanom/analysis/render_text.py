@@ -156,6 +156,10 @@ def _run_lines(report: Report) -> list[str]:
         + f"   state: {facts.state}",
         f"  steps: {steps.count}   " + "   ".join(median_parts(steps)),
     ]
+    if steps.optimizer_skipped:
+        lines.append(
+            f"  optimizer step skipped (inf/nan gradients) in {steps.optimizer_skipped} steps"
+        )
     tracer = report.tracer
     if tracer.get("note"):
         lines.append(f"  {tracer['note']}")
@@ -214,7 +218,7 @@ def _capture_lines(captures: list[Capture]) -> list[str]:
         rows.append(
             [
                 str(capture.step),
-                ",".join(capture.kinds),
+                ",".join(capture.kinds) + (" (opt. skipped)" if capture.optimizer_skipped else ""),
                 fmt(capture.step_ms),
                 fmt(capture.ratio, 2),
                 ranks_cell(capture),

@@ -96,6 +96,7 @@ class StepSeries:
     self_ms: list[float] = field(default_factory=list)  # the longest on any rank
     # Python garbage collection per rank and step: (ms, highest generation or -1)
     gc: dict[int, dict[int, tuple[float, int]]] = field(default_factory=dict)
+    skipped: frozenset[int] = frozenset()  # steps whose optimizer step was skipped, any rank
 
     def samples(self) -> list[StepSample]:
         """The steps as the detector saw them (same fields the consensus gathers)."""
@@ -293,6 +294,7 @@ def load_steps(data: RunData) -> StepSeries:
     """Every rank's steps/rank<R>.csv, aligned by step; damaged rows become problems."""
     per_rank_rows: dict[int, dict[int, tuple[float, bool, bool, float]]] = {}
     collections: dict[int, dict[int, tuple[float, int]]] = {}
+    skipped: set[int] = set()
     for rank in _step_files(data):
         path = data.run.steps_csv(rank)
         rows: dict[int, tuple[float, bool, bool, float]] = {}
@@ -302,6 +304,7 @@ def load_steps(data: RunData) -> StepSeries:
         except OSError as err:
             data.problems.append(f"{data.run.relative(path)}: cannot be read ({err.strerror})")
             continue
+        skipped.update(row.step for row in read.rows if row.skipped)
         for row in read.rows:
             rows[row.step] = (row.duration_ms, row.traced, row.after_flush, row.self_ms)
             pause = row.gc_pause
@@ -322,4 +325,4 @@ def load_steps(data: RunData) -> StepSeries:
     traced = [all(rows.get(step, missing)[1] for rows in every) for step in steps]
     flushed = [any(rows.get(step, missing)[2] for rows in every) for step in steps]
     own = [max((rows.get(step, missing)[3] for rows in every), default=0.0) for step in steps]
-    return StepSeries(steps, per_rank, traced, flushed, own, collections)
+    return StepSeries(steps, per_rank, traced, flushed, own, collections, frozenset(skipped))

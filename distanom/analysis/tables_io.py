@@ -95,6 +95,9 @@ class AnalyzeOutput:
             key: timeline_json(self.tables.timeline),
             "kernel_summary": jsonable(self.tables.kernel_summary),
         }
+        if self.tables.step_window_us is not None:
+            body["step_window_ms"] = self.tables.step_window_us / 1000
+            body["outside_ops_ms"] = self.tables.outside_ops_ms
         return body
 
     def as_text(self) -> str:
@@ -113,6 +116,7 @@ class AnalyzeOutput:
                 ]
             )
         lines += ["  " + line for line in table(["type", "time ms", "percent"], rows)]
+        lines += outside_ops_lines(tables)
         if tables.kernel_summary:
             lines += ["", f"kernel_summary (top 20 of {len(tables.kernel_summary)} rows):"]
             krows = []
@@ -132,6 +136,19 @@ class AnalyzeOutput:
                 for line in table(["kernel", "stream", "count", "sum µs", "% total"], krows)
             ]
         return "\n".join(lines) + "\n"
+
+
+def outside_ops_lines(tables: TraceTables) -> list[str]:
+    """The step window and the part of it outside the trace's ops, when the trace has
+    distanom's step annotation (a stall there is invisible in the timeline above)."""
+    outside = tables.outside_ops_ms
+    if outside is None or tables.step_window_us is None:
+        return []
+    return [
+        f"  step window {tables.step_window_us / 1000:.3f} ms; outside the trace's ops "
+        f"{outside:.3f} ms (host time before the first or after the last op: see "
+        "'outside ops' in docs/glossary.md)"
+    ]
 
 
 def _pct(value: Any) -> str:

@@ -95,6 +95,8 @@ __all__ = [
 
 # A collection shorter than this is not worth naming: young ones take tens of µs each.
 GC_NOTE_MS = 1.0
+# a culprit named for a step under this many times the median is flagged as weak evidence
+WEAK_RATIO = 2.0
 # ... nor one that explains less than this share of a host stall's slowdown.
 GC_SHARE = 0.25
 
@@ -113,8 +115,45 @@ def decide(
     `ranks`: the step's evidence per rank; `reference`: the same for the healthy
     reference step (`reference_step` names it in the evidence); `collectives`: matched
     across the step's ranks (trace clocks, µs); `step_ms` / `expected_ms`: the step's
-    time and the detector's median when known.
+    time and the detector's median when known. A named culprit of a step under
+    `WEAK_RATIO` x the median says its evidence is weak.
     """
+    found = _decide(
+        ranks,
+        reference=reference,
+        reference_step=reference_step,
+        collectives=collectives,
+        step_ms=step_ms,
+        expected_ms=expected_ms,
+    )
+    return with_strength(found, step_ms, expected_ms)
+
+
+def with_strength(verdict: Verdict, step_ms: float | None, expected_ms: float | None) -> Verdict:
+    """`verdict`, with a note that its evidence is weak when it names a culprit of a
+    step only a little over the median (ordinary jitter can look the same)."""
+    if verdict.culprit_rank is None or step_ms is None or not expected_ms:
+        return verdict
+    ratio = step_ms / expected_ms
+    if ratio >= WEAK_RATIO:
+        return verdict
+    details = {**verdict.details, "weak_evidence": True}
+    note = (
+        f"; weak evidence: the step was only {ratio:.2f}x the median, "
+        "within the jitter of a busy machine"
+    )
+    return dataclasses.replace(verdict, evidence=verdict.evidence + note, details=details)
+
+
+def _decide(
+    ranks: Iterable[RankEvidence],
+    *,
+    reference: Iterable[RankEvidence] = (),
+    reference_step: int | None = None,
+    collectives: Sequence[MatchedCollective] = (),
+    step_ms: float | None = None,
+    expected_ms: float | None = None,
+) -> Verdict:
     current = {e.rank: e for e in ranks}
     before = {e.rank: e for e in reference}
     details: dict[str, Any] = {}

@@ -201,6 +201,17 @@ def _outside_note(outside: Sequence[float]) -> str:
     return f" (incl. {_span(outside)} outside {whose} ops)"
 
 
+def _baseline_word(base: _Baseline | None, reference_step: int | None, with_reference: bool) -> str:
+    """What a slowdown was measured against, for a sentence."""
+    if with_reference:
+        return (
+            f"in reference step {reference_step}"
+            if reference_step is not None
+            else "in the reference"
+        )
+    return base.what if base is not None else "usual"
+
+
 def _reference_note(
     rank: int,
     part: Callable[[Breakdown], float],
@@ -228,15 +239,18 @@ def culprit_verdict(
         culprit = arrival.latest_rank
     node = _node_of(found.culprits, hosts)
     cause, part, growth = _cause_of(culprit, found.others, current, reference, found.excess_ms)
-    values = [part.read(current[r].breakdown) for r in found.culprits]
-    others_part = median(part.read(current[o].breakdown) for o in found.others)
+    read, label = part.read, part.label
+    if cause is None:  # no part grew: name the rank's own time, never a part that did not
+        read, label = (lambda b: b.own_ms), "own time"
+    values = [read(current[r].breakdown) for r in found.culprits]
+    others_part = median(read(current[o].breakdown) for o in found.others)
     who = _ranks_word(found.culprits) + (f" (all of node {node})" if node else "")
-    text = f"{who}: {part.label} {_span(values)}"
-    if part.cause == "host_stall":
+    text = f"{who}: {label} {_span(values)}"
+    if cause == "host_stall":
         text += _outside_note([current[r].breakdown.outside_ms for r in found.culprits])
     text += f" vs {_ms(others_part)} ms median of the others"
     if len(values) == 1:
-        text += _reference_note(culprit, part.read, reference, reference_step)
+        text += _reference_note(culprit, read, reference, reference_step)
     if cause is None:
         text += f" (extra own time {_ms(found.excess_ms)} ms spread over several parts)"
     also = _also(growth, part.cause, found.excess_ms)
@@ -276,14 +290,27 @@ def late_arrival_verdict(
         return None
     late = arrival.latest_rank
     comm = {r: e.breakdown.exposed_comm_ms for r, e in current.items()}
-    if late not in comm or comm[late] > min(comm.values()):
-        return None  # the late starter must also be the one that waited least
+    if late not in comm:
+        return None
     others = [r for r in current if r != late]
+    nested = ""
+    if comm[late] > min(comm.values()):
+        # the late starter must also be the one that waited least, unless its own stall
+        # accounts for its lateness: a collective nested in an enclosing host op (an
+        # optimizer step that runs the backward in a closure) reads as computation there
+        stall = current[late].breakdown.stalled_ms
+        own_delay = stall - median(current[o].breakdown.stalled_ms for o in others)
+        if own_delay < CAUSE_SHARE * arrival.wait_ms:
+            return None
+        nested = (
+            f"; its idle {_ms(stall)} ms explains it (the others waited inside their own "
+            "ops, so their wait reads as computation)"
+        )
     cause, _, growth = _cause_of(late, others, current, reference, arrival.wait_ms)
     text = (
         f"rank {late} arrived last at {arrival.collective}, {_ms(arrival.wait_ms)} ms after "
         f"the first ({arrival.clock}); exposed comm {_ms(comm[late])} ms vs "
-        f"{_span([comm[o] for o in others])} on {_ranks_word(others)}"
+        f"{_span([comm[o] for o in others])} on {_ranks_word(others)}{nested}"
     )
     if cause is None:
         cause = "host_stall"
@@ -387,7 +414,12 @@ def everyone_verdict(
         )
     details["slowdown_ms"] = round(slowdown, 4)
     if slowdown <= 0:
-        return Verdict(None, None, "unknown", "no rank stands out and no slowdown", details)
+        than = _baseline_word(base, reference_step, with_reference)
+        text = (
+            f"no rank stands out, and the traced ranks took no longer than {than}: the "
+            "step's extra time is not in the traces (see 'outside ops' in docs/glossary.md)"
+        )
+        return Verdict(None, None, "unknown", text, details)
     comm = grown(lambda b: b.exposed_comm_ms)
     own = grown(lambda b: b.own_ms)
     comm_all = min(comm.values()) >= GLOBAL_SHARE * slowdown

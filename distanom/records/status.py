@@ -49,7 +49,7 @@ class TracerReport(TypedDict, total=False):
 class Status(TypedDict, total=False):
     """The body of status.json (keys in the order written)."""
 
-    state: str  # "running" or "finished"
+    state: str  # "running", then "finished", "failed" or "interrupted"
     run_id: str | None
     world_size: int
     step: int  # the step in progress on rank 0's host
@@ -65,6 +65,7 @@ class Status(TypedDict, total=False):
     capture_off: str | None
     consensus_error: str | None
     status_interval_s: float
+    exit_code: int | None  # the script's exit status once it ended
     updated_at: float  # added by `write_status`
     pid: int  # added by `write_status`
 

@@ -3,8 +3,9 @@ and read back by the report.
 
 Columns (`STEPS_CSV_HEADER`): step, its duration (ms, as the clock measured it), traced /
 after a tracer flush (0|1), distanom's capture work during it (ms), Python garbage
-collection during it (ms, and the highest generation collected, -1 for none). Files
-written before the last columns existed still read: missing columns read as 0 / none.
+collection during it (ms, and the highest generation collected, -1 for none), whether the
+optimizer step of the iteration was skipped (0|1: a GradScaler found inf/nan gradients).
+Files written before the last columns existed still read: missing columns read as 0 / none.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import IO
 from distanom.rundir import FILE_MODE
 from distanom.safe_io import open_append_at, open_dir, open_regular
 
-STEPS_CSV_HEADER = "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen\n"
+STEPS_CSV_HEADER = "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen,skipped\n"
 MAX_STEP_ROWS = 10_000_000  # a steps file is one short line per step
 MAX_STEP = 2**53  # a step number a float still holds exactly; beyond is damage
 MAX_ROW_CHARS = 1024  # a longer row is damage, skipped without reading it whole
@@ -35,12 +36,13 @@ class StepRow:
     self_ms: float  # distanom's capture work during the step
     gc_ms: float = 0.0  # Python garbage collection during the step (host time)
     gc_generation: int = -1  # the highest generation collected, -1 for none
+    skipped: bool = False  # the iteration's optimizer step was skipped (inf/nan gradients)
 
     def line(self) -> str:
         """The row as written to the file, newline included."""
         return (
             f"{self.step},{self.duration_ms:.4f},{int(self.traced)},{int(self.after_flush)},"
-            f"{self.self_ms:.3f},{self.gc_ms:.3f},{self.gc_generation}\n"
+            f"{self.self_ms:.3f},{self.gc_ms:.3f},{self.gc_generation},{int(self.skipped)}\n"
         )
 
     @property
@@ -128,7 +130,10 @@ def read_steps(path: Path) -> StepsFile:
                 bad += 1
                 continue
             gc_ms, gc_generation = _gc_pause(row)
-            rows.append(StepRow(step, duration, traced, after, spent, gc_ms, gc_generation))
+            skipped = len(row) > 7 and row[7].strip() == "1"
+            rows.append(
+                StepRow(step, duration, traced, after, spent, gc_ms, gc_generation, skipped)
+            )
     return StepsFile(rows, bad)
 
 

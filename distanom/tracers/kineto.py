@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 FLOW_CATEGORY = "ac2g"
+KINETO_QUIET_LEVEL = "6"  # above Kineto's highest level (USDT = 5): nothing printed
 # A step whose wall-clock and monotonic lengths differ by more than this saw a clock step.
 CLOCK_JUMP_NS = 20_000_000
 # Kineto's own top-level keys that a step trace keeps unchanged.
@@ -94,6 +95,7 @@ class KinetoTracer:
     def start(self) -> None:
         """Begin recording; called right after `mark_step` of the step before the first
         traced one."""
+        quiet_kineto()
         self._start_profiler()
 
     def _start_profiler(self) -> None:
@@ -259,6 +261,15 @@ class KinetoTracer:
             self._windows.clear()
         if self._scratch_dir is not None:
             shutil.rmtree(self._scratch_dir, ignore_errors=True)
+
+
+def quiet_kineto() -> None:
+    """Keep Kineto from printing a `USDT ... profiler_start/stop` line to stderr at every
+    profiler cycle: its levels end at USDT (5), and Kineto reads `KINETO_LOG_LEVEL` when
+    the profiler first starts. A level the user set, or distanom's DEBUG level, keeps
+    Kineto's lines."""
+    if "KINETO_LOG_LEVEL" not in os.environ and not log.isEnabledFor(logging.DEBUG):
+        os.environ["KINETO_LOG_LEVEL"] = KINETO_QUIET_LEVEL
 
 
 def _save(results: Any, folder: str) -> str:

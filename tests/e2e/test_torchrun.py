@@ -69,7 +69,7 @@ def test_stalled_rank_steps_are_captured_on_every_rank(
         assert cost["lookups"] >= 1 and all(cost[k] >= 0 for k in cost)
     steps_file = Path(report["run_dir"]) / "steps" / "rank2.csv"
     rows = steps_file.read_text().splitlines()
-    assert rows[0] == "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen"
+    assert rows[0] == "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen,skipped"
     assert len(rows) >= 95
     text = subprocess.run(
         [sys.executable, "-m", "distanom", "report", str(tmp_path / "runs")],

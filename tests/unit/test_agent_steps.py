@@ -317,3 +317,109 @@ def test_a_capture_readings_step_back_never_gives_a_negative_share(tmp_path: Pat
     finally:
         agent.capture = real
         agent.close()
+
+
+# -- step boundaries that follow the loop ----------------------------------------------
+
+
+def amp_train(
+    agent: Agent,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    overflow: set[int],
+    iterations: int,
+    scaler: torch.amp.GradScaler | None = None,
+) -> list[int]:
+    """A mixed-precision loop whose loss overflows at the given iterations; returns the
+    distanom step in progress at the start of each iteration."""
+    scaler = scaler or torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=3)
+    seen = []
+    for iteration in range(iterations):
+        seen.append(agent.current_step)
+        loss = model(torch.randn(4, 8)).sum()
+        if iteration in overflow:
+            loss = loss * float("inf")  # forced overflow: the scaler skips optimizer.step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    return seen
+
+
+def recorded_rows(agent: Agent) -> list[dict[str, str]]:
+    assert agent.run is not None
+    with open(agent.run.steps_csv(0)) as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.mark.parametrize("first_skipped", [False, True])
+def test_skipped_optimizer_steps_still_end_a_step(
+    tmp_path: Path, model: torch.nn.Module, first_skipped: bool
+) -> None:
+    overflow = {0, 1, 7, 12, 13} if first_skipped else {7, 12, 13}
+    agent = make_agent(tmp_path)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = amp_train(agent, model, optimizer, overflow, 20)
+    assert seen == list(range(20))  # iteration N is step N, skipped or not
+    assert agent.counted_optimizer is optimizer
+    assert agent.boundaries.skipped_steps == len(overflow)
+    agent.close()
+    rows = recorded_rows(agent)
+    skipped = {int(r["step"]) for r in rows if r["skipped"] == "1"}
+    assert skipped == overflow - {0}  # step 0 has no start boundary, so no row
+
+
+def test_cuda_amp_grad_scaler_subclass_is_followed_too(
+    tmp_path: Path, model: torch.nn.Module
+) -> None:
+    agent = make_agent(tmp_path)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.__class__ = type("Sub", (torch.amp.GradScaler,), {})  # like torch.cuda.amp's
+    seen = amp_train(agent, model, optimizer, {3, 4}, 8, scaler)
+    assert seen == list(range(8))
+    agent.close()
+    assert not hasattr(torch.amp.GradScaler.step, "__wrapped__")  # the wrap is undone
+
+
+def test_manual_steps_beside_an_optimizer_number_like_the_loop(
+    tmp_path: Path, model: torch.nn.Module
+) -> None:
+    agent = make_agent(tmp_path)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for _ in range(10):
+        seen.append(agent.current_step)
+        train([optimizer], model, 1)
+        distanom.step()  # at the end of each iteration, from the first
+    assert seen == list(range(10))
+    agent.close()
+
+
+def test_the_second_optimizer_of_one_class_can_be_chosen(
+    tmp_path: Path, model: torch.nn.Module, caplog: pytest.LogCaptureFixture
+) -> None:
+    disc = torch.optim.Adam(model.parameters(), lr=0.1)
+    gen = torch.optim.Adam(model.parameters(), lr=0.1)
+    agent = make_agent(tmp_path, "step.optimizer=Adam", "step.optimizer_index=1")
+    with caplog.at_level("INFO", logger="distanom"):
+        train([disc, gen], model, 4)
+    assert agent.counted_optimizer is gen and agent.current_step == 4
+    assert "steps end at Adam #1 (step.optimizer_index, from 0).step()" in caplog.text
+    agent.close()
+
+
+def test_steps_files_without_the_skipped_column_still_read(tmp_path: Path) -> None:
+    from distanom.records.steps import read_steps
+
+    old = tmp_path / "rank0.csv"
+    old.write_text(
+        "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen\n3,1.5,1,0,0.0,0.0,-1\n"
+    )
+    rows = read_steps(old).rows
+    assert len(rows) == 1 and rows[0].skipped is False
+    new = tmp_path / "rank1.csv"
+    new.write_text(
+        "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen,skipped\n3,1.5,1,0,0.0,0.0,-1,1\n"
+    )
+    assert read_steps(new).rows[0].skipped is True

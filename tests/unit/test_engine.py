@@ -22,7 +22,7 @@ from distanom.analysis.tables import TIMELINE_ROWS, gpu_timeline, kernel_summary
 from distanom.analysis.trace_io import load_trace
 from distanom.config import AnalysisConfig
 from distanom.errors import AnalysisEngineError, DistanomError, TraceFormatError
-from tests.unit.tracegen import gpu
+from tests.unit.tracegen import gpu, host
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 H200 = DATA / "h200_resnet18_b5_anomalous_step.json.gz"
@@ -391,3 +391,35 @@ def test_real_tracelens_equals_builtin(path: Path) -> None:
         assert ours.keys() == real.keys()
         for key, values in real.items():
             assert all(_close(a, b) for a, b in zip(ours[key], values, strict=True)), key
+
+
+# ------------------------------------------------------------------ explicit engine, step window
+
+
+def cpu_step_trace(tmp_path: Path) -> Path:
+    """A CPU-only trace of step 7: a 300 ms stall before its first op, 2 ms of ops."""
+    events = [
+        host("distanom step 7", 0.0, 302_000.0, cat="user_annotation"),
+        host("aten::mm", 300_000.0, 1_000.0),
+        host("aten::add", 301_000.0, 1_000.0),
+    ]
+    path = tmp_path / "rank0.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_explicit_tracelens_fails_on_a_cpu_trace_too(no_tracelens: None, tmp_path: Path) -> None:
+    with pytest.raises(AnalysisEngineError, match="TraceLens cannot be imported"):
+        analyze_trace(cpu_step_trace(tmp_path), "tracelens")
+    assert analyze_trace(cpu_step_trace(tmp_path), "auto").engine == "builtin"
+
+
+def test_the_time_outside_the_ops_is_shown(no_tracelens: None, tmp_path: Path) -> None:
+    from distanom.analysis.tables_io import AnalyzeOutput
+
+    tables = analyze_trace(cpu_step_trace(tmp_path), "builtin")
+    assert tables.step_window_us == 302_000.0
+    assert tables.outside_ops_ms == pytest.approx(300.0)
+    text = AnalyzeOutput(tables).as_text()
+    assert "step window 302.000 ms; outside the trace's ops 300.000 ms" in text
+    assert AnalyzeOutput(tables).as_json()["outside_ops_ms"] == pytest.approx(300.0)

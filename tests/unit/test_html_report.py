@@ -36,11 +36,13 @@ class Page(HTMLParser):
         self.text: list[str] = []
         self.tags: list[str] = []
         self.urls: list[str] = []
+        self.links: list[str] = []
         self.feed(text)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self.tags.append(tag)
-        self.urls += [v or "" for k, v in attrs if k in ("src", "href")]
+        self.urls += [v or "" for k, v in attrs if k == "src"]
+        self.links += [v or "" for k, v in attrs if k == "href"]
 
     def handle_data(self, data: str) -> None:
         self.text.append(data)
@@ -90,6 +92,10 @@ def check_content(page: Page) -> None:
     assert "script" not in page.tags
     assert page.tags.count("img") == sum(u.startswith("data:image/png;base64,") for u in page.urls)
     assert all(u.startswith("data:") for u in page.urls)  # self-contained: nothing fetched
+    # links only within the page, or to the merged traces on disk (never fetched)
+    assert all(u.startswith("#step-") or u.startswith("file:///") for u in page.links)
+    assert any(u.endswith("/captures/step_40/merged.trace.json.gz") for u in page.links)
+    assert "Open it in Perfetto" in text
 
 
 def test_page_without_matplotlib_draws_svg(run_dir: Path) -> None:
@@ -147,11 +153,12 @@ def test_page_tells_the_text_reports_story(tmp_path: Path) -> None:
     assert "x rolling median ranks verdict" in text and " 3/4 (1 unreadable) " in text
     assert "Unreadable trace from rank(s) 3 (see problems)" in text
     assert "idle outside ops total" in text
-    assert "rank 1 a 0.98 0.33 0.00 0.08 50.06 51.45" in text
+    assert "rank 1 culprit a 0.98 0.33 0.00 0.08 50.06 51.45" in text  # highlighted
     assert "rank 3 a - - - - - -" in text
     assert "outside ops: step window before the rank's first op" in text
     assert "Verdict: rank 1 — host stall: rank 1: idle 50.1 ms (incl. 50.1 ms outside" in text
-    assert "<title>rank 1 (a): outside ops 50.06 ms</title>" in html  # its part of the bar
+    assert "<title>rank 1 (a) ◀ culprit: outside ops 50.06 ms</title>" in html  # its bar
+    assert '<tr class="culprit"><td>rank 1<span class="tag">culprit</span>' in html
 
 
 def test_rolling_threshold_is_the_detectors() -> None:
@@ -248,3 +255,34 @@ def test_page_renders_in_headless_chromium(
     width, height, pixels = png_pixels(shot)
     assert (width, height) == (1200, 1600)
     assert len(set(pixels)) > 50  # a blank page compresses to a handful of distinct bytes
+
+
+def test_captures_are_listed_most_severe_first_and_op_changes_are_trimmed(
+    tmp_path: Path,
+) -> None:
+    from distanom.analysis.html_report import PART_COLORS
+    from distanom.analysis.report_order import by_severity, trimmed
+
+    make_run(
+        tmp_path,
+        [
+            Capture(20, "reference", gpu_job(), 1.1, 1.2),
+            Capture(30, "anomaly", gpu_job(extra_compute_us={1: 600.0}), 1.8, 1.2),
+            Capture(40, "anomaly", gpu_job(extra_compute_us={3: 3000.0}), 4.1, 1.2),
+        ],
+        hosts=["a"] * 4,
+    )
+    report = build_report(load_run(str(tmp_path)))
+    assert [c.step for c in by_severity(report.captures)] == [40, 30, 20]
+    html = render_html(report, use_matplotlib=False).html
+    table = html[html.index("Most severe first") :]
+    assert (
+        table.index('href="#step-40"')
+        < table.index('href="#step-30"')
+        < table.index('href="#step-20"')
+    )
+    changes = [{"added_us": v, "name": str(v)} for v in (2.0, -900.0, 5000.0, 30.0)]
+    shown, left_out, left_us = trimmed(changes, 300.0, 8, 0.01)  # 1% of the step: 3 ms
+    assert [c["added_us"] for c in shown] == [5000.0]
+    assert (left_out, left_us) == (3, -868.0)
+    assert PART_COLORS["idle_time"] != PART_COLORS["exposed_comm_time"]  # a stall stands out

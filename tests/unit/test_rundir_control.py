@@ -155,13 +155,13 @@ def test_job_alive_needs_a_fresh_running_heartbeat(tmp_path: Path) -> None:
 
 def test_step_rows_keep_their_bytes_and_older_files_still_read(tmp_path: Path) -> None:
     row = StepRow(7, 12.345678, True, False, 0.5, 1.25, 2)
-    assert row.line() == "7,12.3457,1,0,0.500,1.250,2\n"
+    assert row.line() == "7,12.3457,1,0,0.500,1.250,2,0\n"
     path = tmp_path / "steps" / "rank0.csv"
     writer = StepsWriter(path)
     writer.write(row)
     writer.write(StepRow(8, 3.0, False, True, 0.0))
     writer.close()
-    assert path.read_text() == STEPS_CSV_HEADER + row.line() + "8,3.0000,0,1,0.000,0.000,-1\n"
+    assert path.read_text() == STEPS_CSV_HEADER + row.line() + "8,3.0000,0,1,0.000,0.000,-1,0\n"
     read = read_steps(path)
     assert read.bad == 0 and [r.step for r in read.rows] == [7, 8]
     assert read.rows[0].gc_pause == (1.25, 2) and read.rows[1].gc_pause is None

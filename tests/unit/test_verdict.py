@@ -512,3 +512,53 @@ def test_a_host_stalls_garbage_collection_joins_its_evidence(
     assert noted.evidence == f"{verdict.evidence}; Python garbage collection ran {named}"
     assert noted.details["python_gc_ms"] == pauses["2"]["ms"]
     assert (noted.cause, noted.culprit_rank) == (verdict.cause, verdict.culprit_rank)
+
+
+# --------------------------------------------------------------------------- wording
+
+
+def test_a_culprit_of_a_jitter_sized_step_says_its_evidence_is_weak() -> None:
+    ranks = [ev(0, 5.0, 3.0), ev(1, 5.1, 0.3, idle=3.4), ev(2, 5.0, 3.1), ev(3, 4.9, 2.8)]
+    weak = decide(ranks, expected_ms=6.0, step_ms=9.0)
+    assert weak.culprit_rank == 1 and weak.details["weak_evidence"] is True
+    assert weak.evidence.endswith(
+        "weak evidence: the step was only 1.50x the median, within the jitter of a busy machine"
+    )
+    strong = decide(ranks, expected_ms=4.0, step_ms=9.0)
+    assert "weak evidence" not in strong.evidence and "weak_evidence" not in strong.details
+
+
+def test_no_slowdown_in_the_traces_is_said_without_contradiction() -> None:
+    now = healthy(4)  # the traces hold what the reference held, the step took twice as long
+    verdict = decide(now, reference=healthy(4), reference_step=9, step_ms=13.0, expected_ms=6.7)
+    assert verdict.culprit_rank is None
+    assert "no slowdown" not in verdict.evidence
+    assert verdict.evidence.startswith(
+        "no rank stands out, and the traced ranks took no longer than in reference step 9"
+    )
+
+
+def test_a_culprit_without_a_grown_part_is_named_by_its_own_time_not_a_zero_part() -> None:
+    now = [ev(r, 5.0, 15.0) for r in (0, 1, 3)] + [ev(2, 10.0, 0.2, idle=5.5, memcpy=5.0)]
+    verdict = decide(now, step_ms=21.0, expected_ms=7.0)
+    assert verdict.cause == "unknown"
+    assert verdict.evidence.startswith("rank 2: own time")
+    cpu = [ev(r, 1.0, 9.0) for r in (0, 1, 3)] + [ev(2, 1.2, 0.2, idle=0.9)]
+    assert (
+        "exposed memcpy 0.00 ms vs 0.00 ms"
+        not in decide(cpu, step_ms=11.0, expected_ms=5.0).evidence
+    )
+
+
+def test_a_late_rank_whose_stall_explains_it_is_named_when_the_wait_was_nested() -> None:
+    # rank 0 waited inside an enclosing op (computation), rank 1 stalled (idle)
+    now = [ev(0, 603.7, 0.07, idle=0.9), ev(1, 3.2, 1.4, idle=600.9)]
+    before = [ev(0, 3.0, 0.5), ev(1, 3.0, 0.5)]
+    coll = MatchedCollective(
+        "gloo", 1, "gloo:all_reduce", {0: 1000.0, 1: 601_000.0}, {0: 602_000.0, 1: 602_100.0}
+    )
+    verdict = decide(
+        now, reference=before, reference_step=25, collectives=[coll], step_ms=605.0, expected_ms=5.0
+    )
+    assert (verdict.culprit_rank, verdict.cause) == (1, "host_stall"), verdict.evidence
+    assert "its idle 600.9 ms explains it" in verdict.evidence

@@ -1,0 +1,77 @@
+"""What a job prints and how its run ends: one start and one end line per rank, a line per
+anomaly capture on rank 0, no profiler noise; status.json says failed / interrupted with
+the exit status when the script did not finish."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TOY, launch, torchrun
+
+FAST = ["--set", "detect.warmup_steps=5", "--set", "detect.min_steps=15"]
+
+
+def final_status(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "r" / "latest" / "status.json").read_text())
+
+
+def test_a_job_prints_a_start_and_an_end_line_per_rank_and_its_captures(tmp_path: Path) -> None:
+    done = torchrun(
+        2,
+        ["--run-dir", "runs", *FAST, "--set", "capture.reference_every_steps=20"],
+        ["--steps", "80", "--stall-rank", "1", "--stall-steps", "50", "--stall-s", "0.5"],
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "USDT" not in done.stderr and "profiler_start" not in done.stderr
+    ours = [line for line in done.stderr.splitlines() if line.startswith("[distanom")]
+    starts = [line for line in ours if "INFO started: steps end at SGD.step()" in line]
+    ends = [line for line in ours if "INFO finished: 80 steps;" in line]
+    captures = [line for line in ours if "captured step" in line]
+    assert len(starts) == 2 and len(ends) == 2, ours
+    assert all(line.startswith("[distanom r0/2]") for line in captures)
+    assert any("captured step 50 (anomaly" in line for line in captures)
+    assert not any("reference" in line for line in captures)
+    assert len(ours) == len(starts) + len(ends) + len(captures)  # nothing else at INFO
+    assert "trace files" in ends[0] and "ms of capture work" in ends[0]
+
+
+def test_log_level_debug_brings_the_details_back(tmp_path: Path) -> None:
+    done = launch(
+        ["--run-dir", "r", "--set", "log.level=DEBUG", str(TOY), "--steps", "30"], cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "USDT" in done.stderr  # kineto's own lines are back
+
+
+@pytest.mark.parametrize(
+    ("body", "state", "code"),
+    [
+        ("import sys; sys.exit(3)", "failed", 3),
+        ("raise ValueError('boom')", "failed", 1),
+        ("raise KeyboardInterrupt", "interrupted", 130),
+        ("pass", "finished", 0),
+    ],
+)
+def test_the_runs_state_says_how_the_script_ended(
+    tmp_path: Path, body: str, state: str, code: int
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(5):\n"
+        "    model(torch.randn(2, 4)).sum().backward()\n"
+        "    opt.step()\n"
+        f"{body}\n"
+    )
+    done = launch(["--run-dir", "r", str(script)], cwd=tmp_path)
+    assert done.returncode != 0 if code else done.returncode == 0, done.stderr[-2000:]
+    status = final_status(tmp_path)
+    assert status["state"] == state and status["exit_code"] == code
+    ended = state if code == 0 else f"{state} (exit status {code})"
+    assert f"INFO {ended}: 5 steps;" in done.stderr
