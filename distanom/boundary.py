@@ -32,6 +32,7 @@ from distanom.clock import StepClock, resolve_mode
 from distanom.config import Config
 from distanom.detect import STEP_AFTER_FLUSH, STEP_DISTURBED, STEP_TRACED
 from distanom.duty_cycle import DutyCycle
+from distanom.evidence import EvidenceMarks
 from distanom.gc_pauses import GcPauses
 from distanom.health import Health
 from distanom.tracers import Tracer, create_tracer
@@ -81,6 +82,7 @@ class StepBoundaries:
         self.closed = False  # set at the end of training: later boundaries are ignored
         self.last_busy_ns = 0  # the capture worker's busy time at the last boundary
         self.gc_pauses = GcPauses()
+        self.evidence_marks = EvidenceMarks()
         self._capture_is_off = health.capture_is_off  # bound once: called every step
         self._warn_once = health.warn_once
         self._optimizer_ref: weakref.ref[Any] | None = None
@@ -181,6 +183,7 @@ class StepBoundaries:
         step = self.current_step
         self.current_step = step + 1
         host_ns = time.time_ns()
+        self.evidence_marks.mark(step, host_ns)
         if not self._first_boundary_done:
             self._first_boundary_done = True  # once: a later clock failure re-creates nothing
             self._first_boundary()

@@ -6,7 +6,13 @@ rank submits a round once its clock has resolved the round's last step, as one
 fixed-shape float64 row:
 
     [magic, first_step, n_steps, flags, req_id, host_step, req_n_steps, req_n_ranges,
-     ranges (16: start,end pairs), durations (B), step flags (B), self ms (B)]
+     ranges (16: start,end pairs), durations (B), step flags (B), self ms (B),
+     evidence first step, evidence n, evidence (E x 4: arrive ms, collectives, cpu ms,
+     gc ms)]
+
+The evidence block (`distanom.evidence`) lags the durations: a rank sends the steps
+whose evidence became final since its last round, up to E = B + `EVIDENCE_EXTRA_SLOTS`
+consecutive steps, so a backlog drains; its steps may differ from rank to rank.
 
 `self ms` is how long distanom's own capture work ran on the rank during the step;
 `host_step` the step the rank's training loop was in when it submitted (the gathered
@@ -22,6 +28,8 @@ agent), which logs once and steps capture aside.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +44,7 @@ from distanom.detect import (
     Detector,
     StepSample,
 )
+from distanom.records.anomalies import StepEvidence
 
 MAGIC = 7011.0  # a wrong-shaped or foreign row is refused, not misread
 HEADER = 8
@@ -46,6 +55,9 @@ FLAG_FINAL = 2
 # Requested steps start this many steps after the round that carried the request, so
 # every rank learns of them before it reaches them and can make sure they are traced.
 REQUEST_LEAD_STEPS = 4
+EVIDENCE_FIELDS = 4
+EVIDENCE_EXTRA_SLOTS = 3
+MAX_EVIDENCE_BACKLOG = 4096  # steps of evidence waiting for a round; the oldest go first
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,7 @@ class LocalRound:
     request: CaptureRequest | None = None
     self_ms: tuple[float, ...] = ()  # per step; () = none
     host_step: int = -1  # the training loop's current step when submitted (-1: unknown)
+    evidence: tuple[tuple[int, StepEvidence], ...] = ()  # consecutive steps
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,7 @@ class RoundResult:
     rank_flags: tuple[int, ...]
     request: CaptureRequest | None
     host_steps: tuple[int, ...] = ()  # per rank, as submitted
+    evidence: tuple[tuple[int, int, StepEvidence], ...] = ()  # (rank, step, evidence)
 
     @property
     def last_step(self) -> int:
@@ -96,9 +110,49 @@ class RoundResult:
         return [rank for rank, flags in enumerate(self.rank_flags) if flags & flag]
 
 
+def evidence_slots(batch_steps: int) -> int:
+    """Steps of evidence one row carries."""
+    return batch_steps + EVIDENCE_EXTRA_SLOTS
+
+
 def row_length(batch_steps: int) -> int:
     """Length of one rank's row for rounds of `batch_steps` steps."""
-    return HEADER + RANGE_SLOTS + 3 * batch_steps
+    evidence = 2 + EVIDENCE_FIELDS * evidence_slots(batch_steps)
+    return HEADER + RANGE_SLOTS + 3 * batch_steps + evidence
+
+
+def _encode_evidence(row: torch.Tensor, local: LocalRound, batch_steps: int) -> None:
+    items = local.evidence
+    slots = evidence_slots(batch_steps)
+    if len(items) > slots or any(b[0] != a[0] + 1 for a, b in itertools.pairwise(items)):
+        raise ValueError("evidence steps must be consecutive and fit the round")
+    base = HEADER + RANGE_SLOTS + 3 * batch_steps
+    row[base] = float(items[0][0]) if items else -1.0
+    row[base + 1] = float(len(items))
+    if items:
+        values = []
+        for _, ev in items:
+            values += [ev.arrive_ms, float(ev.collectives), ev.cpu_ms, ev.gc_ms]
+        start = base + 2
+        row[start : start + len(values)] = torch.tensor(values, dtype=torch.float64)
+
+
+def _decode_evidence(
+    rows: list[list[float]], batch_steps: int
+) -> tuple[tuple[int, int, StepEvidence], ...]:
+    base = HEADER + RANGE_SLOTS + 3 * batch_steps
+    slots = evidence_slots(batch_steps)
+    out = []
+    for rank, row in enumerate(rows):
+        first, n = row[base], row[base + 1]
+        if not (math.isfinite(first) and math.isfinite(n)):
+            continue
+        for offset in range(min(int(n), slots)):
+            at = base + 2 + EVIDENCE_FIELDS * offset
+            arrive, count, cpu, gc_ms = row[at : at + EVIDENCE_FIELDS]
+            evidence = StepEvidence(arrive, int(count) if math.isfinite(count) else -1, cpu, gc_ms)
+            out.append((rank, int(first) + offset, evidence))
+    return tuple(out)
 
 
 def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
@@ -135,6 +189,7 @@ def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
         row[start + 2 * batch_steps : start + 2 * batch_steps + n] = torch.tensor(
             own, dtype=torch.float64
         )
+    _encode_evidence(row, local, batch_steps)
     return row
 
 
@@ -175,7 +230,8 @@ def decode_round(matrix: torch.Tensor, batch_steps: int) -> RoundResult:
         request = CaptureRequest(int(head[4]), int(head[6]), ranges)
     flags = tuple(int(row[3]) for row in rows)
     host_steps = tuple(int(row[5]) if math.isfinite(row[5]) else -1 for row in rows)
-    return RoundResult(tuple(samples), flags, request, host_steps)
+    evidence = _decode_evidence(rows, batch_steps)
+    return RoundResult(tuple(samples), flags, request, host_steps, evidence)
 
 
 def decide(result: RoundResult, detector: Detector, world_size: int) -> list[CaptureDecision]:
@@ -214,6 +270,22 @@ class RoundBuilder:
     next_first: int = 1
     _durations: dict[int, tuple[float, int, float]] = field(default_factory=dict)
     _max_step: int = 0
+    _evidence: collections.deque[tuple[int, StepEvidence]] = field(
+        default_factory=lambda: collections.deque(maxlen=MAX_EVIDENCE_BACKLOG)
+    )
+
+    def add_evidence(self, items: Sequence[tuple[int, StepEvidence]]) -> None:
+        """Steps whose evidence became final, in step order; sent with the next rounds."""
+        self._evidence.extend(items)
+
+    def _take_evidence(self) -> tuple[tuple[int, StepEvidence], ...]:
+        out: list[tuple[int, StepEvidence]] = []
+        slots = evidence_slots(self.batch_steps)
+        while self._evidence and len(out) < slots:
+            if out and self._evidence[0][0] != out[-1][0] + 1:
+                break  # a gap: the rest goes with the next round
+            out.append(self._evidence.popleft())
+        return tuple(out)
 
     def add(self, step: int, duration_ms: float, step_flags: int, self_ms: float = 0.0) -> None:
         """Record a resolved step's duration and flags (steps already sent are ignored)."""
@@ -244,7 +316,9 @@ class RoundBuilder:
             flags.append(step_flags)
             own.append(self_ms)
         self.next_first = first + self.batch_steps
-        return LocalRound(first, tuple(durations), tuple(flags), self_ms=tuple(own))
+        evidence = self._take_evidence()
+        own_ms = tuple(own)
+        return LocalRound(first, tuple(durations), tuple(flags), self_ms=own_ms, evidence=evidence)
 
 
 def recent_times(history: Sequence[StepSample], limit: int) -> dict[int, list[float | None]]:

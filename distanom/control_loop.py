@@ -42,7 +42,9 @@ from distanom.consensus import (
 from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, CaptureDecision, Detector, StepSample
 from distanom.duty_cycle import DutyCycle
 from distanom.errors import CaptureRequestError, RunDirError
+from distanom.evidence import AnomalyJournal, EvidenceCollector
 from distanom.health import Health
+from distanom.records.anomalies import AnomalyWriter, write_stragglers
 from distanom.records.requests import (
     Accepted,
     Refused,
@@ -96,6 +98,8 @@ class ControlLoop:
         self._offered_request: tuple[CaptureRequest, str] | None = None
         self._steps: StepsWriter | None = None
         self._started_at = time.time()
+        self.evidence = EvidenceCollector(boundaries.evidence_marks)
+        self.journal: AnomalyJournal | None = None  # rank 0, once the run directory exists
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
 
     # -- life cycle (called from the training thread) ----------------------------------
@@ -152,6 +156,7 @@ class ControlLoop:
         if capture is not None:
             capture.close(self.config.analysis.exit_timeout_s)
         if self.world.rank == 0:
+            self._close_journal()
             self._write_status("finished")
 
     def _drain_until_final(self) -> None:
@@ -208,6 +213,7 @@ class ControlLoop:
         if world.rank == 0:
             hosts = [self.group.lookup(f"host/{r}") for r in range(world.world_size)]
             self._write_run_json(hosts)
+            self._open_journal(run)
 
     def _write_run_json(self, hosts: list[str]) -> None:
         if self.run is None:
@@ -250,7 +256,9 @@ class ControlLoop:
                     final = True
                     continue
                 builder.add(item.step, item.duration_ms, item.flags, item.self_ms)
+                self.evidence.add_gc(item.step, item.gc_ms)
                 self._log_step(item)
+            builder.add_evidence(self.evidence.poll(force=final))
             self._flush_steps()
             now = time.monotonic()
             if self.world.rank == 0 and now >= next_poll:
@@ -278,6 +286,7 @@ class ControlLoop:
             offered[0] if offered else None,
             local.self_ms,
             host_step=self.boundaries.current_step,
+            evidence=local.evidence,
         )
         batch = self.config.consensus.batch_steps
         timeout = None
@@ -294,6 +303,7 @@ class ControlLoop:
         self._feed_governor(result)
         self._gathered_step = max(self._gathered_step, result.last_step)
         decisions = decide(result, self.detector, self.world.world_size)
+        self._fold_evidence(result)
         self.duty.force(d.step for d in decisions if d.kind == "requested")
         if result.request is not None and self.world.rank == 0:
             self._answer_request(result, decisions)
@@ -317,6 +327,44 @@ class ControlLoop:
         except ValueError as err:
             self._warn_once("governor", "governor: %s; tracing stays as it is", err)
             self.duty.disable()
+
+    # -- evidence, anomalies and stragglers (rank 0 keeps the journal) -----------------
+
+    def _open_journal(self, run: RunDir) -> None:
+        try:
+            writer: AnomalyWriter | None = AnomalyWriter(run)
+        except OSError as err:
+            self._warn_once("anomalies", "anomalies file: %s; not recorded", err.strerror)
+            writer = None
+        self.journal = AnomalyJournal(self.world.world_size, writer)
+
+    def _fold_evidence(self, result: RoundResult) -> None:
+        judged = self.detector.take_anomalies()
+        journal = self.journal
+        if journal is None:
+            return
+        journal.add_judgments(judged)
+        for sample in result.samples:
+            journal.add_times(sample.step, sample.times_ms)
+        journal.add_evidence(result.evidence)
+
+    def _close_journal(self) -> None:
+        journal = self.journal
+        if journal is None:
+            return
+        with contextlib.suppress(Exception):
+            journal.flush()
+            if journal.writer is not None:
+                journal.writer.close()
+        self._write_stragglers()
+
+    def _write_stragglers(self) -> None:
+        if self.journal is None or self.run is None:
+            return
+        try:
+            write_stragglers(self.run, self.journal.scorer.to_json())
+        except (OSError, ValueError) as err:
+            self._warn_once("stragglers", "stragglers file not written (%s)", err)
 
     # -- the steps file ----------------------------------------------------------------
 
@@ -440,11 +488,13 @@ class ControlLoop:
             "capture_off": self.health.capture_off_reason,
             "consensus_error": self.health.consensus_error,
             "status_interval_s": self.config.control.status_interval_s,
+            "stragglers": self.journal.scorer.to_json() if self.journal else None,
         }
 
     def _write_status(self, state: str) -> None:
         if self.run is None:
             return
+        self._write_stragglers()
         try:
             write_status(self.run, self._status(state))
         except (OSError, ValueError) as err:

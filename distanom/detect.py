@@ -42,8 +42,9 @@ Rules (all thresholds come from `DetectConfig` / `CaptureConfig`):
   included ("all_steps"), then the other ranks' times in the same step ("ranks"). A
   wider baseline is noisier, so it flags a step only above `FALLBACK_MIN_MULTIPLIER` x
   its median (slow beyond doubt; `FALLBACK_AFTER_FLUSH_MULTIPLIER` for a step after a
-  flush, whose extra cost is not measured yet), and it never sets the headline median. Every anomalous
-  step is kept as an `AnomalyJudgment` (`take_anomalies`) saying which baseline judged it.
+  flush, whose extra cost is not measured yet), and it never sets the headline median.
+  Every anomalous step is kept as an `AnomalyJudgment` (`take_anomalies`) saying which
+  baseline judged it.
 """
 
 from __future__ import annotations
@@ -294,7 +295,9 @@ class Detector:
         judged_by, multiplier = "condition", self.detect.multiplier
         if median is None:
             median, judged_by = self._fallback(sample)
-            floor = FALLBACK_AFTER_FLUSH_MULTIPLIER if sample.after_flush else FALLBACK_MIN_MULTIPLIER
+            floor = FALLBACK_MIN_MULTIPLIER
+            if sample.after_flush:
+                floor = FALLBACK_AFTER_FLUSH_MULTIPLIER
             multiplier = max(multiplier, floor)
         if median is not None and median > 0:
             self.counts.judged += 1

@@ -89,7 +89,7 @@ def read_entries(limit: int = MAX_ENTRIES) -> tuple[FrEntry, ...]:
     try:
         from torch._C import _distributed_c10d as c10d
 
-        dump = c10d._dump_fr_trace
+        dump = getattr(c10d, "_dump_fr_trace")  # noqa: B009 (private, absent on old torch)
     except (ImportError, AttributeError):
         return ()
     try:

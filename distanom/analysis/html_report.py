@@ -34,6 +34,7 @@ from distanom.analysis.render_text import (
     gc_sentence,
     median_parts,
     ranks_cell,
+    straggler_lines,
 )
 from distanom.rundir import write_bytes_atomic
 
@@ -465,6 +466,8 @@ def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
             "<table><tr><th>step</th><th>kind</th><th>step ms</th><th>x rolling median</th>"
             f"<th>ranks</th><th>verdict</th></tr>{rows}</table>"
         )
+    if report.anomalies or report.stragglers or report.drift:
+        body += _slowness_sections(report)
     for capture in captures:
         body += _capture_section(capture, figure_class, pngs)
     problems = report.problems
@@ -477,6 +480,29 @@ def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
         f"<body>{''.join(body)}</body></html>\n"
     )
     return HtmlPage(page, pngs)
+
+
+def _slowness_sections(report: Report) -> list[str]:
+    """The anomalies table (every judged step, traced or not) and the stragglers."""
+    body = [f"<h2>Anomalies ({len(report.anomalies)})</h2>"]
+    if report.anomalies:
+        rows = "".join(
+            f"<tr><td>{_e(a.step)}</td>"
+            f'<td class="num">{_fmt(a.step_ms, 1)}</td><td class="num">{_fmt(a.ratio)}</td>'
+            f"<td>{_e('yes' if a.traced else 'no')}</td><td>{_e(a.judged_by)}</td>"
+            f"<td>{_e(a.verdict.culprit_rank)}</td><td>{_e(a.verdict.cause)}</td>"
+            f"<td>{_e(a.verdict.evidence)}</td></tr>"
+            for a in report.anomalies[:500]
+        )
+        body.append(
+            "<table><tr><th>step</th><th>step ms</th><th>x median</th><th>traced</th>"
+            "<th>judged by</th><th>culprit</th><th>cause</th><th>evidence</th></tr>"
+            f"{rows}</table>"
+        )
+    body.append(f"<h2>Stragglers ({len(report.stragglers)})</h2>")
+    for line in straggler_lines(report):
+        body.append(f"<p>{_e(line)}</p>")
+    return body
 
 
 def _capture_section(capture: Capture, figure_class: Any, pngs: dict[str, bytes]) -> list[str]:

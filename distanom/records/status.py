@@ -58,6 +58,7 @@ class Status(TypedDict, total=False):
     capture_off: str | None
     consensus_error: str | None
     status_interval_s: float
+    stragglers: dict[str, Any] | None  # rank 0's straggler scores and drift (records.anomalies)
     updated_at: float  # added by `write_status`
     pid: int  # added by `write_status`
 

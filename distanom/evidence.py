@@ -1,0 +1,301 @@
+"""Per-step evidence on every rank, every step: the cheap signals that explain a slow step
+without a trace, folded into the consensus round.
+
+- `EvidenceMarks` (training thread): at each step boundary, one append of the host
+  time and the training thread's CPU time (`time.thread_time_ns`, a clock read).
+- `EvidenceCollector` (control thread): turns the marks, the step's GC time and the
+  Flight Recorder entries (`distanom.flight_recorder`) into one `StepEvidence` per
+  step: when the rank enqueued the step's last collective (ms after the step began on
+  this rank, so no clock is compared across ranks), how many collectives it enqueued,
+  its CPU and GC time. Flight Recorder is read at most every `READ_MAX_INTERVAL_S`,
+  sooner when collectives come fast enough to overwrite half the buffer; the entries of
+  distanom's own group (enqueued on the control thread) are left out. A step's
+  evidence is final once a read after its end has been made; a read that took longer
+  than `READ_GIVE_UP_MS` three times switches reading off (logged once).
+- `AnomalyJournal` (rank 0's control thread): gathers every rank's evidence from the
+  rounds, scores stragglers (`distanom.stragglers`), and appends each anomalous step
+  the detector judged to anomalies.jsonl once its evidence is in.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import math
+import statistics
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from distanom import flight_recorder
+from distanom.detect import AnomalyJudgment
+from distanom.flight_recorder import FrEntry, StepCollectives
+from distanom.records.anomalies import AnomalyRecord, AnomalyWriter, StepEvidence
+from distanom.stragglers import StragglerScorer
+
+log = logging.getLogger(__name__)
+
+READ_MIN_INTERVAL_S = 0.05
+READ_MAX_INTERVAL_S = 0.25
+READ_GIVE_UP_MS = 20.0
+MAX_PENDING_STEPS = 4096  # evidence and marks kept for steps not yet final / gathered
+MEDIAN_STEPS = 64  # per-rank recent arrivals and CPU times the journal keeps
+
+
+class EvidenceMarks:
+    """The training thread's per-boundary reading: O(1), one deque append."""
+
+    def __init__(self) -> None:
+        self.marks: collections.deque[tuple[int, int, int]] = collections.deque(
+            maxlen=MAX_PENDING_STEPS
+        )
+
+    def mark(self, step: int, host_ns: int) -> None:
+        """Step `step` ended at `host_ns` (time.time_ns); reads this thread's CPU time."""
+        self.marks.append((step, host_ns, time.thread_time_ns()))
+
+
+@dataclass
+class _Open:
+    start_ns: int
+    end_ns: int
+    cpu_ms: float
+    collectives: StepCollectives = field(default_factory=StepCollectives)
+    overflowed: bool = False
+
+
+class EvidenceCollector:
+    """Builds this rank's `StepEvidence` per step (control thread only)."""
+
+    def __init__(self, marks: EvidenceMarks, *, read_fr: bool | None = None) -> None:
+        self._marks = marks
+        self._read_fr = flight_recorder.buffer_size() > 0 if read_fr is None else read_fr
+        self._buffer = max(1, flight_recorder.buffer_size() or flight_recorder.DEFAULT_BUFFER)
+        self._last_mark: tuple[int, int, int] | None = None
+        self._open: dict[int, _Open] = {}
+        self._gc: dict[int, float] = {}
+        self._last_record = -1
+        self._next_read = 0.0
+        self._interval = READ_MIN_INTERVAL_S
+        self._slow_reads = 0
+        self._own_thread = ""
+        self._carry: list[FrEntry] = []  # enqueued during a step that had not ended yet
+        self.reads = 0
+        self.read_ms = 0.0
+
+    @property
+    def reading_flight_recorder(self) -> bool:
+        """Whether collective arrival is being read."""
+        return self._read_fr
+
+    def add_gc(self, step: int, gc_ms: float) -> None:
+        """The GC time of a step, as the training thread reported it."""
+        self._gc[step] = gc_ms
+        if len(self._gc) > MAX_PENDING_STEPS:
+            self._gc.pop(next(iter(self._gc)))
+
+    def poll(self, *, force: bool = False) -> list[tuple[int, StepEvidence]]:
+        """The steps whose evidence became final, in step order."""
+        if not self._own_thread:
+            self._own_thread = str(threading.get_ident())
+        self._take_marks()
+        if not self._open:
+            return []
+        if not self._read_fr:
+            return self._finish(lambda _o: True)
+        now = time.monotonic()
+        if not force and now < self._next_read:
+            return []
+        read_at = time.time_ns()
+        self._read(now)
+        return self._finish(lambda o: o.end_ns <= read_at)
+
+    def _take_marks(self) -> None:
+        marks = self._marks.marks
+        while marks:
+            mark = marks.popleft()
+            prev = self._last_mark
+            self._last_mark = mark
+            if prev is None or mark[0] != prev[0] + 1:
+                continue  # step 0, or a gap: no start for this step
+            self._open[mark[0]] = _Open(prev[1], mark[1], (mark[2] - prev[2]) / 1e6)
+        while len(self._open) > MAX_PENDING_STEPS:
+            self._open.pop(next(iter(self._open)))
+
+    def _read(self, now: float) -> None:
+        began = time.perf_counter()
+        entries = flight_recorder.read_entries()
+        spent_ms = (time.perf_counter() - began) * 1e3
+        self.reads += 1
+        self.read_ms += spent_ms
+        if spent_ms > READ_GIVE_UP_MS:
+            self._slow_reads += 1
+            if self._slow_reads >= 3:
+                self._read_fr = False
+                log.warning(
+                    "evidence: reading Flight Recorder took %.0f ms (buffer %d); collective "
+                    "arrival is no longer recorded",
+                    spent_ms,
+                    self._buffer,
+                )
+        new = [e for e in entries if e.record_id > self._last_record]
+        overflow = False
+        if new:
+            overflow = new[0].record_id > self._last_record + 1 and self._last_record >= 0
+            self._last_record = new[-1].record_id
+        carried, self._carry = self._carry, []
+        if carried or new:
+            self._assign([*carried, *new], overflow)
+        rate = len(new) / max(self._interval, 1e-3)
+        wanted = 0.5 * self._buffer / rate if rate > 0 else READ_MAX_INTERVAL_S
+        self._interval = min(READ_MAX_INTERVAL_S, max(READ_MIN_INTERVAL_S, wanted))
+        self._next_read = now + self._interval
+
+    def _assign(self, entries: Iterable[FrEntry], overflow: bool) -> None:
+        steps = sorted(self._open)
+        starts = [self._open[s].start_ns for s in steps]
+        last_end = self._last_mark[1] if self._last_mark is not None else 0
+        oldest = None
+        for entry in entries:
+            if entry.thread_id == self._own_thread:
+                continue  # distanom's own consensus group
+            oldest = entry.time_created_ns if oldest is None else oldest
+            if entry.time_created_ns >= last_end:
+                if len(self._carry) < MAX_PENDING_STEPS:
+                    self._carry.append(entry)  # its step has not ended yet
+                continue
+            at = bisect.bisect_right(starts, entry.time_created_ns) - 1
+            if at < 0:
+                continue
+            step = self._open[steps[at]]
+            if entry.time_created_ns < step.end_ns:
+                step.collectives.add(entry)
+        if overflow and oldest is not None:
+            for number in steps:  # entries of these steps were overwritten before the read
+                if self._open[number].start_ns < oldest:
+                    self._open[number].overflowed = True
+
+    def _finish(self, is_final: object) -> list[tuple[int, StepEvidence]]:
+        done: list[tuple[int, StepEvidence]] = []
+        check = is_final if callable(is_final) else (lambda _o: True)
+        for step in sorted(self._open):
+            entry = self._open[step]
+            if not check(entry):
+                break
+            del self._open[step]
+            done.append((step, self._evidence(step, entry)))
+        return done
+
+    def _evidence(self, step: int, entry: _Open) -> StepEvidence:
+        gc_ms = self._gc.pop(step, 0.0)
+        if (not self._read_fr and not entry.collectives.count) or entry.overflowed:
+            return StepEvidence(cpu_ms=entry.cpu_ms, gc_ms=gc_ms)
+        summary = entry.collectives
+        arrive = math.nan
+        if summary.count:
+            arrive = (summary.last_created_ns - entry.start_ns) / 1e6
+        return StepEvidence(arrive, summary.count, entry.cpu_ms, gc_ms)
+
+
+class AnomalyJournal:
+    """Rank 0: every rank's evidence per step, straggler scores, anomaly lines."""
+
+    def __init__(self, world_size: int, writer: AnomalyWriter | None) -> None:
+        self.world_size = world_size
+        self.writer = writer
+        self.scorer = StragglerScorer(world_size)
+        self._evidence: dict[int, list[StepEvidence | None]] = {}
+        self._times: dict[int, tuple[float, ...]] = {}
+        self._pending: dict[int, AnomalyJudgment] = {}
+        self._arrive = [collections.deque[float](maxlen=MEDIAN_STEPS) for _ in range(world_size)]
+        self._cpu = [collections.deque[float](maxlen=MEDIAN_STEPS) for _ in range(world_size)]
+        self.written = 0
+
+    def add_times(self, step: int, times_ms: tuple[float, ...]) -> None:
+        """A gathered step's per-rank durations (add a round's judgments first)."""
+        self._times[step] = times_ms
+        if len(self._times) > MAX_PENDING_STEPS:
+            self._times.pop(next(iter(self._times)))
+        self._maybe_complete(step)
+
+    def add_judgments(self, judged: Iterable[AnomalyJudgment]) -> None:
+        """Anomalous steps the detector judged; written once their evidence is in."""
+        for judgment in judged:
+            self._pending[judgment.step] = judgment
+        while len(self._pending) > MAX_PENDING_STEPS:
+            self._write(self._pending.pop(next(iter(self._pending))))
+
+    def add_evidence(self, items: Iterable[tuple[int, int, StepEvidence]]) -> None:
+        """(rank, step, evidence) from a round; completes steps every rank has sent."""
+        for rank, step, evidence in items:
+            row = self._evidence.setdefault(step, [None] * self.world_size)
+            if 0 <= rank < self.world_size:
+                row[rank] = evidence
+            self._maybe_complete(step)
+        while len(self._evidence) > MAX_PENDING_STEPS:
+            self._complete(next(iter(self._evidence)))
+
+    def _maybe_complete(self, step: int) -> None:
+        row = self._evidence.get(step)
+        if row is not None and step in self._times and all(e is not None for e in row):
+            self._complete(step)
+
+    def _complete(self, step: int) -> None:
+        row = self._evidence.get(step)
+        times = self._times.get(step)
+        if row is None:
+            return
+        if times is not None:
+            arrive = [e.arrive_ms if e else math.nan for e in row]
+            finite = [t for t in times if math.isfinite(t)]
+            if finite:
+                self.scorer.add(step, arrive, max(finite))
+        judgment = self._pending.pop(step, None)
+        if judgment is not None:
+            self._write(judgment)
+        del self._evidence[step]
+        self._times.pop(step, None)
+        for rank, evidence in enumerate(row):
+            if evidence is not None:
+                if math.isfinite(evidence.arrive_ms):
+                    self._arrive[rank].append(evidence.arrive_ms)
+                if math.isfinite(evidence.cpu_ms):
+                    self._cpu[rank].append(evidence.cpu_ms)
+
+    def flush(self) -> None:
+        """At the end: write every pending anomaly with the evidence there is."""
+        for step in sorted(self._pending):
+            self._write(self._pending[step])
+        self._pending.clear()
+
+    def _write(self, judgment: AnomalyJudgment) -> None:
+        if self.writer is None:
+            return
+        step = judgment.step
+        row = self._evidence.get(step) or [None] * self.world_size
+        times = self._times.get(step) or (math.nan,) * self.world_size
+        record = AnomalyRecord(
+            step=step,
+            step_ms=judgment.step_ms,
+            median_ms=judgment.median_ms,
+            threshold_ms=judgment.threshold_ms,
+            traced=judgment.traced,
+            judged_by=judgment.judged_by,
+            slowest_rank=judgment.slowest_rank,
+            durations_ms=tuple(times),
+            evidence=tuple(e or StepEvidence() for e in row),
+            arrive_median_ms=tuple(_median(d) for d in self._arrive),
+            cpu_median_ms=tuple(_median(d) for d in self._cpu),
+        )
+        try:
+            self.writer.write(record)
+            self.written += 1
+        except (OSError, ValueError) as err:
+            log.warning("anomalies file: %s; anomalies are no longer recorded", err)
+            self.writer = None
+
+
+def _median(values: collections.deque[float]) -> float:
+    return statistics.median(values) if values else math.nan
