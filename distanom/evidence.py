@@ -190,7 +190,9 @@ class EvidenceCollector:
 
     def _evidence(self, step: int, entry: _Open) -> StepEvidence:
         gc_ms = self._gc.pop(step, 0.0)
-        if (not self._read_fr and not entry.collectives.count) or entry.overflowed:
+        # the ring keeps the newest entries: a step with any entry left still has its
+        # last collective; one with none left, after an overwrite, is unknown
+        if not entry.collectives.count and (not self._read_fr or entry.overflowed):
             return StepEvidence(cpu_ms=entry.cpu_ms, gc_ms=gc_ms)
         summary = entry.collectives
         arrive = math.nan

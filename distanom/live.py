@@ -57,6 +57,7 @@ def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
     for key in ("capture_off", "consensus_error"):
         if status.get(key):
             lines.append(f"  capture stepped aside: {status[key]}")
+    lines += _straggler_lines(status.get("stragglers"))
     recent = status.get("recent_ms") or {}
     order = [str(r) for r in status.get("slowest_ranks") or []] + sorted(recent, key=int)
     seen: list[str] = []
@@ -71,6 +72,32 @@ def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
         ]
         lines += ["    " + line for line in table([""] * len(rows[0]), rows)[1:]]
     return "\n".join(lines) + "\n"
+
+
+def _straggler_lines(scores: Any) -> list[str]:
+    """Stragglers (most severe first) and drift from the status file, if any."""
+    if not isinstance(scores, dict):
+        return []
+    lines = []
+    for entry in scores.get("stragglers") or []:
+        if not isinstance(entry, dict):
+            continue
+        found = entry.get("evidence")
+        evidence: dict[str, Any] = found if isinstance(found, dict) else {}
+        score = entry.get("score")
+        share = f"{100 * score:.0f}%" if isinstance(score, (int, float)) else "-"
+        lines.append(
+            f"  straggler: rank {entry.get('rank')} since step {entry.get('since_step')}: ranks "
+            f"wait for it {share} of their step time (late at {evidence.get('late_steps')} of "
+            f"the last {evidence.get('window_steps')} steps)"
+        )
+    drift = scores.get("drift")
+    if isinstance(drift, dict):
+        lines.append(
+            f"  drift: median step {_ms(drift.get('first_ms'))} -> {_ms(drift.get('last_ms'))}"
+            f" ({drift.get('ratio')}x)"
+        )
+    return lines
 
 
 def _ms(value: Any) -> str:

@@ -3,20 +3,22 @@
 Rank 0's control thread feeds `StragglerScorer.add` one step at a time, with every
 rank's arrival (`StepEvidence.arrive_ms`: when the rank enqueued the step's last
 collective, after the step began on that rank) and the step's time. In synchronous
-training every rank waits in that collective for the last one to arrive, so the last
-rank's lead over the second last (`margin`) is time the whole job waited for it.
+training the ranks wait in that collective for the last to arrive, so a rank's arrival
+after the median rank's (`late`) is time the typical rank waited for it. Measured
+against the median, several slow ranks (a slow node) are each seen, not just the last.
 
-- A rank's score is the share of step time the job waited for it: summed margins over
-  summed step times, over the run and over the last `window` steps.
-- A straggler is a rank that was last in at least `LATE_FRACTION` of the window's
-  steps and whose window score is at least `MIN_SCORE`: consistently late, by enough
-  to matter. `since_step` is where its current late streak began (the change point
-  of its lateness in the window when it was first named); most severe first.
+- A rank is late at a step when `late` is at least `LATE_SHARE` of the step's time.
+- A rank's score is the share of step time the typical rank waited for it: its summed
+  `late` over summed step times, over the run and over the last `window` steps.
+- A straggler was late at `LATE_FRACTION` or more of the window's steps, with a window
+  score of at least `MIN_SCORE`: consistently late, by enough to matter. `since_step`
+  is where its late streak began (the change point of its lateness in the window when
+  it was first named). Most severe (highest score) first.
 - Drift: the median step time of the last `window` steps against the first `window`
-  steps measured; reported from `DRIFT_RATIO` up (a whole job slowing down, which
-  moves the detector's median with it and so is never anomalous).
+  steps measured; reported from `DRIFT_RATIO` up (a whole job slowing down moves the
+  detector's median with it, so no single step is anomalous).
 
-State is O(world + window); each `add` is O(world + window).
+State is O(world + window x late ranks); `add` is O(world log world) (one median).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LATE_FRACTION = 0.6
+LATE_SHARE = 0.05
 MIN_SCORE = 0.05
 DRIFT_RATIO = 1.2
 DEFAULT_WINDOW = 64
@@ -40,7 +43,7 @@ class Straggler:
     """A rank the others keep waiting for."""
 
     rank: int
-    score: float  # share of step time the job waited for it (rolling window)
+    score: float  # share of step time the typical rank waited for it (rolling window)
     since_step: int
     evidence: dict[str, Any]
 
@@ -61,19 +64,21 @@ class StragglerScorer:
     world_size: int
     window: int = DEFAULT_WINDOW
     steps: int = 0
-    _run_wait_ms: list[float] = field(init=False)
-    _run_late: list[int] = field(init=False)
+    _run_late_ms: dict[int, float] = field(default_factory=dict)
+    _run_late_steps: dict[int, int] = field(default_factory=dict)
     _run_ms: float = 0.0
-    _recent: collections.deque[tuple[int, int, float, float]] = field(init=False)
+    # (step, step ms, ((rank, late ms), ...) of the ranks late at it)
+    _recent: collections.deque[tuple[int, float, tuple[tuple[int, float], ...]]] = field(init=False)
+    _window_late_ms: dict[int, float] = field(default_factory=dict)
+    _window_late_steps: dict[int, int] = field(default_factory=dict)
+    _window_ms: float = 0.0
     _since: dict[int, int] = field(default_factory=dict)
     _first_ms: list[float] = field(default_factory=list)
     _last_ms: collections.deque[float] = field(init=False)
     _first_step: int = -1
 
     def __post_init__(self) -> None:
-        self._run_wait_ms = [0.0] * self.world_size
-        self._run_late = [0] * self.world_size
-        self._recent = collections.deque(maxlen=self.window)  # (step, last rank, margin, ms)
+        self._recent = collections.deque()
         self._last_ms = collections.deque(maxlen=self.window)
 
     def add(self, step: int, arrive_ms: Sequence[float], step_ms: float) -> None:
@@ -86,39 +91,47 @@ class StragglerScorer:
         if len(self._first_ms) < self.window:
             self._first_ms.append(step_ms)
         self._last_ms.append(step_ms)
-        arrivals = [(a, r) for r, a in enumerate(arrive_ms) if math.isfinite(a)]
-        if len(arrivals) < 2:
-            self._recent.append((step, -1, 0.0, step_ms))
+        finite = [a for a in arrive_ms if math.isfinite(a)]
+        if len(finite) < 2:
             return
-        arrivals.sort()
-        (second, _), (last, rank) = arrivals[-2], arrivals[-1]
-        margin = min(last - second, step_ms)
+        typical = statistics.median(finite)
+        floor = LATE_SHARE * step_ms
+        late = tuple(
+            (rank, min(a - typical, step_ms))
+            for rank, a in enumerate(arrive_ms)
+            if math.isfinite(a) and a - typical >= floor
+        )
         self._run_ms += step_ms
-        self._run_wait_ms[rank] += margin
-        self._run_late[rank] += 1
-        self._recent.append((step, rank, margin, step_ms))
+        for rank, ms in late:
+            self._run_late_ms[rank] = self._run_late_ms.get(rank, 0.0) + ms
+            self._run_late_steps[rank] = self._run_late_steps.get(rank, 0) + 1
+        self._push((step, step_ms, late))
         self._update_since()
 
-    def _window_stats(self) -> tuple[dict[int, tuple[int, float]], float, int]:
-        per_rank: dict[int, tuple[int, float]] = {}
-        total_ms, counted = 0.0, 0
-        for _, rank, margin, ms in self._recent:
-            if rank < 0:
-                continue
-            counted += 1
-            total_ms += ms
-            late, waited = per_rank.get(rank, (0, 0.0))
-            per_rank[rank] = (late + 1, waited + margin)
-        return per_rank, total_ms, counted
+    def _push(self, entry: tuple[int, float, tuple[tuple[int, float], ...]]) -> None:
+        self._recent.append(entry)
+        self._window_ms += entry[1]
+        for rank, ms in entry[2]:
+            self._window_late_ms[rank] = self._window_late_ms.get(rank, 0.0) + ms
+            self._window_late_steps[rank] = self._window_late_steps.get(rank, 0) + 1
+        if len(self._recent) > self.window:
+            _, old_ms, old_late = self._recent.popleft()
+            self._window_ms -= old_ms
+            for rank, ms in old_late:
+                self._window_late_ms[rank] -= ms
+                self._window_late_steps[rank] -= 1
+                if self._window_late_steps[rank] <= 0:
+                    del self._window_late_steps[rank], self._window_late_ms[rank]
 
     def _flagged(self) -> dict[int, tuple[int, float, float]]:
-        """rank -> (late steps, waited ms, score) for ranks that are stragglers now."""
-        per_rank, total_ms, counted = self._window_stats()
+        """rank -> (late steps, late ms, score) for the ranks that are stragglers now."""
+        counted = len(self._recent)
         out: dict[int, tuple[int, float, float]] = {}
-        if counted < MIN_WINDOW_STEPS or total_ms <= 0:
+        if counted < MIN_WINDOW_STEPS or self._window_ms <= 0:
             return out
-        for rank, (late, waited) in per_rank.items():
-            score = waited / total_ms
+        for rank, late in self._window_late_steps.items():
+            waited = self._window_late_ms[rank]
+            score = waited / self._window_ms
             if late >= LATE_FRACTION * counted and score >= MIN_SCORE:
                 out[rank] = (late, waited, score)
         return out
@@ -136,27 +149,24 @@ class StragglerScorer:
         """Where the rank's late streak began: the window step (one it was late at) that
         maximises the sum, over the steps from it on, of (late ? 1 : 0) - LATE_FRACTION."""
         total, best, start = 0.0, -math.inf, -1
-        for step, last_rank, _, _ in reversed(self._recent):
-            if last_rank < 0:
-                continue
-            total += (1.0 if last_rank == rank else 0.0) - LATE_FRACTION
-            if last_rank == rank and total >= best:
+        for step, _, late in reversed(self._recent):
+            was_late = any(r == rank for r, _ in late)
+            total += (1.0 if was_late else 0.0) - LATE_FRACTION
+            if was_late and total >= best:
                 best, start = total, step
         return start
 
     def stragglers(self) -> list[Straggler]:
         """The ranks consistently late now, most severe first."""
-        flagged = self._flagged()
-        counted = sum(1 for entry in self._recent if entry[1] >= 0)
         out = []
-        for rank, (late, waited, score) in flagged.items():
-            run_score = self._run_wait_ms[rank] / self._run_ms if self._run_ms > 0 else 0.0
+        for rank, (late, waited, score) in self._flagged().items():
+            run_score = self._run_late_ms.get(rank, 0.0) / self._run_ms if self._run_ms else 0.0
             evidence = {
                 "late_steps": late,
-                "window_steps": counted,
-                "mean_wait_ms": round(waited / late, 3) if late else 0.0,
+                "window_steps": len(self._recent),
+                "mean_late_ms": round(waited / late, 3) if late else 0.0,
                 "run_score": round(run_score, 4),
-                "run_late_steps": self._run_late[rank],
+                "run_late_steps": self._run_late_steps.get(rank, 0),
             }
             out.append(Straggler(rank, score, self._since.get(rank, -1), evidence))
         return sorted(out, key=lambda s: (-s.score, s.rank))

@@ -239,7 +239,7 @@ def test_disturbed_window_case_is_judged_by_the_fallback() -> None:
     detector = make({"warmup_steps": 10, "min_steps": 20})
     decisions = []
     for step in range(41):
-        disturbed = 20 <= step <= 38 and step % 2 == 0 or 34 <= step <= 38
+        disturbed = (20 <= step <= 38 and step % 2 == 0) or 34 <= step <= 38
         t = 404.0 if step == 40 else 21.0
         decisions += detector.observe(StepSample(step, (t, t), True, disturbed=disturbed))
     assert [d.step for d in decisions if d.kind == "anomaly"] == [40]
