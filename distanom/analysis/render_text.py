@@ -247,7 +247,8 @@ def straggler_lines(report: Report) -> list[str]:
         evidence = entry.get("evidence") or {}
         lines.append(
             f"rank {entry.get('rank')}: the typical rank waited for it "
-            f"{fmt(entry.get('score'), 2)} of its step time since step {entry.get('since_step')} (late at "
+            f"{fmt(entry.get('score'), 2)} of its step time since step "
+            f"{entry.get('since_step')} (late at "
             f"{evidence.get('late_steps')} of the last {evidence.get('window_steps')} steps, "
             f"{fmt(evidence.get('mean_late_ms'))} ms each; run score "
             f"{fmt(evidence.get('run_score'), 2)})"
