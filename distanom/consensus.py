@@ -138,20 +138,21 @@ def _encode_evidence(row: torch.Tensor, local: LocalRound, batch_steps: int) -> 
 
 
 def _decode_evidence(
-    rows: list[list[float]], batch_steps: int
+    matrix: torch.Tensor, batch_steps: int
 ) -> tuple[tuple[int, int, StepEvidence], ...]:
     base = HEADER + RANGE_SLOTS + 3 * batch_steps
     slots = evidence_slots(batch_steps)
+    block = matrix[:, base : base + 2 + EVIDENCE_FIELDS * slots]
+    counts = torch.nan_to_num(block[:, 1], nan=0.0).clamp(0, slots).to(torch.int64)
     out = []
-    for rank, row in enumerate(rows):
-        first, n = row[base], row[base + 1]
-        if not (math.isfinite(first) and math.isfinite(n)):
-            continue
-        for offset in range(min(int(n), slots)):
-            at = base + 2 + EVIDENCE_FIELDS * offset
+    for rank in (counts > 0).nonzero().flatten().tolist():
+        row = block[rank].tolist()
+        first = int(row[0])
+        for offset in range(int(counts[rank])):
+            at = 2 + EVIDENCE_FIELDS * offset
             arrive, count, cpu, gc_ms = row[at : at + EVIDENCE_FIELDS]
             evidence = StepEvidence(arrive, int(count) if math.isfinite(count) else -1, cpu, gc_ms)
-            out.append((rank, int(first) + offset, evidence))
+            out.append((rank, first + offset, evidence))
     return tuple(out)
 
 
@@ -193,44 +194,59 @@ def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
     return row
 
 
-def decode_round(matrix: torch.Tensor, batch_steps: int) -> RoundResult:
-    """Turn the gathered (world_size x row) matrix into samples (same on every rank)."""
+def decode_round(
+    matrix: torch.Tensor, batch_steps: int, *, with_evidence: bool = True
+) -> RoundResult:
+    """Turn the gathered (world_size x row) matrix into samples (same on every rank).
+
+    Column-wise tensor operations, so a round costs O(steps) Python work, not
+    O(world x steps); `with_evidence=False` skips the per-rank evidence (only rank 0
+    keeps the journal that reads it)."""
     if matrix.dim() != 2 or matrix.shape[1] != row_length(batch_steps):
         raise ValueError(f"gathered round has shape {tuple(matrix.shape)}")
-    rows = matrix.tolist()
-    for rank, row in enumerate(rows):
-        if row[0] != MAGIC:
-            raise ValueError(f"rank {rank} sent a malformed round")
-    first_step = int(rows[0][1])
-    n_steps = max(int(row[2]) for row in rows)
+    bad = (matrix[:, 0] != MAGIC).nonzero()
+    if len(bad):
+        raise ValueError(f"rank {int(bad[0, 0])} sent a malformed round")
+    head = matrix[0].tolist()
+    first_step = int(head[1])
+    counts = matrix[:, 2].to(torch.int64)
+    n_steps = int(counts.max())
     start = HEADER + RANGE_SLOTS
     samples = []
-    for offset in range(n_steps):
-        times = tuple((row[start + offset] if offset < int(row[2]) else math.nan) for row in rows)
-        present = [row for row in rows if offset < int(row[2])]
-        step_flags = [int(row[start + batch_steps + offset]) for row in present]
-        own = [row[start + 2 * batch_steps + offset] for row in present]
-        samples.append(
-            StepSample(
-                first_step + offset,
-                times,
-                traced=all(f & STEP_TRACED for f in step_flags),
-                after_flush=any(f & STEP_AFTER_FLUSH for f in step_flags),
-                disturbed=any(f & STEP_DISTURBED for f in step_flags),
-                self_ms=max((v for v in own if math.isfinite(v)), default=0.0),
+    if n_steps > 0:
+        present = torch.arange(n_steps).unsqueeze(0) < counts.unsqueeze(1)  # (world, n)
+        times = matrix[:, start : start + n_steps].masked_fill(~present, math.nan)
+        bits = matrix[:, start + batch_steps : start + batch_steps + n_steps]
+        bits = torch.nan_to_num(bits, nan=0.0).to(torch.int64)
+        traced = ((bits & STEP_TRACED) != 0).logical_or(~present).all(dim=0).tolist()
+        flushed = ((bits & STEP_AFTER_FLUSH) != 0).logical_and(present).any(dim=0).tolist()
+        disturbed = ((bits & STEP_DISTURBED) != 0).logical_and(present).any(dim=0).tolist()
+        own = matrix[:, start + 2 * batch_steps : start + 2 * batch_steps + n_steps]
+        own = own.masked_fill(~(present & own.isfinite()), -math.inf).max(dim=0).values
+        own_ms = [v if math.isfinite(v) else 0.0 for v in own.tolist()]
+        columns = times.t().tolist()
+        for offset in range(n_steps):
+            samples.append(
+                StepSample(
+                    first_step + offset,
+                    tuple(columns[offset]),
+                    traced=bool(traced[offset]),
+                    after_flush=bool(flushed[offset]),
+                    disturbed=bool(disturbed[offset]),
+                    self_ms=own_ms[offset],
+                )
             )
-        )
     request = None
-    head = rows[0]
     if head[4] > 0:
         n_ranges = int(head[7])
         ranges = tuple(
             (int(head[HEADER + 2 * i]), int(head[HEADER + 2 * i + 1])) for i in range(n_ranges)
         )
         request = CaptureRequest(int(head[4]), int(head[6]), ranges)
-    flags = tuple(int(row[3]) for row in rows)
-    host_steps = tuple(int(row[5]) if math.isfinite(row[5]) else -1 for row in rows)
-    evidence = _decode_evidence(rows, batch_steps)
+    flags = tuple(int(f) for f in matrix[:, 3].tolist())
+    host = matrix[:, 5]
+    host_steps = tuple(int(h) for h in torch.where(host.isfinite(), host, -1.0).tolist())
+    evidence = _decode_evidence(matrix, batch_steps) if with_evidence else ()
     return RoundResult(tuple(samples), flags, request, host_steps, evidence)
 
 

@@ -293,7 +293,7 @@ class ControlLoop:
         if final:
             timeout = min(self.config.consensus.timeout_s, FINAL_ROUND_TIMEOUT_S)
         matrix = self.group.all_gather(encode_round(local, batch), timeout_s=timeout)
-        result = decode_round(matrix, batch)
+        result = decode_round(matrix, batch, with_evidence=self.world.rank == 0)
         if offered is not None:
             self._offered_request = None
         self._after_round(result)

@@ -209,6 +209,7 @@ class AnomalyJournal:
         self.writer = writer
         self.scorer = StragglerScorer(world_size)
         self._evidence: dict[int, list[StepEvidence | None]] = {}
+        self._filled: dict[int, int] = {}  # step -> ranks whose evidence is in
         self._times: dict[int, tuple[float, ...]] = {}
         self._pending: dict[int, AnomalyJudgment] = {}
         self._arrive = [collections.deque[float](maxlen=MEDIAN_STEPS) for _ in range(world_size)]
@@ -232,16 +233,21 @@ class AnomalyJournal:
     def add_evidence(self, items: Iterable[tuple[int, int, StepEvidence]]) -> None:
         """(rank, step, evidence) from a round; completes steps every rank has sent."""
         for rank, step, evidence in items:
-            row = self._evidence.setdefault(step, [None] * self.world_size)
+            row = self._evidence.get(step)
+            if row is None:
+                row = self._evidence[step] = [None] * self.world_size
+                self._filled[step] = 0
+            if 0 <= rank < self.world_size and row[rank] is None:
+                self._filled[step] += 1
             if 0 <= rank < self.world_size:
                 row[rank] = evidence
-            self._maybe_complete(step)
+            if self._filled[step] == self.world_size:
+                self._maybe_complete(step)
         while len(self._evidence) > MAX_PENDING_STEPS:
             self._complete(next(iter(self._evidence)))
 
     def _maybe_complete(self, step: int) -> None:
-        row = self._evidence.get(step)
-        if row is not None and step in self._times and all(e is not None for e in row):
+        if step in self._times and self._filled.get(step) == self.world_size:
             self._complete(step)
 
     def _complete(self, step: int) -> None:
@@ -258,6 +264,7 @@ class AnomalyJournal:
         if judgment is not None:
             self._write(judgment)
         del self._evidence[step]
+        self._filled.pop(step, None)
         self._times.pop(step, None)
         for rank, evidence in enumerate(row):
             if evidence is not None:
