@@ -8,7 +8,7 @@ without a trace, folded into the consensus round.
   step: when the rank enqueued the step's last collective (ms after the step began on
   this rank, so no clock is compared across ranks), how many collectives it enqueued,
   its CPU and GC time. Flight Recorder is read at most every `READ_MAX_INTERVAL_S`,
-  sooner when collectives come fast enough to overwrite half the buffer; the entries of
+  sooner when collectives come fast enough to fill `READ_FILL` of the buffer; the entries of
   distanom's own group (enqueued on the control thread) are left out. A step's
   evidence is final once a read after its end has been made; a read that took longer
   than `READ_GIVE_UP_MS` three times switches reading off (logged once).
@@ -38,7 +38,10 @@ from distanom.stragglers import StragglerScorer
 log = logging.getLogger(__name__)
 
 READ_MIN_INTERVAL_S = 0.05
-READ_MAX_INTERVAL_S = 0.25
+READ_MAX_INTERVAL_S = 1.0
+# A read converts the whole buffer (about 8 us an entry on CPU): reading when it is this
+# full makes each entry read about once (~8 us per collective), leaving room for bursts.
+READ_FILL = 0.75
 READ_GIVE_UP_MS = 20.0
 MAX_PENDING_STEPS = 4096  # evidence and marks kept for steps not yet final / gathered
 MEDIAN_STEPS = 64  # per-rank recent arrivals and CPU times the journal keeps
@@ -149,7 +152,7 @@ class EvidenceCollector:
         if carried or new:
             self._assign([*carried, *new], overflow)
         rate = len(new) / max(self._interval, 1e-3)
-        wanted = 0.5 * self._buffer / rate if rate > 0 else READ_MAX_INTERVAL_S
+        wanted = READ_FILL * self._buffer / rate if rate > 0 else READ_MAX_INTERVAL_S
         self._interval = min(READ_MAX_INTERVAL_S, max(READ_MIN_INTERVAL_S, wanted))
         self._next_read = now + self._interval
 
