@@ -100,6 +100,7 @@ class ControlLoop:
         self._started_at = time.time()
         self.evidence = EvidenceCollector(boundaries.evidence_marks)
         self.journal: AnomalyJournal | None = None  # rank 0, once the run directory exists
+        self._traced_stragglers: set[int] = set()
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
 
     # -- life cycle (called from the training thread) ----------------------------------
@@ -347,6 +348,27 @@ class ControlLoop:
         for sample in result.samples:
             journal.add_times(sample.step, sample.times_ms)
         journal.add_evidence(result.evidence)
+        self._trace_new_straggler(journal)
+
+    def _trace_new_straggler(self, journal: AnomalyJournal) -> None:
+        """A newly named straggler is worth one trace on every rank: rank 0 offers a
+        one-step request, carried and scheduled like a user's (it is late then too)."""
+        if self._offered_request is not None or self.boundaries.tracer is None:
+            return
+        for straggler in journal.scorer.stragglers():
+            if straggler.rank in self._traced_stragglers:
+                continue
+            self._traced_stragglers.add(straggler.rank)
+            number = self._next_request_number
+            self._next_request_number += 1
+            self._offered_request = (CaptureRequest(number, 1), f"straggler-{straggler.rank}")
+            log.info(
+                "straggler: rank %d since step %d; tracing one step on every rank (request %d)",
+                straggler.rank,
+                straggler.since_step,
+                number,
+            )
+            return
 
     def _close_journal(self) -> None:
         journal = self.journal

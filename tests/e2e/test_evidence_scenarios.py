@@ -55,11 +55,19 @@ def test_a_rank_slower_from_some_step_on_is_named_first_among_stragglers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     slow_from = 50
+    traced = [
+        "--run-dir",
+        "runs",
+        "--set",
+        "tracer.backend=kineto",
+        "--set",
+        "detect.warmup_steps=5",
+    ]
     done = torchrun(
         3,
-        [*UNTRACED, "--set", "detect.min_steps=15"],
-        ["--steps", "130", "--step-sleep", "0.01", "--stall-rank", "1",
-         "--stall-steps", ",".join(str(s) for s in range(slow_from, 130)), "--stall-s", "0.03"],
+        [*traced, "--set", "detect.min_steps=15", "--set", "capture.reference_every_steps=0"],
+        ["--steps", "150", "--step-sleep", "0.01", "--stall-rank", "1",
+         "--stall-steps", ",".join(str(s) for s in range(slow_from, 150)), "--stall-s", "0.03"],
         cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -74,6 +82,11 @@ def test_a_rank_slower_from_some_step_on_is_named_first_among_stragglers(
     capsys.readouterr()
     assert cli_main(["status", str(tmp_path / "runs")]) == 0
     assert "straggler: rank 1 since step" in capsys.readouterr().out
+    # a newly named straggler is traced once on every rank; its trace verdict names it
+    assert "tracing one step on every rank" in done.stderr
+    requested = [c for c in report["captures"] if "requested" in c["kinds"]]
+    assert len(requested) == 1 and requested[0]["step"] > first["since_step"]
+    assert requested[0]["verdict"]["culprit_rank"] == 1, requested[0]["verdict"]
 
 
 def test_a_slow_step_before_its_window_filled_is_judged_and_says_how(
