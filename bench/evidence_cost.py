@@ -16,10 +16,11 @@ Whole jobs (default; needs one NVIDIA GPU per rank): the seed's workload
 `torchrun -m distanom.launch --set tracer.backend=none`, with Flight Recorder and the
 evidence tier on (`evidence`) against the same job with `DISTANOM_FLIGHT_RECORDER=0`
 (`no_fr`: marks and CPU/GC evidence only) and against plain `torchrun` (`plain`). Each
-variant runs at two step counts and the per-step time is the slope (startup cancels);
-variants take turns within each pair, so slow drifts hit every side. Reports the median
-slope per variant and the median of each pair's ratio against `plain`. The target is
-at most 0.5% for `evidence`.
+job is timed from inside (one clock reading per optimizer step, the same hook in every
+variant): the mean step time after `--skip` warm-up steps, so startup and teardown are
+left out. Variants take turns within each pair, so slow drifts hit every side. Reports
+the median per variant and the median of each pair's ratio against `plain`. The target
+is at most 0.5% for `evidence`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -141,8 +141,35 @@ def in_process() -> dict[str, Any]:
     }
 
 
-def _job(variant: str, steps: int, nproc: int, script: Path, workdir: Path) -> float:
-    env = _python_env(OMP_NUM_THREADS="1")
+# Runs the workload as __main__ and times its steps from inside: an optimizer post-hook
+# takes one clock reading per step (the same in every variant), so startup and teardown
+# are left out and the steady state is compared. Rank 0 writes the mean step time.
+TIMED = """
+import atexit, json, os, runpy, sys, time
+from torch.optim.optimizer import register_optimizer_step_post_hook
+stamps = []
+register_optimizer_step_post_hook(lambda *a: stamps.append(time.perf_counter()))
+def _write():
+    skip = int(os.environ["EVIDENCE_COST_SKIP"])
+    if os.environ.get("RANK", "0") == "0" and len(stamps) > skip + 1:
+        mean = (stamps[-1] - stamps[skip]) / (len(stamps) - 1 - skip) * 1e3
+        with open(os.environ["EVIDENCE_COST_OUT"], "w") as out:
+            json.dump({"ms_per_step": mean, "steps": len(stamps)}, out)
+atexit.register(_write)
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def _job(variant: str, steps: int, nproc: int, script: Path, workdir: Path, skip: int) -> float:
+    timed = workdir / "timed.py"
+    timed.write_text(TIMED)
+    result = workdir / f"{variant}.json"
+    result.unlink(missing_ok=True)
+    env = _python_env(
+        OMP_NUM_THREADS="1", EVIDENCE_COST_OUT=str(result), EVIDENCE_COST_SKIP=str(skip)
+    )
     if variant == "no_fr":
         env["DISTANOM_FLIGHT_RECORDER"] = "0"
     launch: list[str] = []
@@ -151,18 +178,16 @@ def _job(variant: str, steps: int, nproc: int, script: Path, workdir: Path) -> f
         launch += ["--set", "tracer.backend=none"]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        *launch, str(script), "--steps", str(steps),
+        *launch, str(timed), str(script), "--steps", str(steps),
     ]  # fmt: skip
-    began = time.perf_counter()
     done = subprocess.run(command, env=env, cwd=workdir, capture_output=True, text=True)
-    wall = time.perf_counter() - began
-    if done.returncode != 0:
+    if done.returncode != 0 or not result.exists():
         raise SystemExit(f"evidence_cost: {variant} failed: {done.stderr[-2000:]}")
-    return wall
+    return float(json.loads(result.read_text())["ms_per_step"])
 
 
 def whole_jobs(args: argparse.Namespace) -> dict[str, Any]:
-    """Interleaved pairs of whole jobs; per-step time as the slope over two step counts."""
+    """Interleaved pairs of whole jobs; each job's mean step time after its warm-up."""
     variants = ["plain", "no_fr", "evidence"]
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -173,9 +198,7 @@ def whole_jobs(args: argparse.Namespace) -> dict[str, Any]:
         order = variants[pair % 3 :] + variants[: pair % 3]
         got = {}
         for variant in order:
-            short = _job(variant, args.short_steps, args.nproc, script, workdir)
-            long = _job(variant, args.long_steps, args.nproc, script, workdir)
-            got[variant] = (long - short) / (args.long_steps - args.short_steps) * 1e3
+            got[variant] = _job(variant, args.steps, args.nproc, script, workdir, args.skip)
             slopes[variant].append(got[variant])
         for variant in ratios:
             ratios[variant].append(got[variant] / got["plain"])
@@ -183,7 +206,8 @@ def whole_jobs(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "script": str(script.relative_to(REPO)) if script.is_relative_to(REPO) else str(script),
         "nproc": args.nproc,
-        "steps": [args.short_steps, args.long_steps],
+        "steps": args.steps,
+        "skipped_steps": args.skip,
         "pairs": args.pairs,
         "ms_per_step": {v: [round(x, 4) for x in s] for v, s in slopes.items()},
         "median_ms_per_step": {v: round(statistics.median(s), 4) for v, s in slopes.items()},
@@ -200,8 +224,8 @@ def main() -> None:
     parser.add_argument("--in-process", action="store_true", help="CPU micro-costs only")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--short-steps", type=int, default=200)
-    parser.add_argument("--long-steps", type=int, default=1200)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--skip", type=int, default=300, help="warm-up steps not timed")
     parser.add_argument("--script", default=str(SEED))
     parser.add_argument("--workdir", default="/tmp/distanom_evidence_cost")
     parser.add_argument("--out", default=None)
