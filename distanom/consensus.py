@@ -52,6 +52,7 @@ MAX_RANGES = 8
 RANGE_SLOTS = 2 * MAX_RANGES
 FLAG_CAPTURE_OFF = 1
 FLAG_FINAL = 2
+FLAG_MORE_EVIDENCE = 4  # the rank has evidence left after this round: one more at the end
 # Requested steps start this many steps after the round that carried the request, so
 # every rank learns of them before it reaches them and can make sure they are traced.
 REQUEST_LEAD_STEPS = 4
@@ -91,6 +92,45 @@ class LocalRound:
 
 
 @dataclass(frozen=True)
+class EvidenceBlock:
+    """Every rank's evidence of one round, as arrays: rank r sent steps first[r] ..
+    first[r] + count[r] - 1, their fields in values[r, offset] (arrive ms, collectives,
+    cpu ms, gc ms)."""
+
+    first: tuple[int, ...]
+    count: tuple[int, ...]
+    values: torch.Tensor  # (world, slots, EVIDENCE_FIELDS) float64
+
+    def items(self) -> list[tuple[int, int, StepEvidence]]:
+        """(rank, step, evidence) for every step sent (O(world x slots) objects)."""
+        out = []
+        for rank, (first, count) in enumerate(zip(self.first, self.count, strict=True)):
+            for offset, (arrive, n, cpu, gc_ms) in enumerate(self.values[rank, :count].tolist()):
+                n_int = int(n) if math.isfinite(n) else -1
+                out.append((rank, first + offset, StepEvidence(arrive, n_int, cpu, gc_ms)))
+        return out
+
+    @classmethod
+    def from_items(
+        cls, world_size: int, items: Sequence[tuple[int, int, StepEvidence]]
+    ) -> EvidenceBlock:
+        """The block of (rank, step, evidence) items, each rank's steps consecutive."""
+        per_rank: dict[int, list[tuple[int, StepEvidence]]] = {}
+        for rank, step, evidence in items:
+            per_rank.setdefault(rank, []).append((step, evidence))
+        slots = max((len(v) for v in per_rank.values()), default=0)
+        values = torch.full((world_size, max(slots, 1), EVIDENCE_FIELDS), math.nan)
+        first, count = [-1] * world_size, [0] * world_size
+        for rank, steps in per_rank.items():
+            steps.sort(key=lambda item: item[0])
+            first[rank], count[rank] = steps[0][0], len(steps)
+            for offset, (_, ev) in enumerate(steps):
+                row = [ev.arrive_ms, float(ev.collectives), ev.cpu_ms, ev.gc_ms]
+                values[rank, offset] = torch.tensor(row, dtype=torch.float64)
+        return cls(tuple(first), tuple(count), values.to(torch.float64))
+
+
+@dataclass(frozen=True)
 class RoundResult:
     """One gathered round, identical on every rank."""
 
@@ -98,7 +138,7 @@ class RoundResult:
     rank_flags: tuple[int, ...]
     request: CaptureRequest | None
     host_steps: tuple[int, ...] = ()  # per rank, as submitted
-    evidence: tuple[tuple[int, int, StepEvidence], ...] = ()  # (rank, step, evidence)
+    evidence: EvidenceBlock | None = None  # every rank's evidence (rank 0 decodes it)
 
     @property
     def last_step(self) -> int:
@@ -137,23 +177,14 @@ def _encode_evidence(row: torch.Tensor, local: LocalRound, batch_steps: int) -> 
         row[start : start + len(values)] = torch.tensor(values, dtype=torch.float64)
 
 
-def _decode_evidence(
-    matrix: torch.Tensor, batch_steps: int
-) -> tuple[tuple[int, int, StepEvidence], ...]:
+def _decode_evidence(matrix: torch.Tensor, batch_steps: int) -> EvidenceBlock:
     base = HEADER + RANGE_SLOTS + 3 * batch_steps
     slots = evidence_slots(batch_steps)
     block = matrix[:, base : base + 2 + EVIDENCE_FIELDS * slots]
     counts = torch.nan_to_num(block[:, 1], nan=0.0).clamp(0, slots).to(torch.int64)
-    out = []
-    for rank in (counts > 0).nonzero().flatten().tolist():
-        row = block[rank].tolist()
-        first = int(row[0])
-        for offset in range(int(counts[rank])):
-            at = 2 + EVIDENCE_FIELDS * offset
-            arrive, count, cpu, gc_ms = row[at : at + EVIDENCE_FIELDS]
-            evidence = StepEvidence(arrive, int(count) if math.isfinite(count) else -1, cpu, gc_ms)
-            out.append((rank, first + offset, evidence))
-    return tuple(out)
+    first = torch.nan_to_num(block[:, 0], nan=-1.0).to(torch.int64)
+    values = block[:, 2:].reshape(matrix.shape[0], slots, EVIDENCE_FIELDS)
+    return EvidenceBlock(tuple(first.tolist()), tuple(counts.tolist()), values)
 
 
 def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
@@ -246,7 +277,7 @@ def decode_round(
     flags = tuple(int(f) for f in matrix[:, 3].tolist())
     host = matrix[:, 5]
     host_steps = tuple(int(h) for h in torch.where(host.isfinite(), host, -1.0).tolist())
-    evidence = _decode_evidence(matrix, batch_steps) if with_evidence else ()
+    evidence = _decode_evidence(matrix, batch_steps) if with_evidence else None
     return RoundResult(tuple(samples), flags, request, host_steps, evidence)
 
 
@@ -293,6 +324,10 @@ class RoundBuilder:
     def add_evidence(self, items: Sequence[tuple[int, StepEvidence]]) -> None:
         """Steps whose evidence became final, in step order; sent with the next rounds."""
         self._evidence.extend(items)
+
+    def evidence_backlog(self) -> int:
+        """Steps of evidence still waiting for a round."""
+        return len(self._evidence)
 
     def _take_evidence(self) -> tuple[tuple[int, StepEvidence], ...]:
         out: list[tuple[int, StepEvidence]] = []

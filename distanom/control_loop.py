@@ -30,6 +30,7 @@ from distanom.config import Config
 from distanom.consensus import (
     FLAG_CAPTURE_OFF,
     FLAG_FINAL,
+    FLAG_MORE_EVIDENCE,
     CaptureRequest,
     LocalRound,
     RoundBuilder,
@@ -62,6 +63,9 @@ log = logging.getLogger(__name__)
 
 RECENT_STEPS = 64
 FINAL_ROUND_TIMEOUT_S = 10.0
+# After the final round, rounds that carry only the evidence left (every rank runs one
+# more while any rank said it has more): at most this many.
+MAX_EVIDENCE_ROUNDS = 64
 
 
 class ControlLoop:
@@ -101,6 +105,7 @@ class ControlLoop:
         self.evidence = EvidenceCollector(boundaries.evidence_marks)
         self.journal: AnomalyJournal | None = None  # rank 0, once the run directory exists
         self._traced_stragglers: set[int] = set()
+        self._evidence_rounds = self.evidence.reading_flight_recorder
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
 
     # -- life cycle (called from the training thread) ----------------------------------
@@ -267,15 +272,26 @@ class ControlLoop:
                 self._poll_requests()
             while builder.ready():
                 self._run_round(builder.take(), final=False)
-            if final and builder.pending_steps():
-                self._run_round(builder.take(final=True), final=True)
+            # with Flight Recorder on (the same on every rank) the final round always runs:
+            # the evidence of the last steps rides in it and the rounds after it
+            if final and (builder.pending_steps() or self._evidence_rounds):
+                more = self._run_round(builder.take(final=True), final=True, builder=builder)
+                for _ in range(MAX_EVIDENCE_ROUNDS):
+                    if not more:
+                        break
+                    more = self._run_round(builder.take(final=True), final=True, builder=builder)
             if self.world.rank == 0 and (now >= next_status or final):
                 next_status = now + control.status_interval_s
                 self._write_status("running")
 
-    def _run_round(self, local: LocalRound, *, final: bool) -> None:
+    def _run_round(
+        self, local: LocalRound, *, final: bool, builder: RoundBuilder | None = None
+    ) -> bool:
+        """One round; returns whether any rank has evidence left (final rounds only)."""
         assert self.group is not None
         flags = FLAG_FINAL if final else 0
+        if final and builder is not None and builder.evidence_backlog():
+            flags |= FLAG_MORE_EVIDENCE
         if self.health.capture_stepped_aside():
             flags |= FLAG_CAPTURE_OFF
         offered = self._offered_request if self.world.rank == 0 else None
@@ -298,6 +314,7 @@ class ControlLoop:
         if offered is not None:
             self._offered_request = None
         self._after_round(result)
+        return bool(result.ranks_with(FLAG_MORE_EVIDENCE))
 
     def _after_round(self, result: RoundResult) -> None:
         self._recent.extend(result.samples)

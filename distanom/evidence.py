@@ -23,17 +23,19 @@ import bisect
 import collections
 import logging
 import math
-import statistics
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
+
 from distanom import flight_recorder
+from distanom.consensus import EvidenceBlock
 from distanom.detect import AnomalyJudgment
 from distanom.flight_recorder import FrEntry, StepCollectives
 from distanom.records.anomalies import AnomalyRecord, AnomalyWriter, StepEvidence
-from distanom.stragglers import StragglerScorer
+from distanom.stragglers import LATE_SHARE, StragglerScorer
 
 log = logging.getLogger(__name__)
 
@@ -204,19 +206,27 @@ class EvidenceCollector:
         return StepEvidence(arrive, summary.count, entry.cpu_ms, gc_ms)
 
 
+@dataclass
+class _StepRow:
+    values: torch.Tensor  # (world, 4): arrive ms, collectives, cpu ms, gc ms
+    filled: int = 0
+
+
 class AnomalyJournal:
-    """Rank 0: every rank's evidence per step, straggler scores, anomaly lines."""
+    """Rank 0: every rank's evidence per step, straggler scores, anomaly lines. Works on
+    arrays: a round costs O(distinct (first, count) groups x slots) tensor operations,
+    not per-rank Python work (docs/evidence.md, Scale)."""
 
     def __init__(self, world_size: int, writer: AnomalyWriter | None) -> None:
         self.world_size = world_size
         self.writer = writer
         self.scorer = StragglerScorer(world_size)
-        self._evidence: dict[int, list[StepEvidence | None]] = {}
-        self._filled: dict[int, int] = {}  # step -> ranks whose evidence is in
+        self._rows: dict[int, _StepRow] = {}
         self._times: dict[int, tuple[float, ...]] = {}
         self._pending: dict[int, AnomalyJudgment] = {}
-        self._arrive = [collections.deque[float](maxlen=MEDIAN_STEPS) for _ in range(world_size)]
-        self._cpu = [collections.deque[float](maxlen=MEDIAN_STEPS) for _ in range(world_size)]
+        # the last MEDIAN_STEPS complete steps' arrival and CPU time, per rank
+        self._history = torch.full((MEDIAN_STEPS, world_size, 2), math.nan, dtype=torch.float64)
+        self._history_at = 0
         self.written = 0
 
     def add_times(self, step: int, times_ms: tuple[float, ...]) -> None:
@@ -233,48 +243,74 @@ class AnomalyJournal:
         while len(self._pending) > MAX_PENDING_STEPS:
             self._write(self._pending.pop(next(iter(self._pending))))
 
-    def add_evidence(self, items: Iterable[tuple[int, int, StepEvidence]]) -> None:
-        """(rank, step, evidence) from a round; completes steps every rank has sent."""
-        for rank, step, evidence in items:
-            row = self._evidence.get(step)
-            if row is None:
-                row = self._evidence[step] = [None] * self.world_size
-                self._filled[step] = 0
-            if 0 <= rank < self.world_size and row[rank] is None:
-                self._filled[step] += 1
-            if 0 <= rank < self.world_size:
-                row[rank] = evidence
-            if self._filled[step] == self.world_size:
-                self._maybe_complete(step)
-        while len(self._evidence) > MAX_PENDING_STEPS:
-            self._complete(next(iter(self._evidence)))
+    def add_evidence(self, block: EvidenceBlock | None) -> None:
+        """A round's evidence block; completes the steps every rank has sent."""
+        if block is None:
+            return
+        count = torch.tensor(block.count, dtype=torch.int64)
+        senders = (count > 0).nonzero().flatten()
+        if not len(senders):
+            return
+        first = torch.tensor(block.first, dtype=torch.int64)
+        # one key per (first, count): ranks in lockstep form a handful of groups
+        span = int(count.max()) + 1
+        keys = first[senders] * span + count[senders]
+        groups, which = torch.unique(keys, return_inverse=True)
+        touched = []
+        for group, key in enumerate(groups.tolist()):
+            group_first, group_count = divmod(key, span)
+            ranks = senders[which == group]
+            for offset in range(group_count):
+                step = group_first + offset
+                row = self._row(step)
+                row.values[ranks] = block.values[ranks, offset]
+                row.filled += len(ranks)
+                touched.append(step)
+        for step in sorted(set(touched)):
+            self._maybe_complete(step)
+        while len(self._rows) > MAX_PENDING_STEPS:
+            self._complete(next(iter(self._rows)))
+
+    def _row(self, step: int) -> _StepRow:
+        row = self._rows.get(step)
+        if row is None:
+            values = torch.full((self.world_size, 4), math.nan, dtype=torch.float64)
+            row = self._rows[step] = _StepRow(values)
+        return row
 
     def _maybe_complete(self, step: int) -> None:
-        if step in self._times and self._filled.get(step) == self.world_size:
+        row = self._rows.get(step)
+        if row is not None and step in self._times and row.filled >= self.world_size:
             self._complete(step)
 
     def _complete(self, step: int) -> None:
-        row = self._evidence.get(step)
-        times = self._times.get(step)
+        row = self._rows.get(step)
         if row is None:
             return
+        times = self._times.get(step)
         if times is not None:
-            arrive = [e.arrive_ms if e else math.nan for e in row]
             finite = [t for t in times if math.isfinite(t)]
             if finite:
-                self.scorer.add(step, arrive, max(finite))
+                self.scorer.add_late(step, self._late(row.values[:, 0], max(finite)), max(finite))
         judgment = self._pending.pop(step, None)
         if judgment is not None:
             self._write(judgment)
-        del self._evidence[step]
-        self._filled.pop(step, None)
+        del self._rows[step]
         self._times.pop(step, None)
-        for rank, evidence in enumerate(row):
-            if evidence is not None:
-                if math.isfinite(evidence.arrive_ms):
-                    self._arrive[rank].append(evidence.arrive_ms)
-                if math.isfinite(evidence.cpu_ms):
-                    self._cpu[rank].append(evidence.cpu_ms)
+        self._history[self._history_at % MEDIAN_STEPS] = row.values[:, [0, 2]]
+        self._history_at += 1
+
+    @staticmethod
+    def _late(arrive: torch.Tensor, step_ms: float) -> tuple[tuple[int, float], ...] | None:
+        """The ranks late at a step, as `StragglerScorer.add_late` takes them."""
+        known = arrive.isfinite()
+        if int(known.sum()) < 2:
+            return None
+        lateness = arrive - arrive[known].median()
+        late = (lateness >= LATE_SHARE * step_ms) & known
+        ranks = late.nonzero().flatten()
+        ms = lateness[ranks].clamp(max=step_ms)
+        return tuple(zip(ranks.tolist(), ms.tolist(), strict=True))
 
     def flush(self) -> None:
         """At the end: write every pending anomaly with the evidence there is."""
@@ -286,8 +322,15 @@ class AnomalyJournal:
         if self.writer is None:
             return
         step = judgment.step
-        row = self._evidence.get(step) or [None] * self.world_size
+        row = self._rows.get(step)
         times = self._times.get(step) or (math.nan,) * self.world_size
+        evidence = [StepEvidence()] * self.world_size
+        if row is not None:
+            evidence = [
+                StepEvidence(a, int(n) if math.isfinite(n) else -1, cpu, gc_ms)
+                for a, n, cpu, gc_ms in row.values.tolist()
+            ]
+        medians = self._history.nanmedian(dim=0).values  # (world, 2)
         record = AnomalyRecord(
             step=step,
             step_ms=judgment.step_ms,
@@ -297,9 +340,9 @@ class AnomalyJournal:
             judged_by=judgment.judged_by,
             slowest_rank=judgment.slowest_rank,
             durations_ms=tuple(times),
-            evidence=tuple(e or StepEvidence() for e in row),
-            arrive_median_ms=tuple(_median(d) for d in self._arrive),
-            cpu_median_ms=tuple(_median(d) for d in self._cpu),
+            evidence=tuple(evidence),
+            arrive_median_ms=tuple(medians[:, 0].tolist()),
+            cpu_median_ms=tuple(medians[:, 1].tolist()),
         )
         try:
             self.writer.write(record)
@@ -307,7 +350,3 @@ class AnomalyJournal:
         except (OSError, ValueError) as err:
             log.warning("anomalies file: %s; anomalies are no longer recorded", err)
             self.writer = None
-
-
-def _median(values: collections.deque[float]) -> float:
-    return statistics.median(values) if values else math.nan

@@ -4,7 +4,7 @@ Rank 0's control thread feeds `StragglerScorer.add` one step at a time, with eve
 rank's arrival (`StepEvidence.arrive_ms`: when the rank enqueued the step's last
 collective, after the step began on that rank) and the step's time. In synchronous
 training the ranks wait in that collective for the last to arrive, so a rank's arrival
-after the median rank's (`late`) is time the typical rank waited for it. Measured
+after the median rank's (`late`; the lower median) is time the typical rank waited for it. Measured
 against the median, several slow ranks (a slow node) are each seen, not just the last.
 
 - A rank is late at a step when `late` is at least `LATE_SHARE` of the step's time.
@@ -18,7 +18,8 @@ against the median, several slow ranks (a slow node) are each seen, not just the
   steps measured; reported from `DRIFT_RATIO` up (a whole job slowing down moves the
   detector's median with it, so no single step is anomalous).
 
-State is O(world + window x late ranks); `add` is O(world log world) (one median).
+State is O(world + window x late ranks); `add` is O(world log world) (one median);
+`add_late`, for a caller that found the late ranks itself, O(late ranks + window).
 """
 
 from __future__ import annotations
@@ -83,6 +84,23 @@ class StragglerScorer:
 
     def add(self, step: int, arrive_ms: Sequence[float], step_ms: float) -> None:
         """Fold one step in: every rank's arrival (NaN unknown) and the step's time."""
+        finite = [a for a in arrive_ms if math.isfinite(a)]
+        late: tuple[tuple[int, float], ...] | None = None
+        if len(finite) >= 2 and math.isfinite(step_ms):
+            typical = statistics.median_low(finite)
+            floor = LATE_SHARE * step_ms
+            late = tuple(
+                (rank, min(a - typical, step_ms))
+                for rank, a in enumerate(arrive_ms)
+                if math.isfinite(a) and a - typical >= floor
+            )
+        self.add_late(step, late, step_ms)
+
+    def add_late(
+        self, step: int, late: tuple[tuple[int, float], ...] | None, step_ms: float
+    ) -> None:
+        """Fold one step in as the ranks late at it: (rank, ms after the median rank) for
+        those at least `LATE_SHARE` of `step_ms` late (None: arrival unknown)."""
         if not math.isfinite(step_ms) or step_ms <= 0:
             return
         self.steps += 1
@@ -91,16 +109,8 @@ class StragglerScorer:
         if len(self._first_ms) < self.window:
             self._first_ms.append(step_ms)
         self._last_ms.append(step_ms)
-        finite = [a for a in arrive_ms if math.isfinite(a)]
-        if len(finite) < 2:
+        if late is None:
             return
-        typical = statistics.median(finite)
-        floor = LATE_SHARE * step_ms
-        late = tuple(
-            (rank, min(a - typical, step_ms))
-            for rank, a in enumerate(arrive_ms)
-            if math.isfinite(a) and a - typical >= floor
-        )
         self._run_ms += step_ms
         for rank, ms in late:
             self._run_late_ms[rank] = self._run_late_ms.get(rank, 0.0) + ms

@@ -13,6 +13,6 @@ def test_simulated_rounds_find_the_late_rank() -> None:
     assert small["row_floats"] == large["row_floats"]  # O(1) per rank
     assert large["gathered_bytes_per_rank"] == 64 * large["row_bytes"]
     assert set(large["median_ms_per_round"]) == {
-        "encode", "gather", "decode", "decode_evidence", "decide", "journal"
+        "encode", "gather", "decode", "decode_rank0", "decide", "journal"
     }  # fmt: skip
     assert large["straggler_found"][:1] == [63]

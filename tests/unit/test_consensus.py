@@ -117,9 +117,11 @@ def test_evidence_rides_in_the_round_per_rank_and_lagging() -> None:
     assert [s for s, _ in first.evidence] == list(range(1, 1 + evidence_slots(2)))
     other = LocalRound(1, (10.0, 11.0), (0, 0), evidence=((3, StepEvidence(7.0, 2, 1.0, 0.25)),))
     result = decode_round(gathered([first, other], 2), 2)
-    by_rank = {(rank, step): ev for rank, step, ev in result.evidence}
+    assert result.evidence is not None
+    items = result.evidence.items()
+    by_rank = {(rank, step): ev for rank, step, ev in items}
     assert by_rank[(0, 5)].arrive_ms == 5.0 and by_rank[(1, 3)] == StepEvidence(7.0, 2, 1.0, 0.25)
-    assert len(result.evidence) == evidence_slots(2) + 1
+    assert len(items) == evidence_slots(2) + 1
     assert [s for s, _ in builder.take().evidence] == [6, 7, 8]
     with pytest.raises(ValueError):
         encode_round(

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from distanom import evidence as evidence_module
+from distanom.consensus import EvidenceBlock
 from distanom.detect import AnomalyJudgment
 from distanom.evidence import AnomalyJournal, EvidenceCollector, EvidenceMarks
 from distanom.flight_recorder import FrEntry
@@ -98,12 +99,16 @@ def test_journal_writes_an_anomaly_once_every_rank_sent_its_evidence(tmp_path: P
     journal = AnomalyJournal(2, AnomalyWriter(run))
     for step in range(1, 12):
         journal.add_times(step, (15.0, 15.0))
-        journal.add_evidence([(r, step, StepEvidence(10.0, 1, 1.0, 0.0)) for r in (0, 1)])
+        journal.add_evidence(
+            EvidenceBlock.from_items(
+                2, [(r, step, StepEvidence(10.0, 1, 1.0, 0.0)) for r in (0, 1)]
+            )
+        )
     journal.add_judgments([judgment(12)])
     journal.add_times(12, (300.0, 299.0))
-    journal.add_evidence([(0, 12, StepEvidence(10.0, 1, 1.0, 0.0))])
+    journal.add_evidence(EvidenceBlock.from_items(2, [(0, 12, StepEvidence(10.0, 1, 1.0, 0.0))]))
     assert read_anomalies(run) == []  # rank 1's evidence is not in yet
-    journal.add_evidence([(1, 12, StepEvidence(290.0, 1, 1.1, 0.0))])
+    journal.add_evidence(EvidenceBlock.from_items(2, [(1, 12, StepEvidence(290.0, 1, 1.1, 0.0))]))
     (record,) = read_anomalies(run)
     assert record.step == 12 and record.evidence[1].arrive_ms == 290.0
     assert record.arrive_median_ms == (10.0, 10.0) and record.durations_ms == (300.0, 299.0)
@@ -117,3 +122,22 @@ def test_journal_flush_writes_what_it_has(tmp_path: Path) -> None:
     journal.flush()
     (record,) = read_anomalies(run)
     assert record.step == 5 and all(math.isnan(e.arrive_ms) for e in record.evidence)
+
+
+def test_journal_scores_ranks_sending_different_steps_in_one_round() -> None:
+    journal = AnomalyJournal(3, None)
+    for step in range(1, 40):
+        journal.add_times(step, (40.0, 40.0, 40.0))
+    items = []
+    for rank in range(3):  # rank 2 lags: its evidence comes a round later
+        for step in range(1, 40 if rank < 2 else 30):
+            items.append((rank, step, StepEvidence(10.0 + (25.0 if rank == 1 else 0.0), 1, 1.0, 0)))
+    journal.add_evidence(EvidenceBlock.from_items(3, items))
+    assert journal.scorer.steps == 29
+    journal.add_evidence(
+        EvidenceBlock.from_items(
+            3, [(2, s, StepEvidence(10.0, 1, 1.0, 0.0)) for s in range(30, 40)]
+        )
+    )
+    assert journal.scorer.steps == 39
+    assert [s.rank for s in journal.scorer.stragglers()] == [1]
