@@ -43,9 +43,8 @@ from distanom.consensus import (
 from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, CaptureDecision, Detector, StepSample
 from distanom.duty_cycle import DutyCycle
 from distanom.errors import CaptureRequestError, RunDirError
-from distanom.evidence import AnomalyJournal, EvidenceCollector
+from distanom.evidence import EvidenceTier
 from distanom.health import Health
-from distanom.records.anomalies import AnomalyWriter, write_stragglers
 from distanom.records.requests import (
     Accepted,
     Refused,
@@ -102,10 +101,7 @@ class ControlLoop:
         self._offered_request: tuple[CaptureRequest, str] | None = None
         self._steps: StepsWriter | None = None
         self._started_at = time.time()
-        self.evidence = EvidenceCollector(boundaries.evidence_marks)
-        self.journal: AnomalyJournal | None = None  # rank 0, once the run directory exists
-        self._traced_stragglers: set[int] = set()
-        self._evidence_rounds = self.evidence.reading_flight_recorder
+        self.evidence = EvidenceTier(boundaries.evidence_marks, world.world_size, health.warn_once)
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
 
     # -- life cycle (called from the training thread) ----------------------------------
@@ -162,7 +158,7 @@ class ControlLoop:
         if capture is not None:
             capture.close(self.config.analysis.exit_timeout_s)
         if self.world.rank == 0:
-            self._close_journal()
+            self.evidence.close(self.run)
             self._write_status("finished")
 
     def _drain_until_final(self) -> None:
@@ -219,7 +215,7 @@ class ControlLoop:
         if world.rank == 0:
             hosts = [self.group.lookup(f"host/{r}") for r in range(world.world_size)]
             self._write_run_json(hosts)
-            self._open_journal(run)
+            self.evidence.open_journal(run)
 
     def _write_run_json(self, hosts: list[str]) -> None:
         if self.run is None:
@@ -264,7 +260,7 @@ class ControlLoop:
                 builder.add(item.step, item.duration_ms, item.flags, item.self_ms)
                 self.evidence.add_gc(item.step, item.gc_ms)
                 self._log_step(item)
-            builder.add_evidence(self.evidence.poll(force=final))
+            builder.add_evidence(self.evidence.poll(final))
             self._flush_steps()
             now = time.monotonic()
             if self.world.rank == 0 and now >= next_poll:
@@ -272,9 +268,8 @@ class ControlLoop:
                 self._poll_requests()
             while builder.ready():
                 self._run_round(builder.take(), final=False)
-            # with Flight Recorder on (the same on every rank) the final round always runs:
-            # the evidence of the last steps rides in it and the rounds after it
-            if final and (builder.pending_steps() or self._evidence_rounds):
+            # the last steps' evidence rides in the final round and the rounds after it
+            if final and (builder.pending_steps() or self.evidence.final_rounds):
                 more = self._run_round(builder.take(final=True), final=True, builder=builder)
                 for _ in range(MAX_EVIDENCE_ROUNDS):
                     if not more:
@@ -346,36 +341,13 @@ class ControlLoop:
             self._warn_once("governor", "governor: %s; tracing stays as it is", err)
             self.duty.disable()
 
-    # -- evidence, anomalies and stragglers (rank 0 keeps the journal) -----------------
-
-    def _open_journal(self, run: RunDir) -> None:
-        try:
-            writer: AnomalyWriter | None = AnomalyWriter(run)
-        except OSError as err:
-            self._warn_once("anomalies", "anomalies file: %s; not recorded", err.strerror)
-            writer = None
-        self.journal = AnomalyJournal(self.world.world_size, writer)
+    # -- evidence (rank 0 keeps the anomaly journal) -----------------------------------
 
     def _fold_evidence(self, result: RoundResult) -> None:
+        may_trace = self._offered_request is None and self.boundaries.tracer is not None
         judged = self.detector.take_anomalies()
-        journal = self.journal
-        if journal is None:
-            return
-        journal.add_judgments(judged)
-        for sample in result.samples:
-            journal.add_times(sample.step, sample.times_ms)
-        journal.add_evidence(result.evidence)
-        self._trace_new_straggler(journal)
-
-    def _trace_new_straggler(self, journal: AnomalyJournal) -> None:
-        """A newly named straggler is worth one trace on every rank: rank 0 offers a
-        one-step request, carried and scheduled like a user's (it is late then too)."""
-        if self._offered_request is not None or self.boundaries.tracer is None:
-            return
-        for straggler in journal.scorer.stragglers():
-            if straggler.rank in self._traced_stragglers:
-                continue
-            self._traced_stragglers.add(straggler.rank)
+        straggler = self.evidence.fold(judged, result, may_trace=may_trace)
+        if straggler is not None:  # worth one trace on every rank: it is late then too
             number = self._next_request_number
             self._next_request_number += 1
             self._offered_request = (CaptureRequest(number, 1), f"straggler-{straggler.rank}")
@@ -385,25 +357,6 @@ class ControlLoop:
                 straggler.since_step,
                 number,
             )
-            return
-
-    def _close_journal(self) -> None:
-        journal = self.journal
-        if journal is None:
-            return
-        with contextlib.suppress(Exception):
-            journal.flush()
-            if journal.writer is not None:
-                journal.writer.close()
-        self._write_stragglers()
-
-    def _write_stragglers(self) -> None:
-        if self.journal is None or self.run is None:
-            return
-        try:
-            write_stragglers(self.run, self.journal.scorer.to_json())
-        except (OSError, ValueError) as err:
-            self._warn_once("stragglers", "stragglers file not written (%s)", err)
 
     # -- the steps file ----------------------------------------------------------------
 
@@ -527,13 +480,13 @@ class ControlLoop:
             "capture_off": self.health.capture_off_reason,
             "consensus_error": self.health.consensus_error,
             "status_interval_s": self.config.control.status_interval_s,
-            "stragglers": self.journal.scorer.to_json() if self.journal else None,
+            "stragglers": self.evidence.scores(),
         }
 
     def _write_status(self, state: str) -> None:
         if self.run is None:
             return
-        self._write_stragglers()
+        self.evidence.write_stragglers(self.run)
         try:
             write_status(self.run, self._status(state))
         except (OSError, ValueError) as err:

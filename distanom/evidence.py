@@ -15,27 +15,36 @@ without a trace, folded into the consensus round.
 - `AnomalyJournal` (rank 0's control thread): gathers every rank's evidence from the
   rounds, scores stragglers (`distanom.stragglers`), and appends each anomalous step
   the detector judged to anomalies.jsonl once its evidence is in.
+- `EvidenceTier`: the control loop's one face on all of it, stepping aside on failure.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from distanom import flight_recorder
-from distanom.consensus import EvidenceBlock
+from distanom.consensus import EvidenceBlock, RoundResult
 from distanom.detect import AnomalyJudgment
 from distanom.flight_recorder import FrEntry, StepCollectives
-from distanom.records.anomalies import AnomalyRecord, AnomalyWriter, StepEvidence
-from distanom.stragglers import LATE_SHARE, StragglerScorer
+from distanom.records.anomalies import (
+    AnomalyRecord,
+    AnomalyWriter,
+    StepEvidence,
+    write_stragglers,
+)
+from distanom.rundir import RunDir
+from distanom.stragglers import LATE_SHARE, Straggler, StragglerScorer
 
 log = logging.getLogger(__name__)
 
@@ -350,3 +359,94 @@ class AnomalyJournal:
         except (OSError, ValueError) as err:
             log.warning("anomalies file: %s; anomalies are no longer recorded", err)
             self.writer = None
+
+
+class EvidenceTier:
+    """The control thread's evidence work behind one face: this rank's collector, and on
+    rank 0 the journal. Each part steps aside on a failure (logged once); training and
+    detection go on."""
+
+    def __init__(
+        self, marks: EvidenceMarks, world_size: int, warn_once: Callable[..., None]
+    ) -> None:
+        self.collector = EvidenceCollector(marks)
+        # with Flight Recorder on (the same on every rank) the final round always runs
+        self.final_rounds = self.collector.reading_flight_recorder
+        self.journal: AnomalyJournal | None = None
+        self._world_size = world_size
+        self._warn_once = warn_once
+        self._off = False
+        self._traced: set[int] = set()
+
+    def add_gc(self, step: int, gc_ms: float) -> None:
+        """A step's GC time, from the training thread's record."""
+        self.collector.add_gc(step, gc_ms)
+
+    def poll(self, final: bool) -> list[tuple[int, StepEvidence]]:
+        """This rank's newly final evidence ([] once stepped aside)."""
+        if self._off:
+            return []
+        try:
+            return self.collector.poll(force=final)
+        except Exception as err:
+            self._off = True
+            self._warn_once("evidence", "evidence: %s; per-step evidence steps aside", err)
+            return []
+
+    def open_journal(self, run: RunDir) -> None:
+        """Rank 0: start recording anomalies into the run directory."""
+        try:
+            writer: AnomalyWriter | None = AnomalyWriter(run)
+        except OSError as err:
+            self._warn_once("anomalies", "anomalies file: %s; not recorded", err.strerror)
+            writer = None
+        self.journal = AnomalyJournal(self._world_size, writer)
+
+    def fold(
+        self, judged: list[AnomalyJudgment], result: RoundResult, *, may_trace: bool
+    ) -> Straggler | None:
+        """Rank 0: a round's judgments, times and evidence; returns a straggler named for
+        the first time (worth one trace on every rank) when `may_trace`."""
+        journal = self.journal
+        if journal is None:
+            return None
+        try:
+            journal.add_judgments(judged)
+            for sample in result.samples:
+                journal.add_times(sample.step, sample.times_ms)
+            journal.add_evidence(result.evidence)
+            if not may_trace:
+                return None
+            for straggler in journal.scorer.stragglers():
+                if straggler.rank not in self._traced:
+                    self._traced.add(straggler.rank)
+                    return straggler
+        except Exception as err:  # records and scores step aside, detection goes on
+            self.journal = None
+            self._warn_once("journal", "anomaly journal: %s; anomalies are not recorded", err)
+        return None
+
+    def scores(self) -> dict[str, Any] | None:
+        """Straggler scores and drift for status.json (None: no journal)."""
+        return self.journal.scorer.to_json() if self.journal is not None else None
+
+    def write_stragglers(self, run: RunDir | None) -> None:
+        """Rewrite stragglers.json (rank 0)."""
+        if self.journal is None or run is None:
+            return
+        try:
+            write_stragglers(run, self.journal.scorer.to_json())
+        except (OSError, ValueError) as err:
+            # written with status.json: one warning for both
+            self._warn_once("status", "status file not written (%s)", err)
+
+    def close(self, run: RunDir | None) -> None:
+        """At the end (rank 0): pending anomalies written, files closed, scores kept."""
+        journal = self.journal
+        if journal is None:
+            return
+        with contextlib.suppress(Exception):
+            journal.flush()
+            if journal.writer is not None:
+                journal.writer.close()
+        self.write_stragglers(run)
