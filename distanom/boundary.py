@@ -40,6 +40,7 @@ from distanom.clock import StepClock, resolve_mode
 from distanom.config import Config
 from distanom.detect import STEP_AFTER_FLUSH, STEP_DISTURBED, STEP_TRACED
 from distanom.duty_cycle import DutyCycle
+from distanom.evidence import EvidenceMarks
 from distanom.gc_pauses import GcPauses
 from distanom.health import Health
 from distanom.log_lines import HEADLINE
@@ -91,6 +92,7 @@ class StepBoundaries:
         self.closed = False  # set at the end of training: later boundaries are ignored
         self.last_busy_ns = 0  # the capture worker's busy time at the last boundary
         self.gc_pauses = GcPauses()
+        self.evidence_marks = EvidenceMarks()
         self._capture_is_off = health.capture_is_off  # bound once: called every step
         self._warn_once = health.warn_once
         self._optimizer_ref: weakref.ref[Any] | None = None
@@ -251,6 +253,7 @@ class StepBoundaries:
         step = self.current_step
         self.current_step = step + 1
         host_ns = time.time_ns()
+        self.evidence_marks.mark(step, host_ns)
         if not self._first_boundary_done:
             self._first_boundary_done = True  # once: a later clock failure re-creates nothing
             self._first_boundary()
@@ -282,7 +285,7 @@ class StepBoundaries:
                     tracer.start()
                     self._tracing_during = True
                     log.info(
-                        "started: %s; %s", self.step_source(), self.tracer_note, extra=HEADLINE
+                        "started: %s; %s", self.step_source(), self._start_notes(), extra=HEADLINE
                     )
                 elif self._capture_is_off():
                     if tracer.tracing:  # nothing will be captured
@@ -356,7 +359,14 @@ class StepBoundaries:
             self._warn_once("tracer", "tracer: cannot be created (%s); detection only", err)
             self.tracer, self.tracer_note = None, f"tracer: none ({err})"
         if self.tracer is None:
-            log.info("started: %s; %s", self.step_source(), self.tracer_note, extra=HEADLINE)
+            log.info("started: %s; %s", self.step_source(), self._start_notes(), extra=HEADLINE)
+
+    def _start_notes(self) -> str:
+        """The tracer chosen and what was done about Flight Recorder, for the start line."""
+        from distanom import flight_recorder
+
+        notes = [self.tracer_note, flight_recorder.START_NOTE]
+        return "; ".join(note for note in notes if note)
 
     def _tracer_failed(self, err: BaseException) -> None:
         self._warn_once("tracer", "tracer: failed (%s); capture steps aside", err)

@@ -6,7 +6,13 @@ rank submits a round once its clock has resolved the round's last step, as one
 fixed-shape float64 row:
 
     [magic, first_step, n_steps, flags, req_id, host_step, req_n_steps, req_n_ranges,
-     ranges (16: start,end pairs), durations (B), step flags (B), self ms (B)]
+     ranges (16: start,end pairs), durations (B), step flags (B), self ms (B),
+     evidence first step, evidence n, evidence (E x 4: arrive ms, collectives, cpu ms,
+     gc ms)]
+
+The evidence block (`distanom.evidence`) lags the durations: a rank sends the steps
+whose evidence became final since its last round, up to E = B + `EVIDENCE_EXTRA_SLOTS`
+consecutive steps, so a backlog drains; its steps may differ from rank to rank.
 
 `self ms` is how long distanom's own capture work ran on the rank during the step;
 `host_step` the step the rank's training loop was in when it submitted (the gathered
@@ -22,6 +28,8 @@ agent), which logs once and steps capture aside.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +44,7 @@ from distanom.detect import (
     Detector,
     StepSample,
 )
+from distanom.records.anomalies import StepEvidence
 
 MAGIC = 7011.0  # a wrong-shaped or foreign row is refused, not misread
 HEADER = 8
@@ -43,9 +52,13 @@ MAX_RANGES = 8
 RANGE_SLOTS = 2 * MAX_RANGES
 FLAG_CAPTURE_OFF = 1
 FLAG_FINAL = 2
+FLAG_MORE_EVIDENCE = 4  # the rank has evidence left after this round: one more at the end
 # Requested steps start this many steps after the round that carried the request, so
 # every rank learns of them before it reaches them and can make sure they are traced.
 REQUEST_LEAD_STEPS = 4
+EVIDENCE_FIELDS = 4
+EVIDENCE_EXTRA_SLOTS = 3
+MAX_EVIDENCE_BACKLOG = 4096  # steps of evidence waiting for a round; the oldest go first
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,46 @@ class LocalRound:
     request: CaptureRequest | None = None
     self_ms: tuple[float, ...] = ()  # per step; () = none
     host_step: int = -1  # the training loop's current step when submitted (-1: unknown)
+    evidence: tuple[tuple[int, StepEvidence], ...] = ()  # consecutive steps
+
+
+@dataclass(frozen=True)
+class EvidenceBlock:
+    """Every rank's evidence of one round, as arrays: rank r sent steps first[r] ..
+    first[r] + count[r] - 1, their fields in values[r, offset] (arrive ms, collectives,
+    cpu ms, gc ms)."""
+
+    first: tuple[int, ...]
+    count: tuple[int, ...]
+    values: torch.Tensor  # (world, slots, EVIDENCE_FIELDS) float64
+
+    def items(self) -> list[tuple[int, int, StepEvidence]]:
+        """(rank, step, evidence) for every step sent (O(world x slots) objects)."""
+        out = []
+        for rank, (first, count) in enumerate(zip(self.first, self.count, strict=True)):
+            for offset, (arrive, n, cpu, gc_ms) in enumerate(self.values[rank, :count].tolist()):
+                n_int = int(n) if math.isfinite(n) else -1
+                out.append((rank, first + offset, StepEvidence(arrive, n_int, cpu, gc_ms)))
+        return out
+
+    @classmethod
+    def from_items(
+        cls, world_size: int, items: Sequence[tuple[int, int, StepEvidence]]
+    ) -> EvidenceBlock:
+        """The block of (rank, step, evidence) items, each rank's steps consecutive."""
+        per_rank: dict[int, list[tuple[int, StepEvidence]]] = {}
+        for rank, step, evidence in items:
+            per_rank.setdefault(rank, []).append((step, evidence))
+        slots = max((len(v) for v in per_rank.values()), default=0)
+        values = torch.full((world_size, max(slots, 1), EVIDENCE_FIELDS), math.nan)
+        first, count = [-1] * world_size, [0] * world_size
+        for rank, steps in per_rank.items():
+            steps.sort(key=lambda item: item[0])
+            first[rank], count[rank] = steps[0][0], len(steps)
+            for offset, (_, ev) in enumerate(steps):
+                row = [ev.arrive_ms, float(ev.collectives), ev.cpu_ms, ev.gc_ms]
+                values[rank, offset] = torch.tensor(row, dtype=torch.float64)
+        return cls(tuple(first), tuple(count), values.to(torch.float64))
 
 
 @dataclass(frozen=True)
@@ -85,6 +138,7 @@ class RoundResult:
     rank_flags: tuple[int, ...]
     request: CaptureRequest | None
     host_steps: tuple[int, ...] = ()  # per rank, as submitted
+    evidence: EvidenceBlock | None = None  # every rank's evidence (rank 0 decodes it)
 
     @property
     def last_step(self) -> int:
@@ -96,9 +150,41 @@ class RoundResult:
         return [rank for rank, flags in enumerate(self.rank_flags) if flags & flag]
 
 
+def evidence_slots(batch_steps: int) -> int:
+    """Steps of evidence one row carries."""
+    return batch_steps + EVIDENCE_EXTRA_SLOTS
+
+
 def row_length(batch_steps: int) -> int:
     """Length of one rank's row for rounds of `batch_steps` steps."""
-    return HEADER + RANGE_SLOTS + 3 * batch_steps
+    evidence = 2 + EVIDENCE_FIELDS * evidence_slots(batch_steps)
+    return HEADER + RANGE_SLOTS + 3 * batch_steps + evidence
+
+
+def _encode_evidence(row: torch.Tensor, local: LocalRound, batch_steps: int) -> None:
+    items = local.evidence
+    slots = evidence_slots(batch_steps)
+    if len(items) > slots or any(b[0] != a[0] + 1 for a, b in itertools.pairwise(items)):
+        raise ValueError("evidence steps must be consecutive and fit the round")
+    base = HEADER + RANGE_SLOTS + 3 * batch_steps
+    row[base] = float(items[0][0]) if items else -1.0
+    row[base + 1] = float(len(items))
+    if items:
+        values = []
+        for _, ev in items:
+            values += [ev.arrive_ms, float(ev.collectives), ev.cpu_ms, ev.gc_ms]
+        start = base + 2
+        row[start : start + len(values)] = torch.tensor(values, dtype=torch.float64)
+
+
+def _decode_evidence(matrix: torch.Tensor, batch_steps: int) -> EvidenceBlock:
+    base = HEADER + RANGE_SLOTS + 3 * batch_steps
+    slots = evidence_slots(batch_steps)
+    block = matrix[:, base : base + 2 + EVIDENCE_FIELDS * slots]
+    counts = torch.nan_to_num(block[:, 1], nan=0.0).clamp(0, slots).to(torch.int64)
+    first = torch.nan_to_num(block[:, 0], nan=-1.0).to(torch.int64)
+    values = block[:, 2:].reshape(matrix.shape[0], slots, EVIDENCE_FIELDS)
+    return EvidenceBlock(tuple(first.tolist()), tuple(counts.tolist()), values)
 
 
 def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
@@ -135,47 +221,64 @@ def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
         row[start + 2 * batch_steps : start + 2 * batch_steps + n] = torch.tensor(
             own, dtype=torch.float64
         )
+    _encode_evidence(row, local, batch_steps)
     return row
 
 
-def decode_round(matrix: torch.Tensor, batch_steps: int) -> RoundResult:
-    """Turn the gathered (world_size x row) matrix into samples (same on every rank)."""
+def decode_round(
+    matrix: torch.Tensor, batch_steps: int, *, with_evidence: bool = True
+) -> RoundResult:
+    """Turn the gathered (world_size x row) matrix into samples (same on every rank).
+
+    Column-wise tensor operations, so a round costs O(steps) Python work, not
+    O(world x steps); `with_evidence=False` skips the per-rank evidence (only rank 0
+    keeps the journal that reads it)."""
     if matrix.dim() != 2 or matrix.shape[1] != row_length(batch_steps):
         raise ValueError(f"gathered round has shape {tuple(matrix.shape)}")
-    rows = matrix.tolist()
-    for rank, row in enumerate(rows):
-        if row[0] != MAGIC:
-            raise ValueError(f"rank {rank} sent a malformed round")
-    first_step = int(rows[0][1])
-    n_steps = max(int(row[2]) for row in rows)
+    bad = (matrix[:, 0] != MAGIC).nonzero()
+    if len(bad):
+        raise ValueError(f"rank {int(bad[0, 0])} sent a malformed round")
+    head = matrix[0].tolist()
+    first_step = int(head[1])
+    counts = matrix[:, 2].to(torch.int64)
+    n_steps = int(counts.max())
     start = HEADER + RANGE_SLOTS
     samples = []
-    for offset in range(n_steps):
-        times = tuple((row[start + offset] if offset < int(row[2]) else math.nan) for row in rows)
-        present = [row for row in rows if offset < int(row[2])]
-        step_flags = [int(row[start + batch_steps + offset]) for row in present]
-        own = [row[start + 2 * batch_steps + offset] for row in present]
-        samples.append(
-            StepSample(
-                first_step + offset,
-                times,
-                traced=all(f & STEP_TRACED for f in step_flags),
-                after_flush=any(f & STEP_AFTER_FLUSH for f in step_flags),
-                disturbed=any(f & STEP_DISTURBED for f in step_flags),
-                self_ms=max((v for v in own if math.isfinite(v)), default=0.0),
+    if n_steps > 0:
+        present = torch.arange(n_steps).unsqueeze(0) < counts.unsqueeze(1)  # (world, n)
+        times = matrix[:, start : start + n_steps].masked_fill(~present, math.nan)
+        bits = matrix[:, start + batch_steps : start + batch_steps + n_steps]
+        bits = torch.nan_to_num(bits, nan=0.0).to(torch.int64)
+        traced = ((bits & STEP_TRACED) != 0).logical_or(~present).all(dim=0).tolist()
+        flushed = ((bits & STEP_AFTER_FLUSH) != 0).logical_and(present).any(dim=0).tolist()
+        disturbed = ((bits & STEP_DISTURBED) != 0).logical_and(present).any(dim=0).tolist()
+        own = matrix[:, start + 2 * batch_steps : start + 2 * batch_steps + n_steps]
+        own = own.masked_fill(~(present & own.isfinite()), -math.inf).max(dim=0).values
+        own_ms = [v if math.isfinite(v) else 0.0 for v in own.tolist()]
+        columns = times.t().tolist()
+        for offset in range(n_steps):
+            samples.append(
+                StepSample(
+                    first_step + offset,
+                    tuple(columns[offset]),
+                    traced=bool(traced[offset]),
+                    after_flush=bool(flushed[offset]),
+                    disturbed=bool(disturbed[offset]),
+                    self_ms=own_ms[offset],
+                )
             )
-        )
     request = None
-    head = rows[0]
     if head[4] > 0:
         n_ranges = int(head[7])
         ranges = tuple(
             (int(head[HEADER + 2 * i]), int(head[HEADER + 2 * i + 1])) for i in range(n_ranges)
         )
         request = CaptureRequest(int(head[4]), int(head[6]), ranges)
-    flags = tuple(int(row[3]) for row in rows)
-    host_steps = tuple(int(row[5]) if math.isfinite(row[5]) else -1 for row in rows)
-    return RoundResult(tuple(samples), flags, request, host_steps)
+    flags = tuple(int(f) for f in matrix[:, 3].tolist())
+    host = matrix[:, 5]
+    host_steps = tuple(int(h) for h in torch.where(host.isfinite(), host, -1.0).tolist())
+    evidence = _decode_evidence(matrix, batch_steps) if with_evidence else None
+    return RoundResult(tuple(samples), flags, request, host_steps, evidence)
 
 
 def decide(result: RoundResult, detector: Detector, world_size: int) -> list[CaptureDecision]:
@@ -214,6 +317,26 @@ class RoundBuilder:
     next_first: int = 1
     _durations: dict[int, tuple[float, int, float]] = field(default_factory=dict)
     _max_step: int = 0
+    _evidence: collections.deque[tuple[int, StepEvidence]] = field(
+        default_factory=lambda: collections.deque(maxlen=MAX_EVIDENCE_BACKLOG)
+    )
+
+    def add_evidence(self, items: Sequence[tuple[int, StepEvidence]]) -> None:
+        """Steps whose evidence became final, in step order; sent with the next rounds."""
+        self._evidence.extend(items)
+
+    def evidence_backlog(self) -> int:
+        """Steps of evidence still waiting for a round."""
+        return len(self._evidence)
+
+    def _take_evidence(self) -> tuple[tuple[int, StepEvidence], ...]:
+        out: list[tuple[int, StepEvidence]] = []
+        slots = evidence_slots(self.batch_steps)
+        while self._evidence and len(out) < slots:
+            if out and self._evidence[0][0] != out[-1][0] + 1:
+                break  # a gap: the rest goes with the next round
+            out.append(self._evidence.popleft())
+        return tuple(out)
 
     def add(self, step: int, duration_ms: float, step_flags: int, self_ms: float = 0.0) -> None:
         """Record a resolved step's duration and flags (steps already sent are ignored)."""
@@ -244,7 +367,9 @@ class RoundBuilder:
             flags.append(step_flags)
             own.append(self_ms)
         self.next_first = first + self.batch_steps
-        return LocalRound(first, tuple(durations), tuple(flags), self_ms=tuple(own))
+        evidence = self._take_evidence()
+        own_ms = tuple(own)
+        return LocalRound(first, tuple(durations), tuple(flags), self_ms=own_ms, evidence=evidence)
 
 
 def recent_times(history: Sequence[StepSample], limit: int) -> dict[int, list[float | None]]:

@@ -30,6 +30,7 @@ from distanom.config import Config
 from distanom.consensus import (
     FLAG_CAPTURE_OFF,
     FLAG_FINAL,
+    FLAG_MORE_EVIDENCE,
     CaptureRequest,
     LocalRound,
     RoundBuilder,
@@ -42,8 +43,10 @@ from distanom.consensus import (
 from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, CaptureDecision, Detector, StepSample
 from distanom.duty_cycle import DutyCycle
 from distanom.errors import CaptureRequestError, RunDirError
+from distanom.evidence import EvidenceTier
 from distanom.hang import HangWatch
 from distanom.health import Health
+from distanom.log_lines import HEADLINE
 from distanom.records.requests import (
     Accepted,
     Refused,
@@ -61,6 +64,9 @@ log = logging.getLogger(__name__)
 
 RECENT_STEPS = 64
 FINAL_ROUND_TIMEOUT_S = 10.0
+# After the final round, rounds that carry only the evidence left (every rank runs one
+# more while any rank said it has more): at most this many.
+MAX_EVIDENCE_ROUNDS = 64
 
 
 class ControlLoop:
@@ -99,6 +105,7 @@ class ControlLoop:
         self._steps: StepsWriter | None = None
         self._started_at = time.time()
         self._round_began = time.monotonic()  # when the latest round started waiting
+        self.evidence = EvidenceTier(boundaries.evidence_marks, world.world_size, health.warn_once)
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
         self.hang_watch: HangWatch | None = None  # told when a round fails
 
@@ -162,6 +169,7 @@ class ControlLoop:
         if capture is not None:
             capture.close(self.config.analysis.exit_timeout_s)
         if self.world.rank == 0:
+            self.evidence.close(self.run)
             self._write_status(self._outcome[0])
 
     def _drain_until_final(self) -> None:
@@ -218,6 +226,7 @@ class ControlLoop:
         if world.rank == 0:
             hosts = [self.group.lookup(f"host/{r}") for r in range(world.world_size)]
             self._write_run_json(hosts)
+            self.evidence.open_journal(run)
 
     def _write_run_json(self, hosts: list[str]) -> None:
         if self.run is None:
@@ -260,7 +269,9 @@ class ControlLoop:
                     final = True
                     continue
                 builder.add(item.step, item.duration_ms, item.flags, item.self_ms)
+                self.evidence.add_gc(item.step, item.gc_ms)
                 self._log_step(item)
+            builder.add_evidence(self.evidence.poll(final))
             self._flush_steps()
             now = time.monotonic()
             if self.world.rank == 0 and now >= next_poll:
@@ -268,15 +279,25 @@ class ControlLoop:
                 self._poll_requests()
             while builder.ready():
                 self._run_round(builder.take(), final=False)
-            if final and builder.pending_steps():
-                self._run_round(builder.take(final=True), final=True)
+            # the last steps' evidence rides in the final round and the rounds after it
+            if final and (builder.pending_steps() or self.evidence.final_rounds):
+                more = self._run_round(builder.take(final=True), final=True, builder=builder)
+                for _ in range(MAX_EVIDENCE_ROUNDS):
+                    if not more:
+                        break
+                    more = self._run_round(builder.take(final=True), final=True, builder=builder)
             if self.world.rank == 0 and (now >= next_status or final):
                 next_status = now + control.status_interval_s
                 self._write_status("running")
 
-    def _run_round(self, local: LocalRound, *, final: bool) -> None:
+    def _run_round(
+        self, local: LocalRound, *, final: bool, builder: RoundBuilder | None = None
+    ) -> bool:
+        """One round; returns whether any rank has evidence left (final rounds only)."""
         assert self.group is not None
         flags = FLAG_FINAL if final else 0
+        if final and builder is not None and builder.evidence_backlog():
+            flags |= FLAG_MORE_EVIDENCE
         if self.health.capture_stepped_aside():
             flags |= FLAG_CAPTURE_OFF
         offered = self._offered_request if self.world.rank == 0 else None
@@ -288,6 +309,7 @@ class ControlLoop:
             offered[0] if offered else None,
             local.self_ms,
             host_step=self.boundaries.current_step,
+            evidence=local.evidence,
         )
         batch = self.config.consensus.batch_steps
         timeout = None
@@ -295,16 +317,18 @@ class ControlLoop:
             timeout = min(self.config.consensus.timeout_s, FINAL_ROUND_TIMEOUT_S)
         self._round_began = time.monotonic()
         matrix = self.group.all_gather(encode_round(local, batch), timeout_s=timeout)
-        result = decode_round(matrix, batch)
+        result = decode_round(matrix, batch, with_evidence=self.world.rank == 0)
         if offered is not None:
             self._offered_request = None
         self._after_round(result)
+        return bool(result.ranks_with(FLAG_MORE_EVIDENCE))
 
     def _after_round(self, result: RoundResult) -> None:
         self._recent.extend(result.samples)
         self._feed_governor(result)
         self._gathered_step = max(self._gathered_step, result.last_step)
         decisions = decide(result, self.detector, self.world.world_size)
+        self._fold_evidence(result)
         self.duty.force(d.step for d in decisions if d.kind == "requested")
         if result.request is not None and self.world.rank == 0:
             self._answer_request(result, decisions)
@@ -328,6 +352,24 @@ class ControlLoop:
         except ValueError as err:
             self._warn_once("governor", "governor: %s; tracing stays as it is", err)
             self.duty.disable()
+
+    # -- evidence (rank 0 keeps the anomaly journal) -----------------------------------
+
+    def _fold_evidence(self, result: RoundResult) -> None:
+        may_trace = self._offered_request is None and self.boundaries.tracer is not None
+        judged = self.detector.take_anomalies()
+        straggler = self.evidence.fold(judged, result, may_trace=may_trace)
+        if straggler is not None:  # worth one trace on every rank: it is late then too
+            number = self._next_request_number
+            self._next_request_number += 1
+            self._offered_request = (CaptureRequest(number, 1), f"straggler-{straggler.rank}")
+            log.info(
+                "straggler: rank %d since step %d; tracing one step on every rank (request %d)",
+                straggler.rank,
+                straggler.since_step,
+                number,
+                extra=HEADLINE,  # as worth a line as a capture
+            )
 
     # -- the steps file ----------------------------------------------------------------
 
@@ -461,11 +503,13 @@ class ControlLoop:
             "consensus_error": self.health.consensus_error,
             "status_interval_s": self.config.control.status_interval_s,
             "exit_code": self._outcome[1] if state != "running" else None,
+            "stragglers": self.evidence.scores(),
         }
 
     def _write_status(self, state: str) -> None:
         if self.run is None:
             return
+        self.evidence.write_stragglers(self.run)
         try:
             write_status(self.run, self._status(state))
         except (OSError, ValueError) as err:

@@ -35,6 +35,16 @@ Rules (all thresholds come from `DetectConfig` / `CaptureConfig`):
   of them, against the traced median (tracing only adds time, so that is the safe side).
 - Every `reference_every_steps` a typical healthy traced step is captured as the
   reference the kernel diff compares against; the newest replaces the previous one.
+- No step after warm-up goes unjudged: where its condition's window is still too short
+  (disturbed steps left out of it, a rare condition), it is judged against a wider
+  baseline, the first that holds `RARE_CONDITION_MIN_STEPS` steps: every condition's
+  undisturbed steps ("all_conditions"), then every step seen, warm-up and disturbed ones
+  included ("all_steps"), then the other ranks' times in the same step ("ranks"). A
+  wider baseline is noisier, so it flags a step only above `FALLBACK_MIN_MULTIPLIER` x
+  its median (slow beyond doubt; `FALLBACK_AFTER_FLUSH_MULTIPLIER` for a step after a
+  flush, whose extra cost is not measured yet), and it never sets the headline median.
+  Every anomalous step is kept as an `AnomalyJudgment` (`take_anomalies`) saying which
+  baseline judged it.
 """
 
 from __future__ import annotations
@@ -76,6 +86,13 @@ SELF_DISCOUNT_CAP = 4.0
 # one most steps are measured under: traced, or untraced without a tracer) needs
 # min_steps and gives the headline median and threshold.
 RARE_CONDITION_MIN_STEPS = 5
+
+# A wider (fallback) baseline flags a step only above this multiple of its median, or the
+# configured multiplier if that is larger: it mixes conditions, so it is noisier.
+FALLBACK_MIN_MULTIPLIER = 2.0
+# A step after a tracer flush is slower by a cost its own window has not measured yet:
+# judged against a wider baseline, it is flagged only above this multiple.
+FALLBACK_AFTER_FLUSH_MULTIPLIER = 8.0
 
 # Per-step flags each rank reports (OR/AND-ed across ranks in `consensus`).
 STEP_TRACED = 1  # the tracer recorded the step
@@ -136,6 +153,24 @@ class CaptureDecision:
         return self.step_ms / self.median_ms if self.median_ms > 0 else math.nan
 
 
+@dataclass(frozen=True)
+class AnomalyJudgment:
+    """A step judged anomalous, traced or not, and the baseline that judged it."""
+
+    step: int
+    step_ms: float  # as judged (own capture work discounted)
+    median_ms: float
+    threshold_ms: float
+    traced: bool
+    judged_by: str  # "condition", "all_conditions", "all_steps" or "ranks"
+    slowest_rank: int
+
+    @property
+    def ratio(self) -> float:
+        """The step's time over the median."""
+        return self.step_ms / self.median_ms if self.median_ms > 0 else math.nan
+
+
 @dataclass
 class Episode:
     """A run of anomalous steps (gaps up to merge_gap_steps)."""
@@ -163,6 +198,7 @@ class DetectorCounts:
     skipped_budget: int = 0
     skipped_min_gap: int = 0
     references: int = 0
+    judged_fallback: int = 0  # judged against a wider baseline than their condition's
 
 
 @dataclass
@@ -182,8 +218,12 @@ class Detector:
     _last_reference_at: int | None = None
     _fast_while_due: int = 0  # due steps passed over as too fast since the last reference
     _max_episodes_kept: int = 1000
+    _all_steps: collections.deque[float] = field(init=False)  # warm-up, disturbed included
+    _judged: list[AnomalyJudgment] = field(default_factory=list)
+    _max_judged_kept: int = 4096
 
     def __post_init__(self) -> None:
+        self._all_steps = collections.deque(maxlen=self.detect.window_steps)
         self._windows = {
             (traced, flushed): collections.deque(maxlen=self.detect.window_steps)
             for traced in (True, False)
@@ -212,6 +252,23 @@ class Detector:
             return None
         return statistics.median(same)
 
+    def _fallback(self, sample: StepSample) -> tuple[float | None, str]:
+        """A wider baseline for a step its condition cannot judge yet, and its name."""
+        pooled = [t for window in self._windows.values() for t in window]
+        if len(pooled) >= RARE_CONDITION_MIN_STEPS:
+            return statistics.median(pooled), "all_conditions"
+        if len(self._all_steps) >= RARE_CONDITION_MIN_STEPS:
+            return statistics.median(self._all_steps), "all_steps"
+        others = sorted(t for t in sample.times_ms if math.isfinite(t))[:-1]
+        if others:
+            return statistics.median(others), "ranks"
+        return None, ""
+
+    def take_anomalies(self) -> list[AnomalyJudgment]:
+        """The anomalous steps judged since the last call, in step order."""
+        judged, self._judged = self._judged, []
+        return judged
+
     def _main_condition(self) -> tuple[bool, bool]:
         """The condition most steps so far were measured under (traced, no flush first)."""
         return max(self._windows, key=lambda c: (len(self._windows[c]), c == (True, False)))
@@ -226,25 +283,55 @@ class Detector:
     def observe(self, sample: StepSample) -> list[CaptureDecision]:
         """Judge one step (steps must arrive in order) and return what to capture."""
         step_ms = sample.step_ms
-        if sample.step < self.detect.warmup_steps or not math.isfinite(step_ms):
+        if sample.step < self.detect.warmup_steps:
+            self.observe_warmup(sample)
+            return []
+        if not math.isfinite(step_ms):
             return []
         if sample.disturbed:
             self.counts.disturbed += 1
         decisions: list[CaptureDecision] = []
         median = self._baseline(sample.condition)
+        judged_by, multiplier = "condition", self.detect.multiplier
+        if median is None:
+            median, judged_by = self._fallback(sample)
+            floor = FALLBACK_MIN_MULTIPLIER
+            if sample.after_flush:
+                floor = FALLBACK_AFTER_FLUSH_MULTIPLIER
+            multiplier = max(multiplier, floor)
         if median is not None and median > 0:
             self.counts.judged += 1
-            threshold = self.detect.multiplier * median
-            if sample.condition == self._main_condition():
+            threshold = multiplier * median
+            if judged_by != "condition":
+                self.counts.judged_fallback += 1
+            elif sample.condition == self._main_condition():
                 self.median_ms, self.threshold_ms = median, threshold
             judged = max(0.0, step_ms - min(sample.self_ms, SELF_DISCOUNT_CAP * median))
             if judged > threshold:
+                self._keep_judgment(sample, judged, median, threshold, judged_by)
                 decisions.extend(self._on_anomaly(sample, judged, median, threshold))
-            else:
+            elif judged_by == "condition":
                 decisions.extend(self._maybe_reference(sample, judged, median, threshold))
         if not sample.disturbed:
             self._windows[sample.condition].append(step_ms)
+        self._all_steps.append(step_ms)
         return decisions
+
+    def observe_warmup(self, sample: StepSample) -> None:
+        """Keep a warm-up step's time for the widest fallback baseline (never judged)."""
+        if math.isfinite(sample.step_ms):
+            self._all_steps.append(sample.step_ms)
+
+    def _keep_judgment(
+        self, sample: StepSample, judged: float, median: float, threshold: float, by: str
+    ) -> None:
+        if len(self._judged) >= self._max_judged_kept:  # nobody takes them: keep the newest
+            del self._judged[0]
+        self._judged.append(
+            AnomalyJudgment(
+                sample.step, judged, median, threshold, sample.traced, by, sample.slowest_rank
+            )
+        )
 
     def _on_anomaly(
         self, sample: StepSample, judged: float, median: float, threshold: float

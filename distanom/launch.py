@@ -166,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"distanom: {err}", file=sys.stderr)
         return err.exit_code
     configure_logging(config, world)
+    _enable_flight_recorder()
     from distanom.agent import Agent  # torch is imported only once the input is valid
 
     argv_for_run = [args.script or f"-m {args.module}", *args.script_args]
@@ -193,6 +194,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if installed:
             agent.close(outcome=outcome, exit_code=code)
     return code
+
+
+def _enable_flight_recorder() -> None:
+    """Flight Recorder must be on before the script creates its process group."""
+    try:
+        from distanom.flight_recorder import enable_from_env
+
+        enable_from_env()
+    except Exception as err:  # distanom must never keep the script from running
+        log.warning("flight recorder: not enabled (%s)", err)
 
 
 def _exit_code(code: object) -> int:

@@ -68,6 +68,7 @@ def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
     for key in ("capture_off", "consensus_error"):
         if status.get(key):
             lines.append(f"  capture stepped aside: {str(status[key])[:500]}")
+    lines += _straggler_lines(status.get("stragglers"))
     recent = {
         str(rank): times
         for rank, times in list(_obj(status.get("recent_ms")).items())[:MAX_RANKS_SHOWN]
@@ -122,6 +123,33 @@ def _hang_lines(run: RunDir, status: Status | dict[str, Any]) -> list[str]:
         return []
     earlier = f" ({len(hangs) - 1} earlier hang(s): distanom report)" if len(hangs) > 1 else ""
     return ["  " + line for line in hang_lines(hangs[-1])] + ([earlier] if earlier else [])
+
+
+def _straggler_lines(scores: Any) -> list[str]:
+    """Stragglers (most severe first) and drift from the status file, if any."""
+    if not isinstance(scores, dict):
+        return []
+    lines = []
+    entries = scores.get("stragglers")
+    for entry in entries[:64] if isinstance(entries, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        found = entry.get("evidence")
+        evidence: dict[str, Any] = found if isinstance(found, dict) else {}
+        score = entry.get("score")
+        share = f"{100 * score:.0f}%" if isinstance(score, (int, float)) else "-"
+        lines.append(
+            f"  straggler: rank {entry.get('rank')} since step {entry.get('since_step')}: ranks "
+            f"wait for it {share} of their step time (late at {evidence.get('late_steps')} of "
+            f"the last {evidence.get('window_steps')} steps)"
+        )
+    drift = scores.get("drift")
+    if isinstance(drift, dict):
+        lines.append(
+            f"  drift: median step {_ms(drift.get('first_ms'))} -> {_ms(drift.get('last_ms'))}"
+            f" ({drift.get('ratio')}x)"
+        )
+    return lines
 
 
 def _ms(value: Any) -> str:

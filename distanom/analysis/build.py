@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from distanom.analysis import crossrank
+from distanom.analysis.anomalies import Anomaly, CapturedAnomaly, TraceVerdict, anomalies_of
 from distanom.analysis.collectives import MatchResult, match_collectives
 from distanom.analysis.crossrank import RankFacts
 from distanom.analysis.engine import tables_of
@@ -42,6 +43,7 @@ from distanom.analysis.verdict import note_python_gc
 from distanom.config import CaptureConfig, config_from_mapping
 from distanom.detect import Detector
 from distanom.errors import DistanomError
+from distanom.records.anomalies import read_anomalies, read_stragglers
 from distanom.rundir import json_number
 
 __all__ = ["COST_PARTS", "build_report", "capture_cost", "rolling_threshold"]
@@ -106,7 +108,40 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
         problems=problems,
         detect_config=detect if isinstance(detect, dict) else {},
         hangs=hangs,
+        anomalies=_anomalies(data, captures, problems),
+        stragglers=_list_of_dicts(read_stragglers(data.run).get("stragglers")),
+        drift=_dict_or_none(read_stragglers(data.run).get("drift")),
     )
+
+
+def _anomalies(data: RunData, captures: list[Capture], problems: list[str]) -> list[Anomaly]:
+    """Every recorded anomalous step, a captured one with its trace verdict."""
+    traced = {
+        c.step: TraceVerdict(c.verdict.culprit_rank, str(c.verdict.cause), c.verdict.evidence)
+        for c in captures
+    }
+    captured = [
+        CapturedAnomaly(c.step, _nan_if_none(c.step_ms), _nan_if_none(c.median_ms))
+        for c in captures
+        if "anomaly" in c.kinds
+    ]
+    try:
+        return anomalies_of(read_anomalies(data.run), traced, captured)
+    except OSError as err:
+        problems.append(f"anomalies.jsonl: not readable ({err.strerror})")
+        return []
+
+
+def _nan_if_none(value: float | None) -> float:
+    return float("nan") if value is None else float(value)
+
+
+def _list_of_dicts(value: Any) -> list[dict[str, Any]]:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _dict_or_none(value: Any) -> dict[str, Any] | None:
+    return value if isinstance(value, dict) else None
 
 
 def capture_cost(data: RunData) -> CaptureCost | None:

@@ -17,17 +17,28 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distanom.analysis.charts import (
+    OUTSIDE,
+    PART_COLORS,
+    PART_LABELS,
+    PARTS,
+    bars_png,
+    bars_svg,
+    matplotlib_figure,
+    rank_bars,
+    step_chart,
+    steps_png,
+    steps_svg,
+)
 from distanom.analysis.hangs import hang_lines
 from distanom.analysis.kernel_diff import top_changes
-from distanom.analysis.model import BREAKDOWN_ROWS, Capture, Report, StepTimes
+from distanom.analysis.model import Capture, Report
 from distanom.analysis.render_json import kernel_diff_json
 from distanom.analysis.render_text import (
     OUTSIDE_NOTE,
@@ -35,32 +46,13 @@ from distanom.analysis.render_text import (
     gc_sentence,
     median_parts,
     ranks_cell,
+    straggler_lines,
 )
 from distanom.analysis.report_order import by_severity, is_culprit, trimmed
 from distanom.rundir import write_bytes_atomic
 
 __all__ = ["HtmlPage", "render_html", "write_html"]
 
-PARTS = BREAKDOWN_ROWS[:4]
-# CPU-only traces: the step window outside the ops' span, which the verdict counts as idle
-OUTSIDE = "outside_ops"
-PART_LABELS = {
-    "computation_time": "computation",
-    "exposed_comm_time": "exposed comm",
-    "exposed_memcpy_time": "exposed memcpy",
-    "idle_time": "idle",
-    OUTSIDE: "outside ops",
-}
-# waiting (exposed comm) is quiet grey; a stall (idle, and the idle outside the ops) is
-# red, so the culprit's stall is what the eye finds first
-PART_COLORS = {
-    "computation_time": "#4c72b0",
-    "exposed_comm_time": "#c8c8c8",
-    "exposed_memcpy_time": "#8172b3",
-    "idle_time": "#c0392b",
-    OUTSIDE: "#e8837a",
-}
-KIND_COLORS = {"anomaly": "#c0392b", "reference": "#27ae60", "requested": "#2e86c1"}
 TOP_KERNELS = 8
 # op changes under this share of the step are left out of the table (counted in a note)
 MIN_CHANGE_SHARE = 0.01
@@ -102,272 +94,6 @@ def _fmt(value: Any, digits: int = 2) -> str:
     if isinstance(value, (int, float)) and math.isfinite(value):
         return f"{value:.{digits}f}"
     return _e(value)
-
-
-# --------------------------------------------------------------------------- charts
-
-
-def _matplotlib() -> Any:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        return None
-    return Figure
-
-
-def _png(figure: Any) -> bytes:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    return buffer.getvalue()
-
-
-def _steps_png(figure_class: Any, chart: _StepChart) -> bytes:
-    figure = figure_class(figsize=(11, 3.6))
-    ax = figure.add_subplot(1, 1, 1)
-    ax.plot(
-        chart.steps, chart.values, color="#34495e", linewidth=1, label="step time (slowest rank)"
-    )
-    ax.plot(
-        chart.steps,
-        chart.threshold,
-        color="#c0392b",
-        linestyle="--",
-        linewidth=1,
-        label="threshold",
-    )
-    for kind, color in KIND_COLORS.items():
-        marks = [(s, v) for s, v, k in chart.marks if k == kind]
-        if marks:
-            ax.scatter(
-                [s for s, _ in marks],
-                [v for _, v in marks],
-                color=color,
-                zorder=3,
-                label=f"{kind} capture",
-            )
-    if chart.log:
-        ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("ms")
-    ax.legend(loc="upper left", fontsize=8)
-    ax.grid(alpha=0.3)
-    return _png(figure)
-
-
-def _bars_png(figure_class: Any, bars: _Bars) -> bytes:
-    figure = figure_class(figsize=(11, 0.45 * len(bars.labels) + 1.2))
-    ax = figure.add_subplot(1, 1, 1)
-    positions = list(range(len(bars.labels)))
-    left = [0.0] * len(bars.labels)
-    for part in bars.parts:
-        widths = [values[part] for values in bars.values]
-        ax.barh(positions, widths, left=left, color=PART_COLORS[part], label=PART_LABELS[part])
-        left = [a + b for a, b in zip(left, widths, strict=True)]
-    ax.set_yticks(positions)
-    ax.set_yticklabels(bars.labels)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms")
-    ax.set_title(bars.title, fontsize=10, pad=22)
-    ax.legend(
-        loc="lower center",
-        bbox_to_anchor=(0.5, 1.0),
-        fontsize=8,
-        ncol=len(bars.parts),
-        frameon=False,
-    )
-    ax.grid(axis="x", alpha=0.3)
-    return _png(figure)
-
-
-@dataclass(frozen=True)
-class _StepChart:
-    steps: list[int]
-    values: list[float]
-    threshold: list[float]
-    marks: list[tuple[int, float, str]]
-    log: bool
-
-
-@dataclass(frozen=True)
-class _Bars:
-    title: str
-    labels: list[str]
-    values: list[dict[str, float]]
-    parts: tuple[str, ...] = PARTS
-
-
-def _step_chart(report: Report, times: StepTimes) -> _StepChart | None:
-    values = times.step_ms
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return None
-    position = {step: i for i, step in enumerate(times.steps)}
-    marks = []
-    for capture in report.captures:
-        index = position.get(capture.step)
-        value = values[index] if index is not None else capture.step_ms
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            kinds = capture.kinds or ["anomaly"]
-            kind = "anomaly" if "anomaly" in kinds else str(kinds[0])
-            marks.append((capture.step, float(value), kind))
-    median = statistics.median(finite)
-    log = median > 0 and max(finite) / median > 20
-    return _StepChart(list(times.steps), values, list(times.threshold_ms), marks, log)
-
-
-def _bars(capture: Capture) -> _Bars | None:
-    labels, values = [], []
-    for rank, entry in capture.ranks.items():
-        rows = entry.breakdown()
-        if rows is None:
-            continue
-        host = entry.host
-        # a `$` would start matplotlib mathtext (a crash on `$\frac{1}{$`): shown as is
-        culprit = " ◀ culprit" if _culprit_mark(capture, rank)[1] else ""
-        labels.append(f"rank {rank}" + (f" ({host})" if host else "").replace("$", r"\$") + culprit)
-        bar = {part: max(0.0, rows[part]) for part in PARTS}
-        bar[OUTSIDE] = entry.outside_ms or 0.0
-        values.append(bar)
-    title = f"step {capture.step}: time per rank"
-    parts = (*PARTS, OUTSIDE) if capture.shows_outside else PARTS
-    return _Bars(title, labels, values, parts) if labels else None
-
-
-# ---- SVG (no matplotlib)
-
-_W, _H, _PAD_L, _PAD_B, _PAD_T, _PAD_R = 1000.0, 300.0, 60.0, 36.0, 30.0, 16.0
-
-
-def _ticks(low: float, high: float, count: int = 5) -> list[float]:
-    if high <= low:
-        return [low]
-    raw = (high - low) / count
-    magnitude = 10 ** math.floor(math.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
-    first = math.ceil(low / step) * step
-    return [first + i * step for i in range(int((high - first) / step) + 1)]
-
-
-def _log_ticks(low: float, high: float) -> list[float]:
-    """1, 2, 5 x powers of ten between 10**low and 10**high."""
-    values = [m * 10.0**e for e in range(math.floor(low), math.ceil(high) + 1) for m in (1, 2, 5)]
-    return [v for v in values if 10**low <= v <= 10**high]
-
-
-def _svg_legend(items: Sequence[tuple[str, str]]) -> str:
-    """A row of (swatch markup at 0,0, label) entries along the chart's top edge."""
-    parts, x = [], _PAD_L + 10
-    for swatch, label in items:
-        parts.append(
-            f'<g transform="translate({x:.0f},14)">{swatch}'
-            f'<text x="22" y="4" font-size="11">{_e(label)}</text></g>'
-        )
-        x += 40 + 7 * len(label)
-    return "".join(parts)
-
-
-def _steps_svg(chart: _StepChart) -> str:
-    finite = [v for v in chart.values + chart.threshold if math.isfinite(v)]
-    x0, x1 = min(chart.steps), max(max(chart.steps), min(chart.steps) + 1)
-    if chart.log:
-        low, high = math.log10(max(min(finite), 1e-6)), math.log10(max(finite))
-    else:
-        low, high = 0.0, max(finite)
-    high = high if high > low else low + 1
-
-    def x(step: float) -> float:
-        return _PAD_L + (step - x0) / (x1 - x0) * (_W - _PAD_L - _PAD_R)
-
-    def y(value: float) -> float:
-        v = math.log10(max(value, 1e-6)) if chart.log else value
-        return _H - _PAD_B - (v - low) / (high - low) * (_H - _PAD_B - _PAD_T)
-
-    def line(values: Sequence[float], style: str) -> str:
-        points = " ".join(
-            f"{x(s):.1f},{y(v):.1f}"
-            for s, v in zip(chart.steps, values, strict=True)
-            if math.isfinite(v)
-        )
-        return f'<polyline fill="none" {style} points="{points}"/>'
-
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_W:.0f} {_H:.0f}" role="img" '
-        'aria-label="step time per step">',
-        f'<rect x="0" y="0" width="{_W:.0f}" height="{_H:.0f}" fill="#fff"/>',
-    ]
-    ticks = _log_ticks(low, high) if chart.log else _ticks(low, high)
-    for tick in ticks:
-        parts.append(
-            f'<line x1="{_PAD_L}" x2="{_W - _PAD_R}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" '
-            'stroke="#eee"/>'
-            f'<text x="{_PAD_L - 6}" y="{y(tick) + 4:.1f}" font-size="11" text-anchor="end">'
-            f"{tick:g}</text>"
-        )
-    for tick in _ticks(x0, x1):
-        parts.append(
-            f'<text x="{x(tick):.1f}" y="{_H - _PAD_B + 16}" font-size="11" '
-            f'text-anchor="middle">{tick:g}</text>'
-        )
-    parts.append(
-        f'<text x="{_W / 2}" y="{_H - 4}" font-size="12" text-anchor="middle">step</text>'
-        f'<text x="14" y="{_H / 2}" font-size="12" transform="rotate(-90 14 {_H / 2})">ms</text>'
-    )
-    parts.append(line(chart.values, 'stroke="#34495e" stroke-width="1"'))
-    parts.append(line(chart.threshold, 'stroke="#c0392b" stroke-width="1" stroke-dasharray="5,4"'))
-    legend = [
-        ('<line x1="0" x2="18" stroke="#34495e"/>', "step time (slowest rank)"),
-        ('<line x1="0" x2="18" stroke="#c0392b" stroke-dasharray="5,4"/>', "threshold"),
-    ]
-    legend += [
-        (f'<circle cx="9" cy="0" r="4" fill="{color}"/>', f"{kind} capture")
-        for kind, color in KIND_COLORS.items()
-        if any(k == kind for _, _, k in chart.marks)
-    ]
-    parts.append(_svg_legend(legend))
-    for step, value, kind in chart.marks:
-        parts.append(
-            f'<circle cx="{x(step):.1f}" cy="{y(value):.1f}" r="4" '
-            f'fill="{KIND_COLORS.get(kind, "#555")}"><title>step {step}: {value:.1f} ms '
-            f"({_e(kind)})</title></circle>"
-        )
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def _bars_svg(bars: _Bars) -> str:
-    row, label_w = 24.0, 180.0
-    height = row * len(bars.labels) + 30
-    total = max(sum(v[p] for p in bars.parts) for v in bars.values) or 1.0
-    scale = (_W - label_w - _PAD_R) / total
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_W:.0f} {height:.0f}" '
-        'role="img" aria-label="time breakdown per rank">',
-        f'<rect x="0" y="0" width="{_W:.0f}" height="{height:.0f}" fill="#fff"/>',
-    ]
-    for i, (label, values) in enumerate(zip(bars.labels, bars.values, strict=True)):
-        top = 4 + i * row
-        parts.append(
-            f'<text x="{label_w - 8}" y="{top + 15}" font-size="12" text-anchor="end">'
-            f"{_e(label)}</text>"
-        )
-        left = label_w
-        for part in bars.parts:
-            width = values[part] * scale
-            if width > 0:
-                parts.append(
-                    f'<rect x="{left:.1f}" y="{top + 2}" width="{width:.1f}" height="{row - 6}" '
-                    f'fill="{PART_COLORS[part]}"><title>{_e(label)}: {PART_LABELS[part]} '
-                    f"{values[part]:.2f} ms</title></rect>"
-                )
-            left += width
-    for tick in _ticks(0, total):
-        px = label_w + tick * scale
-        parts.append(
-            f'<text x="{px:.1f}" y="{height - 6}" font-size="11" text-anchor="middle">'
-            f"{tick:g}</text>"
-        )
-    parts.append("</svg>")
-    return "".join(parts)
 
 
 # --------------------------------------------------------------------------- page
@@ -459,7 +185,7 @@ def _kernel_table(capture: Capture) -> str:
 def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
     """The page for a report; PNG charts when matplotlib is importable (and allowed).
     The step chart needs the report built with `step_times=True`."""
-    figure_class = _matplotlib() if use_matplotlib else None
+    figure_class = matplotlib_figure() if use_matplotlib else None
     pngs: dict[str, bytes] = {}
     facts = report.facts
     hosts = sorted(set(facts.hosts))
@@ -472,14 +198,14 @@ def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
         + "</p>",
         "<h2>Step time</h2>",
     ]
-    chart = _step_chart(report, report.step_times) if report.step_times else None
+    chart = step_chart(report, report.step_times) if report.step_times else None
     if chart is None:
         body.append("<p>no step times recorded</p>")
     else:
-        png = _steps_png(figure_class, chart) if figure_class else None
+        png = steps_png(figure_class, chart) if figure_class else None
         if png is not None:
             pngs["steps"] = png
-        body.append(_figure("steps", "step time per step", png, "" if png else _steps_svg(chart)))
+        body.append(_figure("steps", "step time per step", png, "" if png else steps_svg(chart)))
     captures = report.captures
     body.append(f"<h2>Captures ({len(captures)})</h2>")
     if captures:
@@ -498,6 +224,8 @@ def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
             "<table><tr><th>step</th><th>kind</th><th>step ms</th><th>x rolling median</th>"
             f"<th>ranks</th><th>verdict</th></tr>{rows}</table>"
         )
+    if report.anomalies or report.stragglers or report.drift:
+        body += _slowness_sections(report)
     for capture in captures:
         body += _capture_section(capture, figure_class, pngs)
     if report.hangs:
@@ -534,6 +262,29 @@ def _merged_link(capture: Capture) -> str:
     )
 
 
+def _slowness_sections(report: Report) -> list[str]:
+    """The anomalies table (every judged step, traced or not) and the stragglers."""
+    body = [f"<h2>Anomalies ({len(report.anomalies)})</h2>"]
+    if report.anomalies:
+        rows = "".join(
+            f"<tr><td>{_e(a.step)}</td>"
+            f'<td class="num">{_fmt(a.step_ms, 1)}</td><td class="num">{_fmt(a.ratio)}</td>'
+            f"<td>{_e('yes' if a.traced else 'no')}</td><td>{_e(a.judged_by)}</td>"
+            f"<td>{_e(a.verdict.culprit_rank)}</td><td>{_e(a.verdict.cause)}</td>"
+            f"<td>{_e(a.verdict.evidence)}</td></tr>"
+            for a in report.anomalies[:500]
+        )
+        body.append(
+            "<table><tr><th>step</th><th>step ms</th><th>x median</th><th>traced</th>"
+            "<th>judged by</th><th>culprit</th><th>cause</th><th>evidence</th></tr>"
+            f"{rows}</table>"
+        )
+    body.append(f"<h2>Stragglers ({len(report.stragglers)})</h2>")
+    for line in straggler_lines(report):
+        body.append(f"<p>{_e(line)}</p>")
+    return body
+
+
 def _capture_section(capture: Capture, figure_class: Any, pngs: dict[str, bytes]) -> list[str]:
     """One capture's heading, verdict, collections, bars, tables and notes."""
     step = capture.step
@@ -543,14 +294,14 @@ def _capture_section(capture: Capture, figure_class: Any, pngs: dict[str, bytes]
     collections = gc_sentence(capture)
     if collections:
         body.append(f'<p class="facts">{_e(collections[0].upper() + collections[1:])}</p>')
-    bars = _bars(capture)
+    bars = rank_bars(capture)
     if bars is not None:
-        png = _bars_png(figure_class, bars) if figure_class else None
+        png = bars_png(figure_class, bars) if figure_class else None
         if png is not None:
             pngs[f"step_{step}"] = png
         body.append(_legend(bars.parts))
         alt = f"time breakdown per rank, step {step}"
-        body.append(_figure(f"step_{step}", alt, png, "" if png else _bars_svg(bars)))
+        body.append(_figure(f"step_{step}", alt, png, "" if png else bars_svg(bars)))
     body.append(_breakdown_table(capture))
     body.append(_kernel_table(capture))
     if capture.merged_trace:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distanom.analysis.anomalies import Anomaly
 from distanom.analysis.engine import TraceTables
 from distanom.analysis.evidence import Verdict
 from distanom.analysis.hangs import Hang
@@ -210,3 +211,9 @@ class Report:
     """The run's `detect` config section (multiplier, windows) as run.json holds it."""
     hangs: list[Hang] = field(default_factory=list)
     """Every hang the ranks recorded, with its verdict (`distanom.analysis.hangs`)."""
+    anomalies: list[Anomaly] = field(default_factory=list)
+    """Every step judged anomalous, traced or not, with its verdict (anomalies.jsonl)."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """Ranks the others kept waiting for, most severe first (stragglers.json)."""
+    drift: dict[str, Any] | None = None
+    """The whole job's slowdown from its first to its last steps, when there was one."""

@@ -51,6 +51,9 @@ def report_json(report: Report) -> dict[str, Any]:
             "consensus_error": state.consensus_error,
         },
         "captures": [capture_json(capture) for capture in report.captures],
+        "anomalies": [anomaly.as_json() for anomaly in report.anomalies],
+        "stragglers": list(report.stragglers),
+        "drift": report.drift,
         "capture_cost": None
         if cost is None
         else {

@@ -245,9 +245,61 @@ def _capture_lines(captures: list[Capture]) -> list[str]:
     return lines
 
 
+def straggler_lines(report: Report) -> list[str]:
+    """One line per straggler (most severe first) and one for drift, if any."""
+    lines = []
+    for entry in report.stragglers:
+        evidence = entry.get("evidence") or {}
+        lines.append(
+            f"rank {entry.get('rank')}: the typical rank waited for it "
+            f"{fmt(entry.get('score'), 2)} of its step time since step "
+            f"{entry.get('since_step')} (late at "
+            f"{evidence.get('late_steps')} of the last {evidence.get('window_steps')} steps, "
+            f"{fmt(evidence.get('mean_late_ms'))} ms each; run score "
+            f"{fmt(evidence.get('run_score'), 2)})"
+        )
+    drift = report.drift
+    if drift:
+        lines.append(
+            f"drift: the median step went from {fmt(drift.get('first_ms'))} ms to "
+            f"{fmt(drift.get('last_ms'))} ms ({fmt(drift.get('ratio'), 2)}x) over the run"
+        )
+    return lines or ["no straggler and no drift"]
+
+
+def _anomaly_lines(report: Report) -> list[str]:
+    """Every judged anomalous step with its verdict, then the stragglers."""
+    anomalies = report.anomalies
+    lines = [f"anomalies ({len(anomalies)}):"]
+    if anomalies:
+        rows = [
+            [
+                str(a.step),
+                fmt(a.step_ms),
+                fmt(a.ratio, 2),
+                "yes" if a.traced else "no",
+                a.judged_by,
+                "-" if a.verdict.culprit_rank is None else str(a.verdict.culprit_rank),
+                a.verdict.cause,
+            ]
+            for a in anomalies[:200]
+        ]
+        header = ["step", "step ms", "x median", "traced", "judged by", "culprit", "cause"]
+        lines += ["  " + line for line in table(header, rows)]
+        lines += [f"  step {a.step}: {a.verdict.evidence}" for a in anomalies[:20]]
+        if len(anomalies) > 200:
+            lines.append(f"  ... {len(anomalies) - 200} more (see --json)")
+    lines.append("stragglers:")
+    lines += ["  " + line for line in straggler_lines(report)]
+    return lines
+
+
 def render_text(report: Report) -> str:
     """The report for people: run facts, captures with their tables and verdicts, problems."""
-    lines = [*_run_lines(report), "", *_capture_lines(report.captures)]
+    lines = [*_run_lines(report), ""]
+    if report.anomalies or report.stragglers or report.drift:
+        lines += [*_anomaly_lines(report), ""]
+    lines += _capture_lines(report.captures)
     for hang in report.hangs:
         lines += ["", *hang_lines(hang)]
     problems = report.problems

@@ -66,6 +66,7 @@ class Status(TypedDict, total=False):
     consensus_error: str | None
     status_interval_s: float
     exit_code: int | None  # the script's exit status once it ended
+    stragglers: dict[str, Any] | None  # rank 0's straggler scores and drift (records.anomalies)
     updated_at: float  # added by `write_status`
     pid: int  # added by `write_status`
 

@@ -103,3 +103,27 @@ def test_recent_times_per_rank() -> None:
     rows = [LocalRound(1, (1.0, 2.0), (1, 1)), LocalRound(1, (3.0, math.nan), (1, 1))]
     samples = decode_round(gathered(rows, 2), 2).samples
     assert recent_times(samples, 1) == {0: [2.0], 1: [None]}
+
+
+def test_evidence_rides_in_the_round_per_rank_and_lagging() -> None:
+    from distanom.consensus import RoundBuilder, evidence_slots
+    from distanom.records.anomalies import StepEvidence
+
+    builder = RoundBuilder(2)
+    builder.add_evidence([(s, StepEvidence(float(s), 1, 0.5, 0.0)) for s in range(1, 9)])
+    builder.add(1, 10.0, 0)
+    builder.add(2, 10.0, 0)
+    first = builder.take()
+    assert [s for s, _ in first.evidence] == list(range(1, 1 + evidence_slots(2)))
+    other = LocalRound(1, (10.0, 11.0), (0, 0), evidence=((3, StepEvidence(7.0, 2, 1.0, 0.25)),))
+    result = decode_round(gathered([first, other], 2), 2)
+    assert result.evidence is not None
+    items = result.evidence.items()
+    by_rank = {(rank, step): ev for rank, step, ev in items}
+    assert by_rank[(0, 5)].arrive_ms == 5.0 and by_rank[(1, 3)] == StepEvidence(7.0, 2, 1.0, 0.25)
+    assert len(items) == evidence_slots(2) + 1
+    assert [s for s, _ in builder.take().evidence] == [6, 7, 8]
+    with pytest.raises(ValueError):
+        encode_round(
+            LocalRound(1, (1.0,), (0,), evidence=((1, StepEvidence()), (3, StepEvidence()))), 2
+        )

@@ -32,11 +32,20 @@ def test_threshold_is_multiplier_times_median_of_same_condition() -> None:
     assert decisions[0].kind == "anomaly" and math.isclose(decisions[0].ratio, 1.51)
 
 
-def test_nothing_judged_during_warmup_or_before_min_steps() -> None:
+def test_nothing_judged_during_warmup() -> None:
+    detector = make({"warmup_steps": 5, "min_steps": 10})
+    assert feed(detector, [100.0] * 5) == []
+    assert detector.counts.judged == 0
+
+
+def test_before_min_steps_a_step_is_judged_against_a_wider_baseline() -> None:
     detector = make({"warmup_steps": 5, "min_steps": 10})
     times = [100.0] * 5 + [10.0] * 9 + [100.0]  # step 14: only 9 steps in the window
-    assert feed(detector, times) == []
-    assert detector.counts.judged == 0
+    decisions = feed(detector, times)
+    assert [d.step for d in decisions] == [14]
+    judged = detector.take_anomalies()
+    assert [(j.step, j.judged_by) for j in judged] == [(14, "all_conditions")]
+    assert detector.counts.judged_fallback == 10 and math.isnan(detector.median_ms)
 
 
 def test_slowest_rank_defines_the_step_and_is_reported() -> None:
@@ -222,3 +231,34 @@ def test_a_near_empty_step_never_becomes_the_reference() -> None:
     decisions = feed(detector, times)
     steps = {d.step: t for d in decisions if d.kind == "reference" for t in [times[d.step]]}
     assert 12 not in steps and all(t >= 5.0 for t in steps.values())
+
+
+def test_disturbed_window_case_is_judged_by_the_fallback() -> None:
+    # a reference capture marks steps disturbed: the condition's window stays short, a
+    # 19x step must still be judged (and captured), saying how
+    detector = make({"warmup_steps": 10, "min_steps": 20})
+    decisions = []
+    for step in range(41):
+        disturbed = (20 <= step <= 38 and step % 2 == 0) or 34 <= step <= 38
+        t = 404.0 if step == 40 else 21.0
+        decisions += detector.observe(StepSample(step, (t, t), True, disturbed=disturbed))
+    assert [d.step for d in decisions if d.kind == "anomaly"] == [40]
+    judged = detector.take_anomalies()
+    assert [(j.step, j.judged_by, round(j.ratio)) for j in judged] == [(40, "all_conditions", 19)]
+    assert detector.take_anomalies() == []
+
+
+def test_fallback_is_stricter_after_a_flush() -> None:
+    detector = make({"warmup_steps": 0, "min_steps": 10})
+    for step in range(8):
+        detector.observe(StepSample(step, (10.0, 10.0), True))
+    # an after-flush step with no after-flush history: 5x is no proof, 9x is
+    assert detector.observe(StepSample(8, (50.0, 50.0), True, after_flush=True)) == []
+    assert detector.observe(StepSample(9, (90.0, 90.0), True, after_flush=True)) != []
+
+
+def test_a_lone_step_is_judged_against_the_other_ranks() -> None:
+    detector = make({"warmup_steps": 0})
+    decisions = detector.observe(StepSample(0, (10.0, 10.0, 10.0, 95.0), False))
+    assert detector.take_anomalies()[0].judged_by == "ranks"
+    assert decisions == []  # untraced: counted and recorded, not captured

@@ -9,11 +9,13 @@ import os
 import stat
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from distanom import rundir
 from distanom.errors import CaptureRequestError
+from distanom.evidence import EvidenceMarks
 from distanom.records.requests import (
     MAX_REQUESTS_PER_POLL,
     pending_requests,
@@ -223,7 +225,8 @@ def test_rank0_polling_survives_every_hostile_request(
     health = Health()
     loop = control_loop.ControlLoop(
         config, world, run.path.parent, [], health=health, duty=DutyCycle(config),
-        boundaries=None, inbox=queue.SimpleQueue(),  # type: ignore[arg-type]
+        boundaries=SimpleNamespace(evidence_marks=EvidenceMarks(), tracer=None),  # type: ignore[arg-type]
+        inbox=queue.SimpleQueue(),
     )  # fmt: skip
     loop.run = run
     for i, name in enumerate(sorted(HOSTILE)):

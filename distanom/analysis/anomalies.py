@@ -1,0 +1,250 @@
+"""A verdict for every anomalous step, traced or not, from the evidence each rank sent.
+
+Reads the anomaly records rank 0 wrote (`records.anomalies`) and, for steps that were
+captured, the trace-based verdict the report computed; returns one `Anomaly` per step.
+Pure (no torch, no files). Rules, in order (slowdown = step time - median):
+
+1. A captured step keeps its trace verdict (`source: "trace"`); the evidence verdict
+   goes into its details.
+2. Collective arrival (`source: "arrival"`): each rank's arrival at the step's last
+   collective against its own recent median. The rank whose arrival grew most is the
+   culprit when that growth is at least `CULPRIT_SHARE` of the slowdown. Its cause is
+   the host signal that explains the lateness: a GC pause of at least `GC_SHARE` of the
+   slowdown (`python_gc`); training-thread CPU time that grew by at least
+   `CPU_SHARE` of the lateness (`host_busy`: the thread was computing); otherwise
+   `host_stall` (late, off the CPU: sleeping, I/O, a lock, waiting on the device).
+   No rank late while the step was slow: `slow_collective` (the time went inside the
+   collective or after it, on every rank alike).
+3. Without arrival (no collectives recorded): the rank with the longest duration, if it
+   leads the next by `CULPRIT_SHARE` of the slowdown (`source: "durations"`), with the
+   same host causes; otherwise `unknown`.
+
+A captured anomaly with no record (a run from before anomalies.jsonl existed) is listed
+from its capture, `judged_by: "unrecorded"`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from distanom.records.anomalies import AnomalyRecord, StepEvidence
+
+CULPRIT_SHARE = 0.5
+GC_SHARE = 0.25
+CPU_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class AnomalyVerdict:
+    """Who made an anomalous step slow, why, and the sentence that says so."""
+
+    culprit_rank: int | None
+    cause: str
+    evidence: str
+    source: str  # "trace", "arrival", "durations" or "none"
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {
+            "culprit_rank": self.culprit_rank,
+            "cause": self.cause,
+            "evidence": self.evidence,
+            "source": self.source,
+            "details": self.details,
+        }
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    """One step the detector judged anomalous, with its verdict."""
+
+    step: int
+    step_ms: float
+    median_ms: float
+    ratio: float
+    traced: bool
+    judged_by: str
+    verdict: AnomalyVerdict
+
+    def as_json(self) -> dict[str, Any]:
+        """The report's JSON entry."""
+        return {
+            "step": self.step,
+            "step_ms": _round(self.step_ms),
+            "median_ms": _round(self.median_ms),
+            "ratio": _round(self.ratio),
+            "traced": self.traced,
+            "judged_by": self.judged_by,
+            "verdict": self.verdict.as_json(),
+        }
+
+
+@dataclass(frozen=True)
+class TraceVerdict:
+    """What the report's trace-based verdict of a captured step says."""
+
+    culprit_rank: int | None
+    cause: str
+    evidence: str
+
+
+@dataclass(frozen=True)
+class CapturedAnomaly:
+    """A step captured as an anomaly, as the capture index tells it."""
+
+    step: int
+    step_ms: float
+    median_ms: float
+
+
+def anomalies_of(
+    records: Sequence[AnomalyRecord],
+    traced: Mapping[int, TraceVerdict] | None = None,
+    captured: Sequence[CapturedAnomaly] = (),
+) -> list[Anomaly]:
+    """Every recorded (or captured) anomalous step with its verdict, in step order."""
+    traced = traced or {}
+    out = []
+    recorded = {record.step for record in records}
+    for capture in captured:
+        trace = traced.get(capture.step)
+        if capture.step in recorded or trace is None:
+            continue
+        ratio = capture.step_ms / capture.median_ms if capture.median_ms > 0 else math.nan
+        verdict = AnomalyVerdict(trace.culprit_rank, trace.cause, trace.evidence, "trace")
+        out.append(
+            Anomaly(
+                capture.step, capture.step_ms, capture.median_ms, ratio, True, "unrecorded", verdict
+            )
+        )
+    for record in records:
+        verdict = judge(record)
+        trace = traced.get(record.step)
+        if trace is not None:
+            verdict = AnomalyVerdict(
+                trace.culprit_rank,
+                trace.cause,
+                trace.evidence,
+                "trace",
+                {"evidence_verdict": verdict.as_json()},
+            )
+        out.append(
+            Anomaly(
+                record.step,
+                record.step_ms,
+                record.median_ms,
+                record.ratio,
+                record.traced or trace is not None,
+                record.judged_by,
+                verdict,
+            )
+        )
+    return sorted(out, key=lambda a: a.step)
+
+
+def judge(record: AnomalyRecord) -> AnomalyVerdict:
+    """The evidence verdict of one anomalous step (rules 2 and 3 of the module docstring)."""
+    slowdown = record.step_ms - record.median_ms if record.median_ms > 0 else record.step_ms
+    slowdown = max(slowdown, 1e-9)
+    evidence = list(record.evidence)
+    arrivals = {r: e.arrive_ms for r, e in enumerate(evidence) if math.isfinite(e.arrive_ms)}
+    if len(arrivals) >= 2:
+        return _by_arrival(record, evidence, arrivals, slowdown)
+    return _by_durations(record, evidence, slowdown)
+
+
+def _by_arrival(
+    record: AnomalyRecord,
+    evidence: list[StepEvidence],
+    arrivals: dict[int, float],
+    slowdown: float,
+) -> AnomalyVerdict:
+    medians = record.arrive_median_ms
+    first = min(arrivals.values())
+
+    def growth(rank: int) -> float:
+        usual = medians[rank] if rank < len(medians) else math.nan
+        return arrivals[rank] - (usual if math.isfinite(usual) else first)
+
+    grown = {rank: growth(rank) for rank in arrivals}
+    culprit = max(grown, key=lambda r: (grown[r], -r))
+    late_ms = arrivals[culprit] - first
+    details: dict[str, Any] = {
+        "arrive_ms": {str(r): _round(a) for r, a in sorted(arrivals.items())},
+        "late_ms": _round(late_ms),
+        "slowdown_ms": _round(slowdown),
+    }
+    if grown[culprit] < CULPRIT_SHARE * slowdown:
+        spread = max(arrivals.values()) - first
+        return AnomalyVerdict(
+            None,
+            "slow_collective",
+            f"every rank reached the step's last collective within {spread:.1f} ms of the "
+            f"first; the {slowdown:.1f} ms went inside or after it on all ranks",
+            "arrival",
+            details,
+        )
+    cause, why = _host_cause(record, evidence, culprit, grown[culprit], slowdown)
+    text = (
+        f"rank {culprit} reached the step's last collective {late_ms:.1f} ms after the first "
+        f"rank ({grown[culprit]:.1f} ms later than usual; the step was {slowdown:.1f} ms "
+        f"slow); {why}"
+    )
+    return AnomalyVerdict(culprit, cause, text, "arrival", details)
+
+
+def _by_durations(
+    record: AnomalyRecord, evidence: list[StepEvidence], slowdown: float
+) -> AnomalyVerdict:
+    times = sorted(
+        ((t, r) for r, t in enumerate(record.durations_ms) if math.isfinite(t)), reverse=True
+    )
+    if not times:
+        return AnomalyVerdict(None, "unknown", "no rank's evidence was recorded", "none")
+    lead = times[0][0] - times[1][0] if len(times) > 1 else slowdown
+    culprit = times[0][1]
+    details = {"durations_ms": {str(r): _round(t) for t, r in sorted(times, key=lambda x: x[1])}}
+    if lead < CULPRIT_SHARE * slowdown:
+        return AnomalyVerdict(
+            None,
+            "unknown",
+            "no collective arrival was recorded and every rank's step was as slow",
+            "none",
+            details,
+        )
+    cause, why = _host_cause(record, evidence, culprit, lead, slowdown)
+    text = f"rank {culprit}'s step took {lead:.1f} ms longer than the next rank's; {why}"
+    return AnomalyVerdict(culprit, cause, text, "durations", details)
+
+
+def _host_cause(
+    record: AnomalyRecord,
+    evidence: list[StepEvidence],
+    rank: int,
+    late_ms: float,
+    slowdown: float,
+) -> tuple[str, str]:
+    mine = evidence[rank] if rank < len(evidence) else StepEvidence()
+    if math.isfinite(mine.gc_ms) and mine.gc_ms >= GC_SHARE * slowdown:
+        return "python_gc", f"a Python GC pause of {mine.gc_ms:.1f} ms on rank {rank}"
+    medians = record.cpu_median_ms
+    usual = medians[rank] if rank < len(medians) else math.nan
+    if math.isfinite(mine.cpu_ms) and math.isfinite(usual):
+        grew = mine.cpu_ms - usual
+        if grew >= CPU_SHARE * late_ms:
+            return "host_busy", (
+                f"its training thread used {grew:.1f} ms more CPU than usual (busy on the host)"
+            )
+        return "host_stall", (
+            f"its training thread used {mine.cpu_ms:.1f} ms of CPU (usually {usual:.1f}): it "
+            "was off the CPU (sleeping, I/O, a lock, or waiting on the device)"
+        )
+    return "host_stall", "its training thread's CPU time is unknown"
+
+
+def _round(value: float, digits: int = 3) -> float | None:
+    return round(value, digits) if math.isfinite(value) else None

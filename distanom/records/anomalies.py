@@ -1,0 +1,204 @@
+"""anomalies.jsonl and stragglers.json: what rank 0 judged slow, with every rank's evidence.
+
+- `anomalies.jsonl`: one line per step the detector judged anomalous, traced or not,
+  appended by rank 0's control thread once every rank's evidence for the step has come
+  in (or stopped waiting for it): the step's time, the median and threshold it was
+  judged by, `judged_by` (which baseline: docs/evidence.md), and per rank the step's
+  duration and its `StepEvidence`. Read by `distanom report` (`read_anomalies`).
+- `stragglers.json`: rank 0's latest straggler scores and drift (`distanom.stragglers`),
+  rewritten with the status file and at the end of the run.
+
+`StepEvidence` is the O(1) per-rank, per-step summary the consensus round carries.
+Lines that do not parse are skipped (a torn last line of a killed job). No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from distanom.errors import RunDirError
+from distanom.rundir import FILE_MODE, RunDir, read_json, write_json_atomic
+from distanom.safe_io import open_append_at, open_dir, open_regular, parse_json
+
+ANOMALIES_FILE = "anomalies.jsonl"
+STRAGGLERS_FILE = "stragglers.json"
+FORMAT_VERSION = 1
+MAX_LINES_READ = 100_000  # a report reads at most this many anomaly lines
+MAX_LINE_BYTES = 1 << 20
+MAX_STRAGGLERS_BYTES = 4 << 20  # a line holds one step's evidence for every rank
+
+
+@dataclass(frozen=True)
+class StepEvidence:
+    """One rank's evidence for one step (NaN where not known)."""
+
+    arrive_ms: float = math.nan  # enqueue of the step's last collective, after the step began
+    collectives: int = -1  # collectives the rank enqueued in the step (-1: not recorded)
+    cpu_ms: float = math.nan  # the training thread's CPU time during the step
+    gc_ms: float = math.nan  # Python garbage collection during the step
+
+    def to_json(self) -> dict[str, float | int | None]:
+        """JSON-ready (NaN as null)."""
+        return {
+            "arrive_ms": _num(self.arrive_ms),
+            "collectives": self.collectives,
+            "cpu_ms": _num(self.cpu_ms),
+            "gc_ms": _num(self.gc_ms),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> StepEvidence:
+        """Read back what `to_json` wrote (missing or bad fields as unknown)."""
+        if not isinstance(data, dict):
+            return cls()
+        return cls(
+            _float(data.get("arrive_ms")),
+            int(_float(data.get("collectives"), -1.0)),
+            _float(data.get("cpu_ms")),
+            _float(data.get("gc_ms")),
+        )
+
+
+@dataclass(frozen=True)
+class AnomalyRecord:
+    """One judged anomalous step as rank 0 wrote it."""
+
+    step: int
+    step_ms: float  # as judged (own capture work discounted)
+    median_ms: float
+    threshold_ms: float
+    traced: bool
+    judged_by: str  # the baseline: "condition", "all_conditions", "all_steps", "ranks"
+    slowest_rank: int
+    durations_ms: tuple[float, ...]  # per rank
+    evidence: tuple[StepEvidence, ...]  # per rank
+    arrive_median_ms: tuple[float, ...] = ()  # per rank, over recent steps
+    cpu_median_ms: tuple[float, ...] = ()  # per rank, over recent steps
+
+    @property
+    def ratio(self) -> float:
+        """The step's time over the median (NaN without one)."""
+        return self.step_ms / self.median_ms if self.median_ms > 0 else math.nan
+
+    def to_json(self) -> dict[str, Any]:
+        """The line's body."""
+        return {
+            "v": FORMAT_VERSION,
+            "step": self.step,
+            "step_ms": _num(self.step_ms),
+            "median_ms": _num(self.median_ms),
+            "threshold_ms": _num(self.threshold_ms),
+            "traced": self.traced,
+            "judged_by": self.judged_by,
+            "slowest_rank": self.slowest_rank,
+            "durations_ms": [_num(v) for v in self.durations_ms],
+            "evidence": [e.to_json() for e in self.evidence],
+            "arrive_median_ms": [_num(v) for v in self.arrive_median_ms],
+            "cpu_median_ms": [_num(v) for v in self.cpu_median_ms],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AnomalyRecord:
+        """Read one line back (raises KeyError/TypeError/ValueError on a malformed one)."""
+        return cls(
+            step=int(data["step"]),
+            step_ms=_float(data.get("step_ms")),
+            median_ms=_float(data.get("median_ms")),
+            threshold_ms=_float(data.get("threshold_ms")),
+            traced=bool(data.get("traced", False)),
+            judged_by=str(data.get("judged_by", "condition")),
+            slowest_rank=int(data.get("slowest_rank", -1)),
+            durations_ms=tuple(_float(v) for v in data.get("durations_ms") or ()),
+            evidence=tuple(StepEvidence.from_json(e) for e in data.get("evidence") or ()),
+            arrive_median_ms=tuple(_float(v) for v in data.get("arrive_median_ms") or ()),
+            cpu_median_ms=tuple(_float(v) for v in data.get("cpu_median_ms") or ()),
+        )
+
+
+def anomalies_path(run: RunDir) -> Path:
+    """Where rank 0 appends judged anomalies."""
+    return run.path / ANOMALIES_FILE
+
+
+def stragglers_path(run: RunDir) -> Path:
+    """Where rank 0 keeps its latest straggler scores."""
+    return run.path / STRAGGLERS_FILE
+
+
+class AnomalyWriter:
+    """Appends anomaly lines (rank 0's control thread only); one open file, line-buffered."""
+
+    def __init__(self, run: RunDir) -> None:
+        # never through a link or into a FIFO someone planted in the shared run directory
+        with open_dir(run.path) as folder:
+            fd = open_append_at(folder, ANOMALIES_FILE, FILE_MODE)
+        self._file = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
+
+    def write(self, record: AnomalyRecord) -> None:
+        """Append one line."""
+        self._file.write(json.dumps(record.to_json(), allow_nan=False) + "\n")
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+
+def read_anomalies(run: RunDir) -> list[AnomalyRecord]:
+    """Every readable anomaly line of the run, in step order ([] without the file)."""
+    path = anomalies_path(run)
+    if not path.is_file():
+        return []
+    records: dict[int, AnomalyRecord] = {}
+    try:
+        handle = os.fdopen(open_regular(path), "rb")
+    except OSError:
+        return []
+    with handle:
+        for _ in range(MAX_LINES_READ):
+            line = handle.readline(MAX_LINE_BYTES + 1)
+            if not line:
+                break
+            if len(line) > MAX_LINE_BYTES:  # damage: skip the rest of it in chunks
+                while line and not line.endswith(b"\n"):
+                    line = handle.readline(MAX_LINE_BYTES + 1)
+                continue
+            try:
+                record = AnomalyRecord.from_json(parse_json(line))
+            except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
+                continue
+            records[record.step] = record
+    return [records[s] for s in sorted(records)]
+
+
+def write_stragglers(run: RunDir, body: dict[str, Any]) -> None:
+    """Rewrite stragglers.json atomically."""
+    write_json_atomic(stragglers_path(run), {"v": FORMAT_VERSION, **body})
+
+
+def read_stragglers(run: RunDir) -> dict[str, Any]:
+    """stragglers.json's body ({} without a readable file)."""
+    path = stragglers_path(run)
+    if not path.is_file():
+        return {}
+    try:
+        data = read_json(path, MAX_STRAGGLERS_BYTES)
+    except RunDirError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _num(value: float, digits: int = 3) -> float | None:
+    return round(value, digits) if math.isfinite(value) else None
+
+
+def _float(value: Any, default: float = math.nan) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return default
+    return out if math.isfinite(out) else default

@@ -1,0 +1,207 @@
+"""Persistent stragglers and drift, scored from every rank's collective arrival. Pure.
+
+Rank 0's control thread feeds `StragglerScorer.add` one step at a time, with every
+rank's arrival (`StepEvidence.arrive_ms`: when the rank enqueued the step's last
+collective, after the step began on that rank) and the step's time. In synchronous
+training the ranks wait in that collective for the last to arrive, so a rank's arrival
+after the median rank's (`late`; the lower median) is time the typical rank waited for it. Measured
+against the median, several slow ranks (a slow node) are each seen, not just the last.
+
+- A rank is late at a step when `late` is at least `LATE_SHARE` of the step's time.
+- A rank's score is the share of step time the typical rank waited for it: its summed
+  `late` over summed step times, over the run and over the last `window` steps.
+- A straggler was late at `LATE_FRACTION` or more of the window's steps, with a window
+  score of at least `MIN_SCORE`: consistently late, by enough to matter. `since_step`
+  is where its late streak began (the change point of its lateness in the window when
+  it was first named). Most severe (highest score) first.
+- Drift: the median step time of the last `window` steps against the first `window`
+  steps measured; reported from `DRIFT_RATIO` up (a whole job slowing down moves the
+  detector's median with it, so no single step is anomalous).
+
+State is O(world + window x late ranks); `add` is O(world log world) (one median);
+`add_late`, for a caller that found the late ranks itself, O(late ranks + window).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+LATE_FRACTION = 0.6
+LATE_SHARE = 0.05
+MIN_SCORE = 0.05
+DRIFT_RATIO = 1.2
+DEFAULT_WINDOW = 64
+MIN_WINDOW_STEPS = 8  # steps the window must hold before anyone is named
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank the others keep waiting for."""
+
+    rank: int
+    score: float  # share of step time the typical rank waited for it (rolling window)
+    since_step: int
+    evidence: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {
+            "rank": self.rank,
+            "score": round(self.score, 4),
+            "since_step": self.since_step,
+            "evidence": self.evidence,
+        }
+
+
+@dataclass
+class StragglerScorer:
+    """Run and rolling-window straggler scores (see the module docstring)."""
+
+    world_size: int
+    window: int = DEFAULT_WINDOW
+    steps: int = 0
+    _run_late_ms: dict[int, float] = field(default_factory=dict)
+    _run_late_steps: dict[int, int] = field(default_factory=dict)
+    _run_ms: float = 0.0
+    # (step, step ms, ((rank, late ms), ...) of the ranks late at it)
+    _recent: collections.deque[tuple[int, float, tuple[tuple[int, float], ...]]] = field(init=False)
+    _window_late_ms: dict[int, float] = field(default_factory=dict)
+    _window_late_steps: dict[int, int] = field(default_factory=dict)
+    _window_ms: float = 0.0
+    _since: dict[int, int] = field(default_factory=dict)
+    _first_ms: list[float] = field(default_factory=list)
+    _last_ms: collections.deque[float] = field(init=False)
+    _first_step: int = -1
+
+    def __post_init__(self) -> None:
+        self._recent = collections.deque()
+        self._last_ms = collections.deque(maxlen=self.window)
+
+    def add(self, step: int, arrive_ms: Sequence[float], step_ms: float) -> None:
+        """Fold one step in: every rank's arrival (NaN unknown) and the step's time."""
+        finite = [a for a in arrive_ms if math.isfinite(a)]
+        late: tuple[tuple[int, float], ...] | None = None
+        if len(finite) >= 2 and math.isfinite(step_ms):
+            typical = statistics.median_low(finite)
+            floor = LATE_SHARE * step_ms
+            late = tuple(
+                (rank, min(a - typical, step_ms))
+                for rank, a in enumerate(arrive_ms)
+                if math.isfinite(a) and a - typical >= floor
+            )
+        self.add_late(step, late, step_ms)
+
+    def add_late(
+        self, step: int, late: tuple[tuple[int, float], ...] | None, step_ms: float
+    ) -> None:
+        """Fold one step in as the ranks late at it: (rank, ms after the median rank) for
+        those at least `LATE_SHARE` of `step_ms` late (None: arrival unknown)."""
+        if not math.isfinite(step_ms) or step_ms <= 0:
+            return
+        self.steps += 1
+        if self._first_step < 0:
+            self._first_step = step
+        if len(self._first_ms) < self.window:
+            self._first_ms.append(step_ms)
+        self._last_ms.append(step_ms)
+        if late is None:
+            return
+        self._run_ms += step_ms
+        for rank, ms in late:
+            self._run_late_ms[rank] = self._run_late_ms.get(rank, 0.0) + ms
+            self._run_late_steps[rank] = self._run_late_steps.get(rank, 0) + 1
+        self._push((step, step_ms, late))
+        self._update_since()
+
+    def _push(self, entry: tuple[int, float, tuple[tuple[int, float], ...]]) -> None:
+        self._recent.append(entry)
+        self._window_ms += entry[1]
+        for rank, ms in entry[2]:
+            self._window_late_ms[rank] = self._window_late_ms.get(rank, 0.0) + ms
+            self._window_late_steps[rank] = self._window_late_steps.get(rank, 0) + 1
+        if len(self._recent) > self.window:
+            _, old_ms, old_late = self._recent.popleft()
+            self._window_ms -= old_ms
+            for rank, ms in old_late:
+                self._window_late_ms[rank] -= ms
+                self._window_late_steps[rank] -= 1
+                if self._window_late_steps[rank] <= 0:
+                    del self._window_late_steps[rank], self._window_late_ms[rank]
+
+    def _flagged(self) -> dict[int, tuple[int, float, float]]:
+        """rank -> (late steps, late ms, score) for the ranks that are stragglers now."""
+        counted = len(self._recent)
+        out: dict[int, tuple[int, float, float]] = {}
+        if counted < MIN_WINDOW_STEPS or self._window_ms <= 0:
+            return out
+        for rank, late in self._window_late_steps.items():
+            waited = self._window_late_ms[rank]
+            score = waited / self._window_ms
+            if late >= LATE_FRACTION * counted and score >= MIN_SCORE:
+                out[rank] = (late, waited, score)
+        return out
+
+    def _update_since(self) -> None:
+        flagged = self._flagged()
+        for rank in list(self._since):
+            if rank not in flagged:
+                del self._since[rank]
+        for rank in flagged:
+            if rank not in self._since:
+                self._since[rank] = self._streak_start(rank)
+
+    def _streak_start(self, rank: int) -> int:
+        """Where the rank's late streak began: the window step (one it was late at) that
+        maximises the sum, over the steps from it on, of (late ? 1 : 0) - LATE_FRACTION."""
+        total, best, start = 0.0, -math.inf, -1
+        for step, _, late in reversed(self._recent):
+            was_late = any(r == rank for r, _ in late)
+            total += (1.0 if was_late else 0.0) - LATE_FRACTION
+            if was_late and total >= best:
+                best, start = total, step
+        return start
+
+    def stragglers(self) -> list[Straggler]:
+        """The ranks consistently late now, most severe first."""
+        out = []
+        for rank, (late, waited, score) in self._flagged().items():
+            run_score = self._run_late_ms.get(rank, 0.0) / self._run_ms if self._run_ms else 0.0
+            evidence = {
+                "late_steps": late,
+                "window_steps": len(self._recent),
+                "mean_late_ms": round(waited / late, 3) if late else 0.0,
+                "run_score": round(run_score, 4),
+                "run_late_steps": self._run_late_steps.get(rank, 0),
+            }
+            out.append(Straggler(rank, score, self._since.get(rank, -1), evidence))
+        return sorted(out, key=lambda s: (-s.score, s.rank))
+
+    def drift(self) -> dict[str, Any] | None:
+        """The job's slowdown from its first to its last window of steps (None below
+        `DRIFT_RATIO`, or before two windows were measured)."""
+        if self.steps < 2 * self.window or not self._first_ms:
+            return None
+        first = statistics.median(self._first_ms)
+        last = statistics.median(self._last_ms)
+        if first <= 0 or last / first < DRIFT_RATIO:
+            return None
+        return {
+            "first_ms": round(first, 3),
+            "last_ms": round(last, 3),
+            "ratio": round(last / first, 3),
+            "window_steps": self.window,
+            "from_step": self._first_step,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The body of stragglers.json / the status field."""
+        return {
+            "stragglers": [s.to_json() for s in self.stragglers()],
+            "drift": self.drift(),
+            "scored_steps": self.steps,
+        }

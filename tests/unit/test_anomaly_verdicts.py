@@ -1,0 +1,93 @@
+"""A verdict for every anomalous step, from arrival and host evidence or from a trace."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from distanom.analysis.anomalies import CapturedAnomaly, TraceVerdict, anomalies_of, judge
+from distanom.live import render_status
+from distanom.records.anomalies import AnomalyRecord, AnomalyWriter, StepEvidence, read_anomalies
+from distanom.rundir import RunDir
+
+NAN = math.nan
+
+
+def record(
+    evidence: list[StepEvidence], durations: tuple[float, ...] = (), **kw: object
+) -> AnomalyRecord:
+    n = len(evidence)
+    base = dict(
+        step=40, step_ms=315.0, median_ms=15.0, threshold_ms=22.5, traced=False,
+        judged_by="condition", slowest_rank=0, durations_ms=durations or (315.0,) * n,
+        evidence=tuple(evidence), arrive_median_ms=(10.0,) * n, cpu_median_ms=(1.0,) * n,
+    )  # fmt: skip
+    base.update(kw)
+    return AnomalyRecord(**base)  # type: ignore[arg-type]
+
+
+def test_the_late_rank_is_the_culprit_and_sleeping_is_a_host_stall() -> None:
+    ev = [
+        StepEvidence(10.5, 1, 1.0, 0.0),
+        StepEvidence(10.7, 1, 1.1, 0.0),
+        StepEvidence(310.0, 1, 1.2, 0.0),
+    ]
+    verdict = judge(record(ev))
+    assert (verdict.culprit_rank, verdict.cause, verdict.source) == (2, "host_stall", "arrival")
+    assert "rank 2 reached the step's last collective" in verdict.evidence
+
+
+def test_cpu_time_and_gc_name_the_cause() -> None:
+    busy = [StepEvidence(10.0, 1, 1.0, 0.0), StepEvidence(300.0, 1, 280.0, 0.0)]
+    assert judge(record(busy)).cause == "host_busy"
+    gc = [StepEvidence(10.0, 1, 1.0, 0.0), StepEvidence(300.0, 1, 200.0, 250.0)]
+    assert judge(record(gc)).cause == "python_gc"
+
+
+def test_all_on_time_means_the_collective_or_device() -> None:
+    ev = [StepEvidence(10.0, 1, 1.0, 0.0), StepEvidence(10.4, 1, 1.0, 0.0)]
+    verdict = judge(record(ev))
+    assert verdict.culprit_rank is None and verdict.cause == "slow_collective"
+
+
+def test_without_arrival_the_longest_duration_leads() -> None:
+    ev = [StepEvidence(NAN, 0, 1.0, 0.0), StepEvidence(NAN, 0, 1.0, 0.0)]
+    verdict = judge(record(ev, durations=(15.0, 315.0)))
+    assert (verdict.culprit_rank, verdict.source) == (1, "durations")
+    assert judge(record(ev)).cause == "unknown"
+
+
+def test_a_trace_verdict_wins_and_old_runs_list_captured_anomalies(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    writer = AnomalyWriter(run)
+    ev = [StepEvidence(10.0, 1, 1.0, 0.0), StepEvidence(300.0, 1, 1.0, 0.0)]
+    writer.write(record(ev))
+    writer.write(record(ev, step=50, traced=True))
+    writer.close()
+    (run.path / "anomalies.jsonl").open("a").write('{"torn": ')
+    records = read_anomalies(run)
+    assert [r.step for r in records] == [40, 50]
+    traced = {
+        50: TraceVerdict(0, "compute", "rank 0 computed longer"),
+        70: TraceVerdict(1, "idle", "x"),
+    }
+    out = anomalies_of(records, traced, [CapturedAnomaly(70, 30.0, 15.0)])
+    assert [(a.step, a.verdict.source, a.verdict.culprit_rank) for a in out] == [
+        (40, "arrival", 1), (50, "trace", 0), (70, "trace", 1)
+    ]  # fmt: skip
+    assert out[1].verdict.details["evidence_verdict"]["culprit_rank"] == 1
+    assert out[2].judged_by == "unrecorded" and out[2].as_json()["ratio"] == 2.0
+
+
+def test_status_shows_stragglers_and_drift(tmp_path: Path) -> None:
+    status = {
+        "state": "finished",
+        "stragglers": {
+            "stragglers": [{"rank": 3, "score": 0.4, "since_step": 40,
+                            "evidence": {"late_steps": 60, "window_steps": 64}}],
+            "drift": {"first_ms": 10.0, "last_ms": 20.0, "ratio": 2.0},
+        },
+    }  # fmt: skip
+    text = render_status(RunDir(tmp_path), status)
+    assert "straggler: rank 3 since step 40" in text and "40%" in text
+    assert "drift: median step 10.0 ms -> 20.0 ms" in text

@@ -1,0 +1,143 @@
+"""Per-step evidence: marks and Flight Recorder entries become one StepEvidence per step;
+rank 0's journal writes each anomaly once every rank's evidence is in."""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import pytest
+
+from distanom import evidence as evidence_module
+from distanom.consensus import EvidenceBlock
+from distanom.detect import AnomalyJudgment
+from distanom.evidence import AnomalyJournal, EvidenceCollector, EvidenceMarks
+from distanom.flight_recorder import FrEntry
+from distanom.records.anomalies import AnomalyWriter, StepEvidence, read_anomalies
+from distanom.rundir import RunDir
+
+MS = 1_000_000
+
+
+def entry(record: int, at_ms: float, thread: str = "1") -> FrEntry:
+    return FrEntry(
+        record, "0", record + 1, "gloo:all_reduce", "scheduled", int(at_ms * MS), 0, 0, thread
+    )
+
+
+class FakeFr:
+    def __init__(self) -> None:
+        self.entries: list[FrEntry] = []
+
+    def __call__(self, limit: int = 0) -> tuple[FrEntry, ...]:
+        return tuple(self.entries)
+
+
+@pytest.fixture
+def fr(monkeypatch: pytest.MonkeyPatch) -> FakeFr:
+    fake = FakeFr()
+    monkeypatch.setattr(evidence_module.flight_recorder, "read_entries", fake)
+    return fake
+
+
+def marks_at(*ends_ms: float) -> EvidenceMarks:
+    marks = EvidenceMarks()
+    for step, end in enumerate(ends_ms):
+        marks.marks.append((step, int(end * MS), int(step * 2 * MS)))
+    return marks
+
+
+def test_arrival_is_the_last_collective_after_the_step_began(fr: FakeFr) -> None:
+    marks = marks_at(1000.0, 1100.0, 1200.0)  # steps 1 and 2 have a start and an end
+    fr.entries = [entry(0, 1010.0), entry(1, 1060.0), entry(2, 1150.0)]
+    collector = EvidenceCollector(marks, read_fr=True)
+    collector.add_gc(2, 1.5)
+    got = dict(collector.poll(force=True))
+    assert got[1].collectives == 2 and got[1].arrive_ms == pytest.approx(60.0)
+    assert got[2].arrive_ms == pytest.approx(50.0) and got[2].gc_ms == 1.5
+    assert got[1].cpu_ms == pytest.approx(2.0)
+
+
+def test_own_group_entries_are_left_out_and_open_steps_wait(fr: FakeFr) -> None:
+    marks = marks_at(1000.0, 1100.0)
+    collector = EvidenceCollector(marks, read_fr=True)
+    own = str(threading.get_ident())
+    fr.entries = [entry(0, 1050.0), entry(1, 1090.0, thread=own), entry(2, 1120.0)]
+    got = dict(collector.poll(force=True))
+    assert got[1].arrive_ms == pytest.approx(50.0) and got[1].collectives == 1
+    # the entry of step 2 (still running at the read) counts once step 2 has ended
+    marks.marks.append((2, 1200 * MS, 4 * MS))
+    got = dict(collector.poll(force=True))
+    assert got[2].arrive_ms == pytest.approx(20.0) and got[2].collectives == 1
+
+
+def test_without_flight_recorder_cpu_and_gc_still_come(fr: FakeFr) -> None:
+    collector = EvidenceCollector(marks_at(0.0, 10.0), read_fr=False)
+    ((step, ev),) = collector.poll()
+    assert step == 1 and math.isnan(ev.arrive_ms) and ev.collectives == -1 and ev.cpu_ms == 2.0
+
+
+def test_overwritten_entries_leave_arrival_unknown(fr: FakeFr) -> None:
+    marks = marks_at(1000.0, 1100.0)
+    collector = EvidenceCollector(marks, read_fr=True)
+    fr.entries = [entry(0, 1050.0)]
+    collector.poll(force=True)
+    marks.marks.extend([(2, 1200 * MS, 0), (3, 1300 * MS, 0)])
+    fr.entries = [entry(5, 1250.0)]  # records 1-4 were overwritten before this read
+    got = dict(collector.poll(force=True))
+    assert got[2].collectives == -1 and math.isnan(got[2].arrive_ms)
+    assert got[3].arrive_ms == pytest.approx(50.0)
+
+
+def judgment(step: int) -> AnomalyJudgment:
+    return AnomalyJudgment(step, 300.0, 15.0, 22.5, False, "condition", 0)
+
+
+def test_journal_writes_an_anomaly_once_every_rank_sent_its_evidence(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    journal = AnomalyJournal(2, AnomalyWriter(run))
+    for step in range(1, 12):
+        journal.add_times(step, (15.0, 15.0))
+        journal.add_evidence(
+            EvidenceBlock.from_items(
+                2, [(r, step, StepEvidence(10.0, 1, 1.0, 0.0)) for r in (0, 1)]
+            )
+        )
+    journal.add_judgments([judgment(12)])
+    journal.add_times(12, (300.0, 299.0))
+    journal.add_evidence(EvidenceBlock.from_items(2, [(0, 12, StepEvidence(10.0, 1, 1.0, 0.0))]))
+    assert read_anomalies(run) == []  # rank 1's evidence is not in yet
+    journal.add_evidence(EvidenceBlock.from_items(2, [(1, 12, StepEvidence(290.0, 1, 1.1, 0.0))]))
+    (record,) = read_anomalies(run)
+    assert record.step == 12 and record.evidence[1].arrive_ms == 290.0
+    assert record.arrive_median_ms == (10.0, 10.0) and record.durations_ms == (300.0, 299.0)
+
+
+def test_journal_flush_writes_what_it_has(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    journal = AnomalyJournal(2, AnomalyWriter(run))
+    journal.add_judgments([judgment(5)])
+    journal.add_times(5, (300.0, 300.0))
+    journal.flush()
+    (record,) = read_anomalies(run)
+    assert record.step == 5 and all(math.isnan(e.arrive_ms) for e in record.evidence)
+
+
+def test_journal_scores_ranks_sending_different_steps_in_one_round() -> None:
+    journal = AnomalyJournal(3, None)
+    for step in range(1, 40):
+        journal.add_times(step, (40.0, 40.0, 40.0))
+    items = []
+    for rank in range(3):  # rank 2 lags: its evidence comes a round later
+        for step in range(1, 40 if rank < 2 else 30):
+            items.append((rank, step, StepEvidence(10.0 + (25.0 if rank == 1 else 0.0), 1, 1.0, 0)))
+    journal.add_evidence(EvidenceBlock.from_items(3, items))
+    assert journal.scorer.steps == 29
+    journal.add_evidence(
+        EvidenceBlock.from_items(
+            3, [(2, s, StepEvidence(10.0, 1, 1.0, 0.0)) for s in range(30, 40)]
+        )
+    )
+    assert journal.scorer.steps == 39
+    assert [s.rank for s in journal.scorer.stragglers()] == [1]

@@ -1,0 +1,44 @@
+"""The report's anomalies, stragglers and drift sections (JSON, text, HTML), from the
+files rank 0 wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distanom.analysis.html_report import render_html
+from distanom.analysis.render_json import report_json
+from distanom.analysis.render_text import render_text
+from distanom.analysis.report import build_report
+from distanom.analysis.run import load_run
+from distanom.records.anomalies import AnomalyRecord, AnomalyWriter, StepEvidence, write_stragglers
+from tests.unit.rungen import make_run
+
+
+def test_untraced_anomalies_and_stragglers_in_every_rendering(tmp_path: Path) -> None:
+    run = make_run(tmp_path, [], hosts=["a", "a"])
+    writer = AnomalyWriter(run)
+    writer.write(
+        AnomalyRecord(
+            step=40, step_ms=300.0, median_ms=15.0, threshold_ms=22.5, traced=False,
+            judged_by="all_conditions", slowest_rank=0, durations_ms=(300.0, 299.0),
+            evidence=(StepEvidence(10.0, 1, 1.0, 0.0), StepEvidence(290.0, 1, 1.0, 0.0)),
+            arrive_median_ms=(10.0, 10.0), cpu_median_ms=(1.0, 1.0),
+        )
+    )  # fmt: skip
+    writer.close()
+    straggler = {"rank": 1, "score": 0.4, "since_step": 50, "evidence": {"late_steps": 60}}
+    drift = {"first_ms": 10.0, "last_ms": 20.0, "ratio": 2.0}
+    write_stragglers(run, {"stragglers": [straggler], "drift": drift})
+    report = build_report(load_run(run.path))
+    body = report_json(report)
+    (anomaly,) = body["anomalies"]
+    assert anomaly["step"] == 40 and anomaly["traced"] is False
+    assert anomaly["judged_by"] == "all_conditions" and anomaly["ratio"] == 20.0
+    assert anomaly["verdict"]["culprit_rank"] == 1 and anomaly["verdict"]["cause"] == "host_stall"
+    assert body["stragglers"][0]["rank"] == 1 and body["drift"]["ratio"] == 2.0
+    text = render_text(report)
+    assert "anomalies (1):" in text and "all_conditions" in text
+    assert "rank 1: the typical rank waited for it 0.40" in text and "drift:" in text
+    html = render_html(report, use_matplotlib=False).html
+    assert "<h2>Anomalies (1)</h2>" in html and "<h2>Stragglers (1)</h2>" in html
+    assert "host_stall" in html

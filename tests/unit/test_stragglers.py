@@ -1,0 +1,61 @@
+"""Straggler scores: who the others wait for, since when; drift of the whole job."""
+
+from __future__ import annotations
+
+import random
+
+from distanom.stragglers import StragglerScorer
+
+
+def feed(scorer: StragglerScorer, steps: range, slow_rank: int, slow_from: int) -> None:
+    rng = random.Random(7)
+    for step in steps:
+        arrive = [10.0 + rng.uniform(0, 0.5) for _ in range(scorer.world_size)]
+        step_ms = 15.0
+        if step >= slow_from:
+            arrive[slow_rank] += 20.0
+            step_ms += 20.0
+        scorer.add(step, arrive, step_ms)
+
+
+def test_a_rank_late_on_every_step_is_named_with_since_when() -> None:
+    scorer = StragglerScorer(4)
+    feed(scorer, range(1, 121), slow_rank=2, slow_from=60)
+    (first, *rest) = scorer.stragglers()
+    assert first.rank == 2 and rest == []
+    assert 58 <= first.since_step <= 62
+    assert first.score > 0.5 and first.evidence["run_late_steps"] >= 61
+    assert scorer.to_json()["stragglers"][0]["rank"] == 2
+
+
+def test_noise_names_nobody_and_a_recovered_rank_is_dropped() -> None:
+    scorer = StragglerScorer(4)
+    feed(scorer, range(1, 200), slow_rank=1, slow_from=10_000)
+    assert scorer.stragglers() == []
+    scorer = StragglerScorer(2, window=16)
+    feed(scorer, range(1, 40), slow_rank=1, slow_from=1)
+    assert [s.rank for s in scorer.stragglers()] == [1]
+    feed(scorer, range(40, 80), slow_rank=1, slow_from=10_000)
+    assert scorer.stragglers() == []
+
+
+def test_every_slow_rank_of_a_slow_node_is_named_most_severe_first() -> None:
+    scorer = StragglerScorer(8, window=20)
+    for step in range(1, 41):
+        arrive = [10.0] * 8
+        arrive[5] += 30.0
+        arrive[6] += 20.0  # two ranks of one node, one slower
+        scorer.add(step, arrive, 45.0)
+    assert [s.rank for s in scorer.stragglers()] == [5, 6]
+
+
+def test_drift_of_the_whole_job() -> None:
+    scorer = StragglerScorer(2, window=10)
+    for step in range(1, 41):
+        scorer.add(step, [10.0, 10.1], 10.0 + step)  # slower every step
+    drift = scorer.drift()
+    assert drift is not None and drift["ratio"] > 2 and drift["from_step"] == 1
+    steady = StragglerScorer(2, window=10)
+    for step in range(1, 41):
+        steady.add(step, [10.0, 10.1], 10.0)
+    assert steady.drift() is None
