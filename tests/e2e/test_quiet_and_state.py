@@ -35,7 +35,9 @@ def test_a_job_prints_a_start_and_an_end_line_per_rank_and_its_captures(tmp_path
     assert all(line.startswith("[distanom r0/2]") for line in captures)
     assert any("captured step 50 (anomaly" in line for line in captures)
     assert not any("reference" in line for line in captures)
-    assert len(ours) == len(starts) + len(ends) + len(captures)  # nothing else at INFO
+    # nothing else at INFO (a warning, e.g. a capture missed on a loaded machine, may show)
+    info = [line for line in ours if " INFO " in line]
+    assert len(info) == len(starts) + len(ends) + len(captures), ours
     assert "trace files" in ends[0] and "ms of capture work" in ends[0]
 
 

@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent(
         doc = w.document
         if doc is None:
             from distanom.tracers.kineto import _load
-            doc = _load(w)
+            doc = _load(w, tracer._scratch())
         base = doc.get("baseTimeNanoseconds", 0)
         def span(cat):
             ts = [base + e["ts"] * 1000 for e in doc["traceEvents"] if e.get("cat") == cat]
