@@ -145,7 +145,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from distanom.live import render_status
+    from distanom.live import render_status, status_json
     from distanom.records.status import read_status
     from distanom.rundir import RunDir
 
@@ -155,7 +155,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if status is None:
             raise DistanomError(f"{run.path}: no status.json yet (has the job started?)")
         if args.json:
-            _print_json(status)
+            _print_json(status_json(run, status))
         else:
             text = terminal_safe(render_status(run, status))
             if args.watch:

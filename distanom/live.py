@@ -14,7 +14,7 @@ import math
 import time
 from typing import Any, TypeGuard
 
-from distanom.analysis.hangs import hang_lines, read_hangs
+from distanom.analysis.hangs import Hang, hang_lines, read_hangs
 from distanom.analysis.text import table
 from distanom.errors import CaptureRequestError
 from distanom.records.index import read_index
@@ -113,12 +113,22 @@ def _int(value: Any) -> str:
     return str(int(value)) if _number(value) else "-"
 
 
+def status_json(run: RunDir, status: Status | dict[str, Any]) -> dict[str, Any]:
+    """`distanom status --json`: status.json as written, plus the hangs the ranks recorded
+    (each rank writes its own, so they show even while rank 0's status is stale)."""
+    return {**status, "hangs": [hang.as_json() for hang in _hangs(run, status)]}
+
+
+def _hangs(run: RunDir, status: Status | dict[str, Any]) -> list[Hang]:
+    world_size = status.get("world_size")
+    ranks = world_size if isinstance(world_size, int) and 0 < world_size <= MAX_WORLD_SIZE else 1
+    return read_hangs(run, ranks)[0]
+
+
 def _hang_lines(run: RunDir, status: Status | dict[str, Any]) -> list[str]:
     """The latest hang the ranks recorded, with its verdict (hang records are written by
     each rank itself, so they show even while rank 0's status is stale)."""
-    world_size = status.get("world_size")
-    ranks = world_size if isinstance(world_size, int) and 0 < world_size <= MAX_WORLD_SIZE else 1
-    hangs, _ = read_hangs(run, ranks)
+    hangs = _hangs(run, status)
     if not hangs:
         return []
     earlier = f" ({len(hangs) - 1} earlier hang(s): distanom report)" if len(hangs) > 1 else ""

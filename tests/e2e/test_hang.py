@@ -113,6 +113,9 @@ def test_a_rank_blocked_in_user_code_is_named_while_the_job_hangs(
         status = capsys.readouterr().out
         assert "culprit rank 1" in status
         assert "wait_forever" in status
+        assert cli_main(["status", run, "--json"]) == 0
+        live = json.loads(capsys.readouterr().out)
+        assert live["hangs"][0]["culprit_rank"] == 1 and live["hangs"][0]["step"] == 25
         # rank 0 logs the verdict once every rank's record is in
         _wait_for(lambda: "hang verdict" in stderr.read_text(), time.monotonic() + 60, job)
     finally:
