@@ -97,6 +97,8 @@ __all__ = [
 GC_NOTE_MS = 1.0
 # a culprit named for a step under this many times the median is flagged as weak evidence
 WEAK_RATIO = 2.0
+# ... unless its named part grew over the reference step by this share of the slowdown
+REFERENCE_SHARE = 0.5
 # ... nor one that explains less than this share of a host stall's slowdown.
 GC_SHARE = 0.25
 
@@ -126,16 +128,25 @@ def decide(
         step_ms=step_ms,
         expected_ms=expected_ms,
     )
-    return with_strength(found, step_ms, expected_ms)
+    return with_strength(found, step_ms, expected_ms, has_reference=reference_step is not None)
 
 
-def with_strength(verdict: Verdict, step_ms: float | None, expected_ms: float | None) -> Verdict:
+def with_strength(
+    verdict: Verdict,
+    step_ms: float | None,
+    expected_ms: float | None,
+    *,
+    has_reference: bool = False,
+) -> Verdict:
     """`verdict`, with a note that its evidence is weak when it names a culprit of a
-    step only a little over the median (ordinary jitter can look the same)."""
+    step only a little over the median (ordinary jitter can look the same), unless the
+    part it names grew over a healthy reference step by at least half the slowdown: a
+    change against the reference is evidence whatever the step's size."""
     if verdict.culprit_rank is None or step_ms is None or not expected_ms:
         return verdict
     ratio = step_ms / expected_ms
-    if ratio >= WEAK_RATIO:
+    grown = has_reference and _grown_over_reference(verdict, step_ms - expected_ms)
+    if ratio >= WEAK_RATIO or grown:
         return verdict
     details = {**verdict.details, "weak_evidence": True}
     note = (
@@ -200,6 +211,14 @@ def _decide(
             if late is not None:
                 return agreeing(late)
     return agreeing(everyone_verdict(current, before, reference_step, base, details))
+
+
+def _grown_over_reference(verdict: Verdict, slowdown: float) -> bool:
+    growth = verdict.details.get("growth_ms")
+    if not isinstance(growth, dict) or slowdown <= 0:
+        return False
+    grown = growth.get(verdict.cause)
+    return isinstance(grown, (int, float)) and grown >= REFERENCE_SHARE * slowdown
 
 
 def note_python_gc(verdict: Verdict, pauses: Mapping[str, Mapping[str, Any]]) -> Verdict:

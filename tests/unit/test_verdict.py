@@ -562,3 +562,16 @@ def test_a_late_rank_whose_stall_explains_it_is_named_when_the_wait_was_nested()
     )
     assert (verdict.culprit_rank, verdict.cause) == (1, "host_stall"), verdict.evidence
     assert "its idle 600.9 ms explains it" in verdict.evidence
+
+
+def test_a_change_against_the_reference_is_not_weak_evidence_whatever_the_ratio() -> None:
+    # 1.8x the median, but rank 3's computation grew 5 ms over the reference step
+    ranks = [ev(r, 5.2, 6.0 + 0.02 * r) for r in range(4) if r != 3] + [ev(3, 10.2, 1.0)]
+    with_reference = decide(
+        ranks, reference=healthy(4), reference_step=20, expected_ms=6.5, step_ms=11.7
+    )
+    assert (with_reference.culprit_rank, with_reference.cause) == (3, "compute")
+    assert with_reference.details["growth_ms"]["compute"] >= 0.5 * 5.2
+    assert "weak evidence" not in with_reference.evidence
+    without = decide(ranks, expected_ms=6.5, step_ms=11.7)
+    assert without.culprit_rank == 3 and without.details["weak_evidence"] is True
