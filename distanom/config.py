@@ -110,11 +110,11 @@ class DetectConfig(_Section):
 class ConsensusConfig(_Section):
     """`consensus:` the rounds in which ranks share their step times."""
 
-    # a round costs the control thread ~1-3 ms of GIL-holding Python (encode, decode,
-    # detect, the evidence journal) whatever its size: one per step would tax a
-    # launch-bound loop; 8 keeps decisions well inside tracer.history_steps
+    # a round holds the GIL on the control thread for its whole decode and journal work:
+    # batching rounds makes that work rarer but burstier, and a burst reads as a host
+    # stall in the training thread (docs/measurements.md, "The agent's own cost")
     batch_steps: int = Field(
-        8, ge=1, le=1000, description="steps per all-gather round of step times across ranks"
+        1, ge=1, le=1000, description="steps per all-gather round of step times across ranks"
     )
     timeout_s: float = Field(
         120.0,
