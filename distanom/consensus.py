@@ -46,6 +46,8 @@ from distanom.detect import (
 )
 from distanom.records.anomalies import StepEvidence
 
+# up to this many ranks a round is decoded from plain lists, beyond by tensor columns
+SMALL_WORLD = 64
 MAGIC = 7011.0  # a wrong-shaped or foreign row is refused, not misread
 HEADER = 8
 MAX_RANGES = 8
@@ -161,7 +163,7 @@ def row_length(batch_steps: int) -> int:
     return HEADER + RANGE_SLOTS + 3 * batch_steps + evidence
 
 
-def _encode_evidence(row: torch.Tensor, local: LocalRound, batch_steps: int) -> None:
+def _encode_evidence(row: list[float], local: LocalRound, batch_steps: int) -> None:
     items = local.evidence
     slots = evidence_slots(batch_steps)
     if len(items) > slots or any(b[0] != a[0] + 1 for a, b in itertools.pairwise(items)):
@@ -174,7 +176,7 @@ def _encode_evidence(row: torch.Tensor, local: LocalRound, batch_steps: int) -> 
         for _, ev in items:
             values += [ev.arrive_ms, float(ev.collectives), ev.cpu_ms, ev.gc_ms]
         start = base + 2
-        row[start : start + len(values)] = torch.tensor(values, dtype=torch.float64)
+        row[start : start + len(values)] = [float(v) for v in values]
 
 
 def _decode_evidence(matrix: torch.Tensor, batch_steps: int) -> EvidenceBlock:
@@ -188,16 +190,19 @@ def _decode_evidence(matrix: torch.Tensor, batch_steps: int) -> EvidenceBlock:
 
 
 def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
-    """This rank's round as its fixed-shape float64 row (NaN where empty)."""
+    """This rank's round as its fixed-shape float64 row (NaN where empty).
+
+    Built as a plain list and converted once: a handful of tensor writes would cost the
+    control thread more GIL time than the whole list."""
     n = len(local.durations_ms)
     if n > batch_steps or len(local.step_flags) != n:
         raise ValueError("round larger than batch_steps or flags/durations mismatch")
-    row = torch.full((row_length(batch_steps),), math.nan, dtype=torch.float64)
+    row = [math.nan] * row_length(batch_steps)
     request = local.request
     ranges = request.ranges if request is not None else ()
     if len(ranges) > MAX_RANGES:
         raise ValueError(f"at most {MAX_RANGES} rank ranges per request")
-    header = [
+    row[:HEADER] = [
         MAGIC,
         float(local.first_step),
         float(n),
@@ -207,22 +212,19 @@ def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
         float(request.n_steps) if request else 0.0,
         float(len(ranges)),
     ]
-    row[:HEADER] = torch.tensor(header, dtype=torch.float64)
     for slot, (lo, hi) in enumerate(ranges):
         row[HEADER + 2 * slot] = float(lo)
         row[HEADER + 2 * slot + 1] = float(hi)
     start = HEADER + RANGE_SLOTS
     if n:
-        row[start : start + n] = torch.tensor(local.durations_ms, dtype=torch.float64)
-        row[start + batch_steps : start + batch_steps + n] = torch.tensor(
-            [float(f) for f in local.step_flags], dtype=torch.float64
-        )
+        row[start : start + n] = [float(d) for d in local.durations_ms]
+        row[start + batch_steps : start + batch_steps + n] = [float(f) for f in local.step_flags]
         own = local.self_ms or (0.0,) * n
-        row[start + 2 * batch_steps : start + 2 * batch_steps + n] = torch.tensor(
-            own, dtype=torch.float64
-        )
+        if len(own) != n:
+            raise ValueError("self_ms and durations mismatch")
+        row[start + 2 * batch_steps : start + 2 * batch_steps + n] = [float(o) for o in own]
     _encode_evidence(row, local, batch_steps)
-    return row
+    return torch.tensor(row, dtype=torch.float64)
 
 
 def decode_round(
@@ -240,10 +242,36 @@ def decode_round(
         raise ValueError(f"rank {int(bad[0, 0])} sent a malformed round")
     head = matrix[0].tolist()
     first_step = int(head[1])
+    start = HEADER + RANGE_SLOTS
+    if matrix.shape[0] <= SMALL_WORLD:
+        samples = _samples_of_rows(
+            matrix[:, start : start + 3 * batch_steps].tolist(),
+            matrix[:, 2].tolist(),
+            first_step,
+            batch_steps,
+        )
+    else:
+        samples = _samples_of_matrix(matrix, first_step, batch_steps)
+    request = None
+    if head[4] > 0:
+        n_ranges = int(head[7])
+        ranges = tuple(
+            (int(head[HEADER + 2 * i]), int(head[HEADER + 2 * i + 1])) for i in range(n_ranges)
+        )
+        request = CaptureRequest(int(head[4]), int(head[6]), ranges)
+    flags = tuple(int(f) for f in matrix[:, 3].tolist())
+    host = matrix[:, 5]
+    host_steps = tuple(int(h) for h in torch.where(host.isfinite(), host, -1.0).tolist())
+    evidence = _decode_evidence(matrix, batch_steps) if with_evidence else None
+    return RoundResult(tuple(samples), flags, request, host_steps, evidence)
+
+
+def _samples_of_matrix(matrix: torch.Tensor, first_step: int, batch_steps: int) -> list[StepSample]:
+    """The round's samples by column-wise tensor operations (O(steps) Python work)."""
     counts = matrix[:, 2].to(torch.int64)
     n_steps = int(counts.max())
     start = HEADER + RANGE_SLOTS
-    samples = []
+    samples: list[StepSample] = []
     if n_steps > 0:
         present = torch.arange(n_steps).unsqueeze(0) < counts.unsqueeze(1)  # (world, n)
         times = matrix[:, start : start + n_steps].masked_fill(~present, math.nan)
@@ -267,18 +295,43 @@ def decode_round(
                     self_ms=own_ms[offset],
                 )
             )
-    request = None
-    if head[4] > 0:
-        n_ranges = int(head[7])
-        ranges = tuple(
-            (int(head[HEADER + 2 * i]), int(head[HEADER + 2 * i + 1])) for i in range(n_ranges)
+    return samples
+
+
+def _samples_of_rows(
+    rows: list[list[float]], counts_f: list[float], first_step: int, batch_steps: int
+) -> list[StepSample]:
+    """The same samples from plain lists: for a few ranks, a handful of Python loops cost
+    far less than the tensor operations' fixed overhead (this runs once per round on the
+    control thread, holding the GIL the training thread needs)."""
+    counts = [int(c) if math.isfinite(c) else 0 for c in counts_f]
+    n_steps = max(counts)
+    samples: list[StepSample] = []
+    for offset in range(max(0, n_steps)):
+        times, traced, flushed, disturbed, own = [], True, False, False, -math.inf
+        for row, count in zip(rows, counts, strict=True):
+            present = offset < count
+            times.append(row[offset] if present else math.nan)
+            flag = row[batch_steps + offset]
+            bits = 0 if math.isnan(flag) else int(flag)
+            if present:
+                traced = traced and bool(bits & STEP_TRACED)
+                flushed = flushed or bool(bits & STEP_AFTER_FLUSH)
+                disturbed = disturbed or bool(bits & STEP_DISTURBED)
+                spent = row[2 * batch_steps + offset]
+                if math.isfinite(spent) and spent > own:
+                    own = spent
+        samples.append(
+            StepSample(
+                first_step + offset,
+                tuple(times),
+                traced=traced,
+                after_flush=flushed,
+                disturbed=disturbed,
+                self_ms=own if math.isfinite(own) else 0.0,
+            )
         )
-        request = CaptureRequest(int(head[4]), int(head[6]), ranges)
-    flags = tuple(int(f) for f in matrix[:, 3].tolist())
-    host = matrix[:, 5]
-    host_steps = tuple(int(h) for h in torch.where(host.isfinite(), host, -1.0).tolist())
-    evidence = _decode_evidence(matrix, batch_steps) if with_evidence else None
-    return RoundResult(tuple(samples), flags, request, host_steps, evidence)
+    return samples
 
 
 def decide(result: RoundResult, detector: Detector, world_size: int) -> list[CaptureDecision]:

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from distanom.config import CaptureConfig, DetectConfig
 from distanom.consensus import (
@@ -127,3 +129,49 @@ def test_evidence_rides_in_the_round_per_rank_and_lagging() -> None:
         encode_round(
             LocalRound(1, (1.0,), (0,), evidence=((1, StepEvidence()), (3, StepEvidence()))), 2
         )
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    batch=st.integers(1, 6),
+    ranks=st.lists(
+        st.tuples(
+            st.integers(0, 6),  # steps this rank sent (cut to the batch)
+            st.lists(st.one_of(st.floats(0.1, 1e4), st.just(math.nan)), min_size=6, max_size=6),
+            st.lists(st.integers(0, 7), min_size=6, max_size=6),  # STEP_* bits
+            st.lists(st.floats(0.0, 50.0), min_size=6, max_size=6),  # self_ms
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+)
+def test_small_worlds_decode_from_lists_exactly_as_from_tensor_columns(
+    batch: int, ranks: list[tuple[int, list[float], list[int], list[float]]]
+) -> None:
+    from distanom import consensus
+
+    rows = [
+        LocalRound(40, tuple(times[: min(n, batch)]), tuple(bits[: min(n, batch)]),
+                   self_ms=tuple(own[: min(n, batch)]))
+        for n, times, bits, own in ranks
+    ]  # fmt: skip
+    matrix = gathered(rows, batch)
+    start = consensus.HEADER + consensus.RANGE_SLOTS
+    small = consensus._samples_of_rows(
+        matrix[:, start : start + 3 * batch].tolist(), matrix[:, 2].tolist(), 40, batch
+    )
+    wide = consensus._samples_of_matrix(matrix, 40, batch)
+    assert_same_samples(small, wide)
+    assert_same_samples(list(decode_round(matrix, batch).samples), small)
+
+
+def assert_same_samples(first: list, second: list) -> None:
+    assert [s.step for s in first] == [s.step for s in second]
+    for a, b in zip(first, second, strict=True):
+        assert all(_same(x, y) for x, y in zip(a.times_ms, b.times_ms, strict=True))
+        assert (a.traced, a.after_flush, a.disturbed) == (b.traced, b.after_flush, b.disturbed)
+        assert a.self_ms == pytest.approx(b.self_ms)
