@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from distanom.version import __version__
 
 __all__ = ["__version__", "current_step", "step", "use_optimizer"]
 

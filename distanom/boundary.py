@@ -363,9 +363,9 @@ class StepBoundaries:
 
     def _start_notes(self) -> str:
         """The tracer chosen and what was done about Flight Recorder, for the start line."""
-        from distanom import flight_recorder
+        from distanom.flight_recorder import start_note
 
-        notes = [self.tracer_note, flight_recorder.START_NOTE]
+        notes = [self.tracer_note, start_note()]
         return "; ".join(note for note in notes if note)
 
     def _tracer_failed(self, err: BaseException) -> None:

@@ -17,8 +17,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from distanom import safe_yaml
 from distanom.errors import ConfigError
+from distanom.safe_yaml import YamlRefused
+from distanom.safe_yaml import load as load_yaml
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; refuse anything absurd
@@ -349,8 +350,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except OSError as err:
         raise ConfigError(f"{path}: cannot read config file: {err.strerror}") from None
     try:
-        data = safe_yaml.load(text)
-    except safe_yaml.YamlRefused as err:
+        data = load_yaml(text)
+    except YamlRefused as err:
         raise ConfigError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
@@ -376,8 +377,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if any(not part for part in parts):
         raise ConfigError(f"--set {text!r}: malformed key {key!r}")
     try:
-        value = safe_yaml.load(raw) if raw.strip() else None
-    except safe_yaml.YamlRefused as err:
+        value = load_yaml(raw) if raw.strip() else None
+    except YamlRefused as err:
         raise ConfigError(f"--set {text!r}: {err}") from None
     except yaml.YAMLError:
         value = raw  # not YAML: take the text as a string, validation decides

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-import distanom
 from distanom.boundary import FINAL, STEP_SKIPPED, StepBoundaries, StepRecord
 from distanom.capture import CaptureWorker
 from distanom.config import Config
@@ -58,6 +57,7 @@ from distanom.records.run_info import build_run_info, write_run_info
 from distanom.records.status import CaptureCounts, Status, TracerReport, write_status
 from distanom.records.steps import StepRow, StepsWriter
 from distanom.rundir import RunDir, create_run, json_number, update_latest
+from distanom.version import __version__
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
 
 log = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ class ControlLoop:
         info = build_run_info(
             run_id=self.run.run_id,
             versions={
-                "distanom": distanom.__version__,
+                "distanom": __version__,
                 "torch": torch.__version__,
                 "cuda": torch.version.cuda,
                 "python": platform.python_version(),

@@ -33,10 +33,15 @@ from typing import Any
 
 import torch
 
-from distanom import flight_recorder
 from distanom.consensus import EvidenceBlock, RoundResult
 from distanom.detect import AnomalyJudgment
-from distanom.flight_recorder import FrEntry, StepCollectives
+from distanom.flight_recorder import (
+    DEFAULT_BUFFER,
+    FrEntry,
+    StepCollectives,
+    buffer_size,
+    read_entries,
+)
 from distanom.records.anomalies import (
     AnomalyRecord,
     AnomalyWriter,
@@ -85,8 +90,8 @@ class EvidenceCollector:
 
     def __init__(self, marks: EvidenceMarks, *, read_fr: bool | None = None) -> None:
         self._marks = marks
-        self._read_fr = flight_recorder.buffer_size() > 0 if read_fr is None else read_fr
-        self._buffer = max(1, flight_recorder.buffer_size() or flight_recorder.DEFAULT_BUFFER)
+        self._read_fr = buffer_size() > 0 if read_fr is None else read_fr
+        self._buffer = max(1, buffer_size() or DEFAULT_BUFFER)
         self._last_mark: tuple[int, int, int] | None = None
         self._open: dict[int, _Open] = {}
         self._gc: dict[int, float] = {}
@@ -140,7 +145,7 @@ class EvidenceCollector:
 
     def _read(self, now: float) -> None:
         began = time.perf_counter()
-        entries = flight_recorder.read_entries()
+        entries = read_entries()
         spent_ms = (time.perf_counter() - began) * 1e3
         self.reads += 1
         self.read_ms += spent_ms

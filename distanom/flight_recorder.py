@@ -35,7 +35,7 @@ OFF_ENV = "DISTANOM_FLIGHT_RECORDER"  # "0": distanom leaves Flight Recorder off
 # the reader re-reads before half of it has been overwritten, so this bounds a read.
 DEFAULT_BUFFER = 256
 # what enable_from_env did, for the start line ("" before it ran)
-START_NOTE = ""
+_START_NOTE = ""
 # The most entries one read converts, whatever size the user chose for the buffer.
 MAX_ENTRIES = 4096
 
@@ -68,10 +68,15 @@ def enable_from_env(environ: MutableMapping[str, str] | None = None) -> str:
     else:
         env[BUFFER_ENV] = str(DEFAULT_BUFFER)
         note = f"flight recorder: on ({BUFFER_ENV}={DEFAULT_BUFFER}) for collective arrival"
-    global START_NOTE
-    START_NOTE = note  # said once, in the rank's start line
+    global _START_NOTE
+    _START_NOTE = note  # said once, in the rank's start line
     log.debug(note)
     return note
+
+
+def start_note() -> str:
+    """What `enable_from_env` did, for the rank's start line ("" before it ran)."""
+    return _START_NOTE
 
 
 def buffer_size(environ: Mapping[str, str] | None = None) -> int:

@@ -37,7 +37,7 @@ class FakeFr:
 @pytest.fixture
 def fr(monkeypatch: pytest.MonkeyPatch) -> FakeFr:
     fake = FakeFr()
-    monkeypatch.setattr(evidence_module.flight_recorder, "read_entries", fake)
+    monkeypatch.setattr(evidence_module, "read_entries", fake)
     return fake
 
 

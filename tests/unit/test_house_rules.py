@@ -56,8 +56,9 @@ def _import_graph() -> dict[str, set[str]]:
         is_package = path.name == "__init__.py"
         for node in ast.walk(tree):
             for target in _imported(node, name, is_package, known):
-                # a package's own __init__ importing its submodules is not a circle
-                if target != name and not name.startswith(target + "."):
+                # lazy imports count: a package's __init__ that imports a submodule inside
+                # a function still closes a circle with a submodule importing the package
+                if target != name:
                     graph[name].add(target)
     return graph
 
