@@ -32,6 +32,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -189,7 +190,8 @@ def _job(variant: str, steps: int, nproc: int, script: Path, workdir: Path, skip
 def whole_jobs(args: argparse.Namespace) -> dict[str, Any]:
     """Interleaved pairs of whole jobs; each job's mean step time after its warm-up."""
     variants = ["plain", "no_fr", "evidence"]
-    workdir = Path(args.workdir)
+    # a fresh private folder unless one is named (never a fixed path in a shared /tmp)
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="evidence-"))
     workdir.mkdir(parents=True, exist_ok=True)
     slopes: dict[str, list[float]] = {v: [] for v in variants}
     ratios: dict[str, list[float]] = {v: [] for v in variants if v != "plain"}
@@ -227,7 +229,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--skip", type=int, default=300, help="warm-up steps not timed")
     parser.add_argument("--script", default=str(SEED))
-    parser.add_argument("--workdir", default="/tmp/distanom_evidence_cost")
+    parser.add_argument("--workdir", default=None, help="default: a new temporary folder")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     facts: dict[str, Any] = {
