@@ -70,6 +70,7 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
     counters = status.get("captures") or {}
     hangs, hang_problems = read_hangs(data.run, data.world_size)
     problems.extend(hang_problems)
+    stragglers = read_stragglers(data.run)
     return Report(
         facts=RunFacts(
             run_id=data.run.run_id,
@@ -109,8 +110,8 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
         detect_config=detect if isinstance(detect, dict) else {},
         hangs=hangs,
         anomalies=_anomalies(data, captures, problems),
-        stragglers=_list_of_dicts(read_stragglers(data.run).get("stragglers")),
-        drift=_dict_or_none(read_stragglers(data.run).get("drift")),
+        stragglers=_list_of_dicts(stragglers.get("stragglers")),
+        drift=_dict_or_none(stragglers.get("drift")),
     )
 
 
