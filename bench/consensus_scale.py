@@ -39,7 +39,7 @@ from distanom.consensus import (
     row_length,
 )
 from distanom.detect import Detector
-from distanom.evidence import AnomalyJournal
+from distanom.anomaly_journal import AnomalyJournal
 from distanom.records.anomalies import StepEvidence
 
 

@@ -12,8 +12,8 @@ without a trace, folded into the consensus round.
   distanom's own group (enqueued on the control thread) are left out. A step's
   evidence is final once a read after its end has been made; a read that took longer
   than `READ_GIVE_UP_MS` three times switches reading off (logged once).
-- `AnomalyJournal` (rank 0's control thread): gathers every rank's evidence from the
-  rounds, scores stragglers (`distanom.stragglers`), and appends each anomalous step
+- `distanom.anomaly_journal.AnomalyJournal` (rank 0's control thread): gathers every
+  rank's evidence from the rounds, scores stragglers, and appends each anomalous step
   the detector judged to anomalies.jsonl once its evidence is in.
 - `EvidenceTier`: the control loop's one face on all of it, stepping aside on failure.
 """
@@ -31,9 +31,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from distanom.consensus import EvidenceBlock, RoundResult
+from distanom.anomaly_journal import AnomalyJournal
+from distanom.consensus import RoundResult
 from distanom.detect import AnomalyJudgment
 from distanom.flight_recorder import (
     DEFAULT_BUFFER,
@@ -43,13 +42,12 @@ from distanom.flight_recorder import (
     read_entries,
 )
 from distanom.records.anomalies import (
-    AnomalyRecord,
     AnomalyWriter,
     StepEvidence,
     write_stragglers,
 )
 from distanom.rundir import RunDir
-from distanom.stragglers import LATE_SHARE, Straggler, StragglerScorer
+from distanom.stragglers import Straggler
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +58,6 @@ READ_MAX_INTERVAL_S = 1.0
 READ_FILL = 0.75
 READ_GIVE_UP_MS = 20.0
 MAX_PENDING_STEPS = 4096  # evidence and marks kept for steps not yet final / gathered
-MEDIAN_STEPS = 64  # per-rank recent arrivals and CPU times the journal keeps
 
 
 class EvidenceMarks:
@@ -218,152 +215,6 @@ class EvidenceCollector:
         if summary.count:
             arrive = (summary.last_created_ns - entry.start_ns) / 1e6
         return StepEvidence(arrive, summary.count, entry.cpu_ms, gc_ms)
-
-
-@dataclass
-class _StepRow:
-    values: torch.Tensor  # (world, 4): arrive ms, collectives, cpu ms, gc ms
-    filled: int = 0
-
-
-class AnomalyJournal:
-    """Rank 0: every rank's evidence per step, straggler scores, anomaly lines. Works on
-    arrays: a round costs O(distinct (first, count) groups x slots) tensor operations,
-    not per-rank Python work (docs/evidence.md, Scale)."""
-
-    def __init__(self, world_size: int, writer: AnomalyWriter | None) -> None:
-        self.world_size = world_size
-        self.writer = writer
-        self.scorer = StragglerScorer(world_size)
-        self._rows: dict[int, _StepRow] = {}
-        self._times: dict[int, tuple[float, ...]] = {}
-        self._pending: dict[int, AnomalyJudgment] = {}
-        # the last MEDIAN_STEPS complete steps' arrival and CPU time, per rank
-        self._history = torch.full((MEDIAN_STEPS, world_size, 2), math.nan, dtype=torch.float64)
-        self._history_at = 0
-        self.written = 0
-
-    def add_times(self, step: int, times_ms: tuple[float, ...]) -> None:
-        """A gathered step's per-rank durations (add a round's judgments first)."""
-        self._times[step] = times_ms
-        if len(self._times) > MAX_PENDING_STEPS:
-            self._times.pop(next(iter(self._times)))
-        self._maybe_complete(step)
-
-    def add_judgments(self, judged: Iterable[AnomalyJudgment]) -> None:
-        """Anomalous steps the detector judged; written once their evidence is in."""
-        for judgment in judged:
-            self._pending[judgment.step] = judgment
-        while len(self._pending) > MAX_PENDING_STEPS:
-            self._write(self._pending.pop(next(iter(self._pending))))
-
-    def add_evidence(self, block: EvidenceBlock | None) -> None:
-        """A round's evidence block; completes the steps every rank has sent."""
-        if block is None:
-            return
-        count = torch.tensor(block.count, dtype=torch.int64)
-        senders = (count > 0).nonzero().flatten()
-        if not len(senders):
-            return
-        first = torch.tensor(block.first, dtype=torch.int64)
-        # one key per (first, count): ranks in lockstep form a handful of groups
-        span = int(count.max()) + 1
-        keys = first[senders] * span + count[senders]
-        groups, which = torch.unique(keys, return_inverse=True)
-        touched = []
-        for group, key in enumerate(groups.tolist()):
-            group_first, group_count = divmod(key, span)
-            ranks = senders[which == group]
-            for offset in range(group_count):
-                step = group_first + offset
-                row = self._row(step)
-                row.values[ranks] = block.values[ranks, offset]
-                row.filled += len(ranks)
-                touched.append(step)
-        for step in sorted(set(touched)):
-            self._maybe_complete(step)
-        while len(self._rows) > MAX_PENDING_STEPS:
-            self._complete(next(iter(self._rows)))
-
-    def _row(self, step: int) -> _StepRow:
-        row = self._rows.get(step)
-        if row is None:
-            values = torch.full((self.world_size, 4), math.nan, dtype=torch.float64)
-            row = self._rows[step] = _StepRow(values)
-        return row
-
-    def _maybe_complete(self, step: int) -> None:
-        row = self._rows.get(step)
-        if row is not None and step in self._times and row.filled >= self.world_size:
-            self._complete(step)
-
-    def _complete(self, step: int) -> None:
-        row = self._rows.get(step)
-        if row is None:
-            return
-        times = self._times.get(step)
-        if times is not None:
-            finite = [t for t in times if math.isfinite(t)]
-            if finite:
-                self.scorer.add_late(step, self._late(row.values[:, 0], max(finite)), max(finite))
-        judgment = self._pending.pop(step, None)
-        if judgment is not None:
-            self._write(judgment)
-        del self._rows[step]
-        self._times.pop(step, None)
-        self._history[self._history_at % MEDIAN_STEPS] = row.values[:, [0, 2]]
-        self._history_at += 1
-
-    @staticmethod
-    def _late(arrive: torch.Tensor, step_ms: float) -> tuple[tuple[int, float], ...] | None:
-        """The ranks late at a step, as `StragglerScorer.add_late` takes them."""
-        known = arrive.isfinite()
-        if int(known.sum()) < 2:
-            return None
-        lateness = arrive - arrive[known].median()
-        late = (lateness >= LATE_SHARE * step_ms) & known
-        ranks = late.nonzero().flatten()
-        ms = lateness[ranks].clamp(max=step_ms)
-        return tuple(zip(ranks.tolist(), ms.tolist(), strict=True))
-
-    def flush(self) -> None:
-        """At the end: write every pending anomaly with the evidence there is."""
-        for step in sorted(self._pending):
-            self._write(self._pending[step])
-        self._pending.clear()
-
-    def _write(self, judgment: AnomalyJudgment) -> None:
-        if self.writer is None:
-            return
-        step = judgment.step
-        row = self._rows.get(step)
-        times = self._times.get(step) or (math.nan,) * self.world_size
-        evidence = [StepEvidence()] * self.world_size
-        if row is not None:
-            evidence = [
-                StepEvidence(a, int(n) if math.isfinite(n) else -1, cpu, gc_ms)
-                for a, n, cpu, gc_ms in row.values.tolist()
-            ]
-        medians = self._history.nanmedian(dim=0).values  # (world, 2)
-        record = AnomalyRecord(
-            step=step,
-            step_ms=judgment.step_ms,
-            median_ms=judgment.median_ms,
-            threshold_ms=judgment.threshold_ms,
-            traced=judgment.traced,
-            judged_by=judgment.judged_by,
-            slowest_rank=judgment.slowest_rank,
-            durations_ms=tuple(times),
-            evidence=tuple(evidence),
-            arrive_median_ms=tuple(medians[:, 0].tolist()),
-            cpu_median_ms=tuple(medians[:, 1].tolist()),
-        )
-        try:
-            self.writer.write(record)
-            self.written += 1
-        except (OSError, ValueError) as err:
-            log.warning("anomalies file: %s; anomalies are no longer recorded", err)
-            self.writer = None
 
 
 class EvidenceTier:

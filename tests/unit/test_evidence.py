@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from distanom import evidence as evidence_module
+from distanom.anomaly_journal import AnomalyJournal
 from distanom.consensus import EvidenceBlock
 from distanom.detect import AnomalyJudgment
-from distanom.evidence import AnomalyJournal, EvidenceCollector, EvidenceMarks
+from distanom.evidence import EvidenceCollector, EvidenceMarks
 from distanom.flight_recorder import FrEntry
 from distanom.records.anomalies import AnomalyWriter, StepEvidence, read_anomalies
 from distanom.rundir import RunDir
@@ -141,3 +142,34 @@ def test_journal_scores_ranks_sending_different_steps_in_one_round() -> None:
     )
     assert journal.scorer.steps == 39
     assert [s.rank for s in journal.scorer.stragglers()] == [1]
+
+
+@pytest.mark.parametrize("lists", [False, True])
+def test_journal_list_and_array_storage_write_the_same_records(tmp_path: Path, lists: bool) -> None:
+    """Small worlds keep evidence in lists, large ones in arrays: same lines, same scores."""
+    written = {}
+    for form in ("lists", "arrays"):
+        run = RunDir(tmp_path / form)
+        run.path.mkdir()
+        journal = AnomalyJournal(4, AnomalyWriter(run))
+        journal.small = form == "lists"
+        for step in range(1, 30):
+            late = 30.0 if step % 3 == 0 else 0.0  # rank 2 late on every third step
+            if step in (14, 27):
+                journal.add_judgments([judgment(step)])
+            journal.add_times(step, (50.0 + step, 50.0, 52.0, math.nan))
+            items = [
+                (r, step, StepEvidence(10.0 + r + (late if r == 2 else 0.0), 2, 3.0 + r, 0.5))
+                for r in range(4)
+                if not (r == 3 and step == 14)  # rank 3 never sends step 14
+            ]
+            journal.add_evidence(EvidenceBlock.from_items(4, items, lists=lists))
+        journal.flush()
+        written[form] = (
+            [record.to_json() for record in read_anomalies(run)],
+            journal.scorer.to_json(),
+        )
+    assert written["lists"] == written["arrays"]
+    records, _ = written["lists"]
+    assert [r["step"] for r in records] == [14, 27]  # 14 incomplete: written at the flush
+    assert records[0]["evidence"][3]["arrive_ms"] is None
