@@ -49,7 +49,6 @@ Rules (all thresholds come from `DetectConfig` / `CaptureConfig`):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import statistics
@@ -57,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from distanom.config import CaptureConfig, DetectConfig
+from distanom.rolling import RollingWindow
 
 CaptureKind = Literal["anomaly", "reference", "requested"]
 
@@ -211,21 +211,21 @@ class Detector:
     episodes: list[Episode] = field(default_factory=list)
     median_ms: float = math.nan
     threshold_ms: float = math.nan
-    _windows: dict[tuple[bool, bool], collections.deque[float]] = field(init=False)
+    _windows: dict[tuple[bool, bool], RollingWindow] = field(init=False)
     _kept: dict[int, float] = field(default_factory=dict)  # anomaly step -> ratio
     _last_capture_step: int | None = None
     _reference_step: int | None = None
     _last_reference_at: int | None = None
     _fast_while_due: int = 0  # due steps passed over as too fast since the last reference
     _max_episodes_kept: int = 1000
-    _all_steps: collections.deque[float] = field(init=False)  # warm-up, disturbed included
+    _all_steps: RollingWindow = field(init=False)  # warm-up, disturbed included
     _judged: list[AnomalyJudgment] = field(default_factory=list)
     _max_judged_kept: int = 4096
 
     def __post_init__(self) -> None:
-        self._all_steps = collections.deque(maxlen=self.detect.window_steps)
+        self._all_steps = RollingWindow(self.detect.window_steps)
         self._windows = {
-            (traced, flushed): collections.deque(maxlen=self.detect.window_steps)
+            (traced, flushed): RollingWindow(self.detect.window_steps)
             for traced in (True, False)
             for flushed in (True, False)
         }
@@ -247,10 +247,10 @@ class Detector:
                 # still counted (anomalous_untraced) instead of going unjudged
                 traced = self._windows[main]
                 if len(traced) >= self.detect.min_steps:
-                    return statistics.median(traced)
+                    return traced.median()
         if len(same) < needed:
             return None
-        return statistics.median(same)
+        return same.median()
 
     def _fallback(self, sample: StepSample) -> tuple[float | None, str]:
         """A wider baseline for a step its condition cannot judge yet, and its name."""
@@ -258,7 +258,7 @@ class Detector:
         if len(pooled) >= RARE_CONDITION_MIN_STEPS:
             return statistics.median(pooled), "all_conditions"
         if len(self._all_steps) >= RARE_CONDITION_MIN_STEPS:
-            return statistics.median(self._all_steps), "all_steps"
+            return self._all_steps.median(), "all_steps"
         others = sorted(t for t in sample.times_ms if math.isfinite(t))[:-1]
         if others:
             return statistics.median(others), "ranks"
