@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from distanom.detect import Detector
 from distanom.duty_cycle import DutyCycle
 from distanom.hang import HangWatch
 from distanom.health import Health
+from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE, end_line
 from distanom.records.status import TracerReport
 from distanom.rundir import RunDir
@@ -66,7 +66,7 @@ class Agent:
         self.world = world
         self.health = Health()
         self.duty = DutyCycle(config)
-        inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        inbox = StepInbox(FINAL)
         self.boundaries = StepBoundaries(config, world.rank, self.health, self.duty, inbox)
         self.control = ControlLoop(
             config,

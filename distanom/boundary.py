@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import queue
 import time
 import weakref
 from typing import Any, NamedTuple
@@ -43,6 +42,7 @@ from distanom.duty_cycle import DutyCycle
 from distanom.evidence import EvidenceMarks
 from distanom.gc_pauses import GcPauses
 from distanom.health import Health
+from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
 from distanom.tracers import Tracer, create_tracer
 
@@ -77,7 +77,7 @@ class StepBoundaries:
         rank: int,
         health: Health,
         duty: DutyCycle,
-        inbox: queue.SimpleQueue[Any],
+        inbox: StepInbox,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -90,7 +90,7 @@ class StepBoundaries:
         self.tracer_note = "tracer: not started"
         self.tracer_started = False
         self.closed = False  # set at the end of training: later boundaries are ignored
-        self.last_busy_ns = 0  # the capture worker's busy time at the last boundary
+        self.last_busy_ns = 0  # distanom's busy time (Health, capture) at the last boundary
         self.gc_pauses = GcPauses()
         self.evidence_marks = EvidenceMarks()
         self._capture_is_off = health.capture_is_off  # bound once: called every step
@@ -323,14 +323,14 @@ class StepBoundaries:
         return flags
 
     def self_ms_of_ended_step(self) -> float:
-        """How long distanom's capture work ran during the step that just ended (ms)."""
+        """How long distanom's own heavy work (capture work, heavy consensus rounds) ran
+        during the step that just ended (ms)."""
         capture = self.health.capture
-        if capture is None:
-            return 0.0
+        busy = self.health.control_busy_ns + (capture.busy_ns() if capture is not None else 0)
         # monotone: a reading that ran a little ahead of the worker (it read a lookup
         # as heavy just before the worker measured it under the threshold) is absorbed
         # by later work instead of giving a step a negative share
-        busy = max(capture.busy_ns(), self.last_busy_ns)
+        busy = max(busy, self.last_busy_ns)
         spent, self.last_busy_ns = busy - self.last_busy_ns, busy
         return spent / 1e6
 

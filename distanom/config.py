@@ -111,11 +111,22 @@ class DetectConfig(_Section):
 class ConsensusConfig(_Section):
     """`consensus:` the rounds in which ranks share their step times."""
 
-    # a round holds the GIL on the control thread for its whole decode and journal work:
-    # batching rounds makes that work rarer but burstier, and a burst reads as a host
-    # stall in the training thread (docs/measurements.md, "The agent's own cost")
+    # a round's work holds the GIL a launch-bound training thread needs: rounds are paced
+    # in time, not per step (docs/agent.md, "The control thread wakes per round")
+    interval_ms: float = Field(
+        50.0,
+        gt=0,
+        le=60_000,
+        description="pace of the rounds: each covers as many steps as take about this long "
+        "at the median step time (at least 1, at most batch_steps)",
+    )
     batch_steps: int = Field(
-        1, ge=1, le=1000, description="steps per all-gather round of step times across ranks"
+        8,
+        ge=1,
+        le=1000,
+        description="at most this many steps per all-gather round of step times across "
+        "ranks (and at most half of tracer.history_steps, so a step's trace is still kept "
+        "when the decision about it arrives)",
     )
     timeout_s: float = Field(
         120.0,

@@ -1,8 +1,10 @@
 """Cross-rank agreement: gather every rank's step times in rounds, decide the same on all.
 
-Runs on distanom's background thread, never on the training thread. Round r covers the
-`batch_steps` steps starting at `1 + r * batch_steps` (step 0 has no duration). Each
-rank submits a round once its clock has resolved the round's last step, as one
+Runs on distanom's background thread, never on the training thread. Rounds cover
+consecutive steps from step 1 (step 0 has no duration), each as many as take about
+`consensus.interval_ms` at the median step time, at most `batch_steps` (B, the row's
+room): `steps_per_round`, the same on every rank since it is computed from gathered data.
+Each rank submits a round once its clock has resolved the round's last step, as one
 fixed-shape float64 row:
 
     [magic, first_step, n_steps, flags, req_id, host_step, req_n_steps, req_n_ranges,
@@ -95,41 +97,56 @@ class LocalRound:
 
 @dataclass(frozen=True)
 class EvidenceBlock:
-    """Every rank's evidence of one round, as arrays: rank r sent steps first[r] ..
-    first[r] + count[r] - 1, their fields in values[r, offset] (arrive ms, collectives,
-    cpu ms, gc ms)."""
+    """Every rank's evidence of one round: rank r sent steps first[r] .. first[r] +
+    count[r] - 1, their fields (arrive ms, collectives, cpu ms, gc ms) at slot offset,
+    as plain lists in `lists` (small worlds: no tensor work per round) or as a
+    (world, slots, EVIDENCE_FIELDS) float64 tensor in `values` (large worlds)."""
 
     first: tuple[int, ...]
     count: tuple[int, ...]
-    values: torch.Tensor  # (world, slots, EVIDENCE_FIELDS) float64
+    values: torch.Tensor | None = None
+    lists: tuple[list[list[float]], ...] | None = None  # per rank, its sent slots
+
+    def fields(self, rank: int) -> list[list[float]]:
+        """The fields of the steps `rank` sent, in step order."""
+        count = self.count[rank]
+        if self.lists is not None:
+            return self.lists[rank][:count]
+        assert self.values is not None
+        return list(self.values[rank, :count].tolist())
 
     def items(self) -> list[tuple[int, int, StepEvidence]]:
         """(rank, step, evidence) for every step sent (O(world x slots) objects)."""
         out = []
-        for rank, (first, count) in enumerate(zip(self.first, self.count, strict=True)):
-            for offset, (arrive, n, cpu, gc_ms) in enumerate(self.values[rank, :count].tolist()):
+        for rank, first in enumerate(self.first):
+            for offset, (arrive, n, cpu, gc_ms) in enumerate(self.fields(rank)):
                 n_int = int(n) if math.isfinite(n) else -1
                 out.append((rank, first + offset, StepEvidence(arrive, n_int, cpu, gc_ms)))
         return out
 
     @classmethod
     def from_items(
-        cls, world_size: int, items: Sequence[tuple[int, int, StepEvidence]]
+        cls, world_size: int, items: Sequence[tuple[int, int, StepEvidence]], *, lists: bool = False
     ) -> EvidenceBlock:
-        """The block of (rank, step, evidence) items, each rank's steps consecutive."""
+        """The block of (rank, step, evidence) items, each rank's steps consecutive; with
+        `lists`, in the small-world form."""
         per_rank: dict[int, list[tuple[int, StepEvidence]]] = {}
         for rank, step, evidence in items:
             per_rank.setdefault(rank, []).append((step, evidence))
         slots = max((len(v) for v in per_rank.values()), default=0)
-        values = torch.full((world_size, max(slots, 1), EVIDENCE_FIELDS), math.nan)
+        rows = [
+            [[math.nan] * EVIDENCE_FIELDS for _ in range(max(slots, 1))] for _ in range(world_size)
+        ]
         first, count = [-1] * world_size, [0] * world_size
         for rank, steps in per_rank.items():
             steps.sort(key=lambda item: item[0])
             first[rank], count[rank] = steps[0][0], len(steps)
             for offset, (_, ev) in enumerate(steps):
-                row = [ev.arrive_ms, float(ev.collectives), ev.cpu_ms, ev.gc_ms]
-                values[rank, offset] = torch.tensor(row, dtype=torch.float64)
-        return cls(tuple(first), tuple(count), values.to(torch.float64))
+                rows[rank][offset] = [ev.arrive_ms, float(ev.collectives), ev.cpu_ms, ev.gc_ms]
+        if lists:
+            return cls(tuple(first), tuple(count), lists=tuple(rows))
+        values = torch.tensor(rows, dtype=torch.float64)
+        return cls(tuple(first), tuple(count), values=values)
 
 
 @dataclass(frozen=True)
@@ -186,7 +203,27 @@ def _decode_evidence(matrix: torch.Tensor, batch_steps: int) -> EvidenceBlock:
     counts = torch.nan_to_num(block[:, 1], nan=0.0).clamp(0, slots).to(torch.int64)
     first = torch.nan_to_num(block[:, 0], nan=-1.0).to(torch.int64)
     values = block[:, 2:].reshape(matrix.shape[0], slots, EVIDENCE_FIELDS)
-    return EvidenceBlock(tuple(first.tolist()), tuple(counts.tolist()), values)
+    return EvidenceBlock(tuple(first.tolist()), tuple(counts.tolist()), values=values)
+
+
+def _evidence_of_rows(rows: list[list[float]], batch_steps: int) -> EvidenceBlock:
+    """The evidence block from plain rows (small worlds)."""
+    base = HEADER + RANGE_SLOTS + 3 * batch_steps
+    slots = evidence_slots(batch_steps)
+    first: list[int] = []
+    count: list[int] = []
+    lists: list[list[list[float]]] = []
+    for row in rows:
+        n = row[base + 1]
+        n_int = min(slots, max(0, int(n))) if math.isfinite(n) else 0
+        start = row[base]
+        first.append(int(start) if math.isfinite(start) else -1)
+        count.append(n_int)
+        at = base + 2
+        lists.append(
+            [row[at + EVIDENCE_FIELDS * k : at + EVIDENCE_FIELDS * (k + 1)] for k in range(n_int)]
+        )
+    return EvidenceBlock(tuple(first), tuple(count), lists=tuple(lists))
 
 
 def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
@@ -232,38 +269,55 @@ def decode_round(
 ) -> RoundResult:
     """Turn the gathered (world_size x row) matrix into samples (same on every rank).
 
-    Column-wise tensor operations, so a round costs O(steps) Python work, not
-    O(world x steps); `with_evidence=False` skips the per-rank evidence (only rank 0
-    keeps the journal that reads it)."""
+    Up to `SMALL_WORLD` ranks the matrix is read into plain lists once and decoded by
+    Python loops (a handful of tensor operations would cost the control thread more GIL
+    time than the loops); beyond, by column-wise tensor operations, so a round costs
+    O(steps) Python work, not O(world x steps). `with_evidence=False` skips the per-rank
+    evidence (only rank 0 keeps the journal that reads it)."""
     if matrix.dim() != 2 or matrix.shape[1] != row_length(batch_steps):
         raise ValueError(f"gathered round has shape {tuple(matrix.shape)}")
+    if matrix.shape[0] <= SMALL_WORLD:
+        return _decode_rows(matrix.tolist(), batch_steps, with_evidence)
     bad = (matrix[:, 0] != MAGIC).nonzero()
     if len(bad):
         raise ValueError(f"rank {int(bad[0, 0])} sent a malformed round")
     head = matrix[0].tolist()
-    first_step = int(head[1])
-    start = HEADER + RANGE_SLOTS
-    if matrix.shape[0] <= SMALL_WORLD:
-        samples = _samples_of_rows(
-            matrix[:, start : start + 3 * batch_steps].tolist(),
-            matrix[:, 2].tolist(),
-            first_step,
-            batch_steps,
-        )
-    else:
-        samples = _samples_of_matrix(matrix, first_step, batch_steps)
-    request = None
-    if head[4] > 0:
-        n_ranges = int(head[7])
-        ranges = tuple(
-            (int(head[HEADER + 2 * i]), int(head[HEADER + 2 * i + 1])) for i in range(n_ranges)
-        )
-        request = CaptureRequest(int(head[4]), int(head[6]), ranges)
+    samples = _samples_of_matrix(matrix, int(head[1]), batch_steps)
     flags = tuple(int(f) for f in matrix[:, 3].tolist())
     host = matrix[:, 5]
     host_steps = tuple(int(h) for h in torch.where(host.isfinite(), host, -1.0).tolist())
     evidence = _decode_evidence(matrix, batch_steps) if with_evidence else None
-    return RoundResult(tuple(samples), flags, request, host_steps, evidence)
+    return RoundResult(tuple(samples), flags, _request_of(head), host_steps, evidence)
+
+
+def _decode_rows(rows: list[list[float]], batch_steps: int, with_evidence: bool) -> RoundResult:
+    """`decode_round` for a small world, from the matrix as lists."""
+    for rank, row in enumerate(rows):
+        if row[0] != MAGIC:
+            raise ValueError(f"rank {rank} sent a malformed round")
+    head = rows[0]
+    start = HEADER + RANGE_SLOTS
+    samples = _samples_of_rows(
+        [row[start : start + 3 * batch_steps] for row in rows],
+        [row[2] for row in rows],
+        int(head[1]),
+        batch_steps,
+    )
+    flags = tuple(int(row[3]) for row in rows)
+    host_steps = tuple(int(row[5]) if math.isfinite(row[5]) else -1 for row in rows)
+    evidence = _evidence_of_rows(rows, batch_steps) if with_evidence else None
+    return RoundResult(tuple(samples), flags, _request_of(head), host_steps, evidence)
+
+
+def _request_of(head: list[float]) -> CaptureRequest | None:
+    """The on-demand request rank 0's row carries, if any."""
+    if not head[4] > 0:
+        return None
+    n_ranges = int(head[7])
+    ranges = tuple(
+        (int(head[HEADER + 2 * i]), int(head[HEADER + 2 * i + 1])) for i in range(n_ranges)
+    )
+    return CaptureRequest(int(head[4]), int(head[6]), ranges)
 
 
 def _samples_of_matrix(matrix: torch.Tensor, first_step: int, batch_steps: int) -> list[StepSample]:
@@ -362,9 +416,21 @@ def decide(result: RoundResult, detector: Detector, world_size: int) -> list[Cap
     return decisions
 
 
+def steps_per_round(median_ms: float | None, interval_ms: float, max_steps: int) -> int:
+    """How many steps the next round covers: as many as take about `interval_ms` at the
+    median step time, 1 to `max_steps` (1 before a median exists). Every rank computes
+    it from the same gathered data, so the rounds stay aligned."""
+    if median_ms is None or not math.isfinite(median_ms) or median_ms <= 0:
+        return 1
+    return max(1, min(max_steps, int(interval_ms // median_ms)))
+
+
 @dataclass
 class RoundBuilder:
-    """Collects this rank's resolved step durations into rounds (consensus thread only)."""
+    """Collects this rank's resolved step durations into rounds (consensus thread only).
+
+    A round covers `n` consecutive steps from `next_first` (n <= `batch_steps`, the row's
+    room), the same n on every rank (`steps_per_round`)."""
 
     batch_steps: int
     next_first: int = 1
@@ -397,29 +463,35 @@ class RoundBuilder:
             self._durations[step] = (duration_ms, step_flags, self_ms)
             self._max_step = max(self._max_step, step)
 
-    def ready(self) -> bool:
-        """A round is ready once a step at or past its end has resolved (gaps become NaN)."""
-        return self._max_step >= self.next_first + self.batch_steps - 1
+    def ready(self, n: int | None = None) -> bool:
+        """A round of `n` steps (default `batch_steps`) is ready once a step at or past its
+        end has resolved (gaps become NaN)."""
+        return self.missing(n) == 0
+
+    def missing(self, n: int | None = None) -> int:
+        """Steps still to resolve before a round of `n` steps is ready."""
+        end = self.next_first + (n or self.batch_steps) - 1
+        return max(0, end - self._max_step)
 
     def pending_steps(self) -> int:
         """How many steps (gaps included) are waiting for the next rounds."""
         return max(0, self._max_step - self.next_first + 1)
 
-    def take(self, *, final: bool = False) -> LocalRound:
-        """The next round; with `final`, a possibly partial one covering what is left."""
+    def take(self, n: int | None = None, *, final: bool = False) -> LocalRound:
+        """The next round of `n` steps (default `batch_steps`); with `final`, a possibly
+        partial one covering what is left of them."""
         first = self.next_first
-        n = self.batch_steps
-        if final:
-            n = max(0, min(n, self._max_step - first + 1))
+        size = min(n or self.batch_steps, self.batch_steps)
+        count = max(0, min(size, self._max_step - first + 1)) if final else size
         durations: list[float] = []
         flags: list[int] = []
         own: list[float] = []
-        for step in range(first, first + n):
+        for step in range(first, first + count):
             duration, step_flags, self_ms = self._durations.pop(step, (math.nan, 0, 0.0))
             durations.append(duration)
             flags.append(step_flags)
             own.append(self_ms)
-        self.next_first = first + self.batch_steps
+        self.next_first = first + size
         evidence = self._take_evidence()
         own_ms = tuple(own)
         return LocalRound(first, tuple(durations), tuple(flags), self_ms=own_ms, evidence=evidence)

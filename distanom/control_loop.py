@@ -14,12 +14,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import platform
-import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -38,6 +37,7 @@ from distanom.consensus import (
     decode_round,
     encode_round,
     recent_times,
+    steps_per_round,
 )
 from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, CaptureDecision, Detector, StepSample
 from distanom.duty_cycle import DutyCycle
@@ -45,6 +45,7 @@ from distanom.errors import CaptureRequestError, RunDirError
 from distanom.evidence import EvidenceTier
 from distanom.hang import HangWatch
 from distanom.health import Health
+from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
 from distanom.records.requests import (
     Accepted,
@@ -63,6 +64,8 @@ from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
 log = logging.getLogger(__name__)
 
 RECENT_STEPS = 64
+WAKE_EVERY_S = 0.2  # the control thread wakes at least this often (polls, status, final)
+DRAIN_WAKE_AT = 256  # without consensus: steps queued before the drain wakes early
 FINAL_ROUND_TIMEOUT_S = 10.0
 # After the final round, rounds that carry only the evidence left (every rank runs one
 # more while any rank said it has more): at most this many.
@@ -82,7 +85,7 @@ class ControlLoop:
         health: Health,
         duty: DutyCycle,
         boundaries: StepBoundaries,
-        inbox: queue.SimpleQueue[Any],
+        inbox: StepInbox,
     ) -> None:
         self.config = config
         self.world = world
@@ -108,6 +111,7 @@ class ControlLoop:
         self.evidence = EvidenceTier(boundaries.evidence_marks, world.world_size, health.warn_once)
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
         self.hang_watch: HangWatch | None = None  # told when a round fails
+        self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
 
     # -- life cycle (called from the training thread) ----------------------------------
 
@@ -176,14 +180,11 @@ class ControlLoop:
         """Without consensus: keep consuming the inbox (the training thread must never fill
         memory) and keep the status fresh until training ends."""
         next_status = 0.0
+        self.inbox.wake_at = DRAIN_WAKE_AT
         while True:
-            try:
-                item = self.inbox.get(timeout=1.0)
-            except queue.Empty:
-                item = None
-            if item is FINAL:
-                return
-            if item is not None:
+            for item in self.inbox.take(1.0):
+                if item is FINAL:
+                    return
                 self._log_step(item)
             now = time.monotonic()
             if self.world.rank == 0 and now >= next_status:
@@ -256,15 +257,10 @@ class ControlLoop:
         next_poll = next_status = 0.0
         final = False
         while not final:
-            try:
-                item = self.inbox.get(timeout=0.2)
-                items = [item]
-                with contextlib.suppress(queue.Empty):
-                    while True:
-                        items.append(self.inbox.get_nowait())
-            except queue.Empty:
-                items = []
-            for item in items:
+            # sleep until this rank's part of the next round is in (or a poll is due):
+            # one wake-up per round, not per step
+            self.inbox.wake_at = max(1, builder.missing(self._round_steps()))
+            for item in self.inbox.take(WAKE_EVERY_S):
                 if item is FINAL:
                     final = True
                     continue
@@ -277,24 +273,35 @@ class ControlLoop:
             if self.world.rank == 0 and now >= next_poll:
                 next_poll = now + control.poll_interval_s
                 self._poll_requests()
-            while builder.ready():
-                self._run_round(builder.take(), final=False)
+            # the round size follows the median, which each round may move
+            while builder.ready(self._round_steps()):
+                self._run_round(builder.take(self._round_steps()), final=False)
             # the last steps' evidence rides in the final round and the rounds after it
             if final and (builder.pending_steps() or self.evidence.final_rounds):
-                more = self._run_round(builder.take(final=True), final=True, builder=builder)
+                size = self._round_steps()
+                more = self._run_round(builder.take(size, final=True), final=True, builder=builder)
                 for _ in range(MAX_EVIDENCE_ROUNDS):
                     if not more:
                         break
-                    more = self._run_round(builder.take(final=True), final=True, builder=builder)
+                    size = self._round_steps()
+                    round_ = builder.take(size, final=True)
+                    more = self._run_round(round_, final=True, builder=builder)
             if self.world.rank == 0 and (now >= next_status or final):
                 next_status = now + control.status_interval_s
                 self._write_status("running")
+
+    def _round_steps(self) -> int:
+        """Steps the next round covers (the same on every rank: see `steps_per_round`)."""
+        consensus = self.config.consensus
+        most = min(consensus.batch_steps, max(1, self.config.tracer.history_steps // 2))
+        return steps_per_round(self.detector.median_ms, consensus.interval_ms, most)
 
     def _run_round(
         self, local: LocalRound, *, final: bool, builder: RoundBuilder | None = None
     ) -> bool:
         """One round; returns whether any rank has evidence left (final rounds only)."""
         assert self.group is not None
+        began = time.perf_counter_ns()
         flags = FLAG_FINAL if final else 0
         if final and builder is not None and builder.evidence_backlog():
             flags |= FLAG_MORE_EVIDENCE
@@ -315,13 +322,28 @@ class ControlLoop:
         timeout = None
         if final:
             timeout = min(self.config.consensus.timeout_s, FINAL_ROUND_TIMEOUT_S)
+        row = encode_round(local, batch)
         self._round_began = time.monotonic()
-        matrix = self.group.all_gather(encode_round(local, batch), timeout_s=timeout)
+        waited = time.perf_counter_ns()
+        matrix = self.group.all_gather(row, timeout_s=timeout)
+        waited = time.perf_counter_ns() - waited  # the GIL is released while waiting
         result = decode_round(matrix, batch, with_evidence=self.world.rank == 0)
         if offered is not None:
             self._offered_request = None
         self._after_round(result)
+        self._charge(time.perf_counter_ns() - began - waited)
         return bool(result.ranks_with(FLAG_MORE_EVIDENCE))
+
+    def _charge(self, spent_ns: int) -> None:
+        """Charge a heavy round to the steps it overlapped, like capture work: holding the
+        GIL, it may have slowed the training thread, and such a step must not be judged.
+        Heavy: a quarter of the median step (a step is anomalous from half of it over the
+        median at the default multiplier), or 1 ms before a median exists."""
+        median = self.detector.median_ms
+        heavy_ms = median / 4 if median is not None and math.isfinite(median) else 1.0
+        if spent_ns >= heavy_ms * 1e6:
+            self.health.control_busy_ns += spent_ns
+            self.rounds_charged += 1
 
     def _after_round(self, result: RoundResult) -> None:
         self._recent.extend(result.samples)

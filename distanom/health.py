@@ -24,6 +24,8 @@ class Health:
         self.capture_off_reason: str | None = None  # this rank stopped writing captures
         self.consensus_error: str | None = None  # no consensus: no rank captures
         self.capture: CaptureWorker | None = None  # made by the control thread at need
+        # the control thread's heavy rounds so far (monotonic ns), charged like capture work
+        self.control_busy_ns = 0
         self._warned: set[str] = set()
 
     def warn_once(self, key: str, message: str, *args: Any) -> None:

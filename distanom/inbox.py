@@ -1,0 +1,46 @@
+"""The hand-over of resolved steps from the training thread to the control thread.
+
+The training thread appends a `boundary.StepRecord` per resolved step (and `FINAL` at
+the end); the control thread takes everything queued at once. Appending wakes the
+control thread only when it asked for that many items (`wake_at`), or for the end:
+waking it at every step would make it take the GIL from a launch-bound training thread
+at every step, which costs that thread more than the work the wake-up does
+(docs/agent.md, "The control thread wakes per round, not per step").
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+
+class StepInbox:
+    """A queue whose consumer is woken by count, not by every item (see the module
+    docstring). One producer, one consumer; unbounded, as the consumer drains it."""
+
+    def __init__(self, end: object) -> None:
+        self._end = end  # the item that always wakes the consumer
+        self._items: collections.deque[Any] = collections.deque()
+        self._ready = threading.Event()
+        self.wake_at = 1  # wake the consumer once this many items are queued
+
+    def put(self, item: Any) -> None:
+        """Queue an item (training thread); O(1), wakes the consumer only when due."""
+        items = self._items
+        items.append(item)
+        if item is self._end or len(items) >= self.wake_at:
+            self._ready.set()
+
+    def take(self, timeout_s: float) -> list[Any]:
+        """Wait up to `timeout_s` to be woken, then return everything queued (maybe [])."""
+        self._ready.wait(timeout_s)
+        self._ready.clear()  # before draining: an item queued meanwhile wakes the next wait
+        items = self._items
+        out = []
+        while items:
+            out.append(items.popleft())
+        return out
+
+    def __len__(self) -> int:
+        return len(self._items)
