@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from distanom.anomaly_journal import AnomalyJournal
 from distanom.config import CaptureConfig, DetectConfig
 from distanom.consensus import (
     LocalRound,
@@ -39,7 +40,6 @@ from distanom.consensus import (
     row_length,
 )
 from distanom.detect import Detector
-from distanom.anomaly_journal import AnomalyJournal
 from distanom.records.anomalies import StepEvidence
 
 

@@ -111,6 +111,7 @@ class ControlLoop:
         self.evidence = EvidenceTier(boundaries.evidence_marks, world.world_size, health.warn_once)
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
         self.hang_watch: HangWatch | None = None  # told when a round fails
+        self.rounds = 0  # rounds run
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
 
     # -- life cycle (called from the training thread) ----------------------------------
@@ -302,6 +303,7 @@ class ControlLoop:
         """One round; returns whether any rank has evidence left (final rounds only)."""
         assert self.group is not None
         began = time.perf_counter_ns()
+        self.rounds += 1
         flags = FLAG_FINAL if final else 0
         if final and builder is not None and builder.evidence_backlog():
             flags |= FLAG_MORE_EVIDENCE

@@ -33,7 +33,7 @@ class StepRow:
     duration_ms: float
     traced: bool
     after_flush: bool
-    self_ms: float  # distanom's capture work during the step
+    self_ms: float  # distanom's own heavy work during the step (capture, heavy rounds)
     gc_ms: float = 0.0  # Python garbage collection during the step (host time)
     gc_generation: int = -1  # the highest generation collected, -1 for none
     skipped: bool = False  # the iteration's optimizer step was skipped (inf/nan gradients)

@@ -1,0 +1,119 @@
+"""Rounds paced in time: the control thread wakes per round, not per step; a round covers
+about `consensus.interval_ms` of steps; a heavy round is charged to the training steps."""
+
+from __future__ import annotations
+
+import csv
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distanom import control_loop
+from distanom.agent import Agent
+from distanom.config import load_config
+from distanom.consensus import RoundBuilder, steps_per_round
+from distanom.inbox import StepInbox
+from distanom.world import WorldInfo
+
+END = object()
+
+
+def timed_take(inbox: StepInbox, timeout_s: float) -> tuple[list[object], float]:
+    began = time.monotonic()
+    items = inbox.take(timeout_s)
+    return items, time.monotonic() - began
+
+
+def test_the_inbox_wakes_its_reader_only_when_enough_is_queued_or_at_the_end() -> None:
+    inbox = StepInbox(END)
+    inbox.wake_at = 3
+    inbox.put(1)
+    inbox.put(2)
+    items, waited = timed_take(inbox, 0.3)
+    assert items == [1, 2] and waited >= 0.25  # not woken: the timeout ended the wait
+    for item in (3, 4, 5):
+        inbox.put(item)
+    items, waited = timed_take(inbox, 5.0)
+    assert items == [3, 4, 5] and waited < 1.0
+    inbox.put(END)
+    items, waited = timed_take(inbox, 5.0)
+    assert items == [END] and waited < 1.0
+
+
+def test_an_item_queued_while_the_reader_drains_wakes_its_next_wait() -> None:
+    inbox = StepInbox(END)
+    inbox.wake_at = 1
+    threading.Thread(target=lambda: [inbox.put(i) for i in range(1000)]).start()
+    seen: list[object] = []
+    deadline = time.monotonic() + 10
+    while len(seen) < 1000 and time.monotonic() < deadline:
+        seen += inbox.take(1.0)
+    assert seen == list(range(1000))
+
+
+@pytest.mark.parametrize(
+    ("median_ms", "expected"),
+    [(None, 1), (float("nan"), 1), (400.0, 1), (20.0, 2), (7.0, 7), (0.4, 8)],
+)
+def test_a_round_covers_about_the_interval_at_the_median(
+    median_ms: float | None, expected: int
+) -> None:
+    assert steps_per_round(median_ms, 50.0, 8) == expected
+
+
+def test_the_builder_takes_rounds_of_the_size_asked() -> None:
+    builder = RoundBuilder(batch_steps=8)
+    for step in range(1, 6):
+        builder.add(step, 10.0 + step, 0)
+    assert builder.ready(4) and not builder.ready(6) and builder.missing(6) == 1
+    first = builder.take(4)
+    assert first.first_step == 1 and first.durations_ms == (11.0, 12.0, 13.0, 14.0)
+    assert builder.missing(3) == 2 and not builder.ready(3)
+    last = builder.take(3, final=True)  # what is left of the next 3 steps
+    assert last.first_step == 5 and last.durations_ms == (15.0,)
+    assert builder.next_first == 8
+
+
+def run_agent(tmp_path: Path, steps: int, step_s: float) -> Agent:
+    config = load_config(
+        None, ["tracer.backend=none", "detect.warmup_steps=0", "detect.min_steps=5"]
+    )
+    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    agent.install()
+    layer = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    try:
+        for _ in range(steps):
+            layer(torch.ones(2, 4)).sum().backward()
+            time.sleep(step_s)
+            optimizer.step()
+    finally:
+        agent.close()
+    return agent
+
+
+def test_a_fast_loop_is_gathered_in_rounds_of_several_steps(tmp_path: Path) -> None:
+    agent = run_agent(tmp_path, 240, 0.002)  # ~2 ms steps: 50 ms is 8 steps (the most)
+    assert agent.control.detector.counts.judged >= 200  # every step still judged
+    assert agent.control.rounds <= 240 / 4, agent.control.rounds
+
+
+def test_a_heavy_round_is_charged_to_the_steps_it_overlapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decode = control_loop.decode_round
+
+    def slow_decode(*args: object, **kwargs: object) -> object:
+        time.sleep(0.03)  # stands for a round that holds the training thread's GIL
+        return decode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(control_loop, "decode_round", slow_decode)
+    agent = run_agent(tmp_path, 120, 0.002)
+    assert agent.control.rounds_charged >= 3
+    assert agent.run is not None
+    with open(agent.run.steps_csv(0)) as handle:
+        charged = [float(row["self_ms"]) for row in csv.DictReader(handle)]
+    assert sum(1 for ms in charged if ms >= 25.0) >= 3
