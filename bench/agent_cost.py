@@ -393,11 +393,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda":
+        args.device = "cuda:0"  # set_device and the facts want an index
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
             print("agent_cost: --device cuda but no CUDA device is available", file=sys.stderr)
             return 2
         torch.cuda.set_device(args.device)
+    elif args.device != "cpu":
+        print(f"agent_cost: --device {args.device}: cuda, cuda:N or cpu", file=sys.stderr)
+        return 2
     else:
         args.small = True
         torch.set_num_threads(1)  # the shared CPU: one thread is less noisy

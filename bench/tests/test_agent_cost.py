@@ -112,6 +112,7 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         (["--variants", "off,nosuch"], "nosuch"),
         (["--define", "x", "tracer.backend=bogus"], "tracer.backend"),
         (["--steps", "0"], "--steps"),
+        (["--device", "tpu"], "--device"),
     ):
         done = _run(tmp_path, *args, "--out", str(tmp_path))
         assert done.returncode == 2
