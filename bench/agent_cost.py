@@ -39,7 +39,8 @@ A failing variant is recorded (its error string) and the others go on; warnings 
 logs during a block (a part that stepped aside, and why) are kept with the block. No new
 round starts once it would end after `--budget-s`; the JSON is rewritten after every
 round, so a killed run keeps what was done. Output: `--out` (a `.json` file, or a folder
-that gets `agent_cost.json`) and a short table on stdout.
+that gets `agent_cost.json`) and a short table on stdout. The JSON names the distanom
+commit (git, or $DISTANOM_COMMIT where the tree was copied without its .git).
 """
 
 from __future__ import annotations
@@ -215,7 +216,9 @@ def summarize(rounds: list[dict[str, Any]], variants: list[str]) -> dict[str, An
 
 
 def git_commit() -> str | None:
-    """The checkout's commit (with `+dirty` when it has changes), None without git."""
+    """The checkout's commit (with `+dirty` when it has changes); where there is no git
+    checkout (a copied tree), $DISTANOM_COMMIT, else None."""
+    fallback = os.environ.get("DISTANOM_COMMIT") or None
     try:
         head = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "HEAD"],
@@ -224,14 +227,14 @@ def git_commit() -> str | None:
             timeout=10,
         )
         if head.returncode != 0:
-            return None
+            return fallback
         dirty = subprocess.run(
             ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
             capture_output=True, text=True, timeout=10,
         )  # fmt: skip
         return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
-        return None
+        return fallback
 
 
 def facts(device: str) -> dict[str, Any]:
