@@ -9,12 +9,18 @@ readers keep the buffer small and read it rarely.
 - `enable_from_env` runs in `distanom.launch` before the script (and so before any
   process group exists): it sets `TORCH_FR_BUFFER_SIZE` unless the user set it or
   `TORCH_NCCL_TRACE_BUFFER_SIZE` already, and says which in the log. Never overrides.
-- `read_entries` returns the buffer as `FrEntry` values, bounded and tolerant of
-  versions that lack a field (missing numbers read as -1 / 0); it returns () where
-  torch has no Flight Recorder. General on purpose: the hang diagnosis reads it too.
+- `read_dump` is the one reader: the buffer as `FrEntry` values, bounded and tolerant
+  of versions that lack a field (missing numbers read as -1 / 0), and when there are
+  none, why. `read_entries` is its quiet form, for the evidence tier's per-round read.
 - `StepCollectives` is the per-step O(1) summary the evidence tier carries.
+- `read_groups` / `group_summaries` are the hang record's view (docs/hangs.md): per
+  process group of the script, the last enqueued and completed sequence ids, the
+  collectives in flight and the latest few. The dump needs no process group, so it
+  works while the script's group is stuck. distanom's own consensus group is left out:
+  it is built directly, not registered with torch.distributed, so its entries carry an
+  empty group name (every registered group, the default one included, has a name).
 
-Imports torch only inside `read_entries` (agent side; the report never calls it).
+Imports torch only inside `read_dump` (agent side; the report never calls it).
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
+
+from distanom.records.hangs import Collective, GroupCollectives
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,10 @@ DEFAULT_BUFFER = 256
 _START_NOTE = ""
 # The most entries one read converts, whatever size the user chose for the buffer.
 MAX_ENTRIES = 4096
+# A dump larger than this is not parsed (a buffer of a few thousand entries is ~1 MB).
+MAX_DUMP_BYTES = 64 << 20
+# Input sizes kept per entry: enough to tell collectives apart, bounded whatever the op.
+MAX_SIZES = 4
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,22 @@ class FrEntry:
     time_completed_ns: int  # 0 where not discovered
     thread_id: str
     is_p2p: bool = False
+    retired: bool = False  # the process group is done with it (it completed or failed)
+    pg_desc: str = ""  # the group's description, e.g. "default_pg"
+    input_sizes: tuple[Any, ...] = ()  # the first MAX_SIZES input shapes (read on request)
+
+    @property
+    def completed(self) -> bool:
+        """Whether the collective is over on this rank."""
+        return self.retired or self.state == "completed"
+
+
+@dataclass(frozen=True)
+class FrDump:
+    """One read of the buffer: its entries and, when there are none, why."""
+
+    entries: tuple[FrEntry, ...]
+    note: str | None = None
 
 
 def enable_from_env(environ: MutableMapping[str, str] | None = None) -> str:
@@ -95,26 +123,52 @@ def buffer_size(environ: Mapping[str, str] | None = None) -> int:
 def read_entries(limit: int = MAX_ENTRIES) -> tuple[FrEntry, ...]:
     """This process's Flight Recorder entries, oldest first, at most `limit` of the newest
     (() where torch has none or the read fails)."""
+    return read_dump(limit).entries
+
+
+def read_dump(limit: int = MAX_ENTRIES, *, sizes: bool = False) -> FrDump:
+    """This process's Flight Recorder entries (as `read_entries`; input sizes only with
+    `sizes`) and, when there are none, why (not in this torch, the dump failed or was
+    too large, recording is off)."""
     try:
         from torch._C import _distributed_c10d as c10d
 
         dump = getattr(c10d, "_dump_fr_trace")  # noqa: B009 (private, absent on old torch)
-    except (ImportError, AttributeError):
-        return ()
+    except ImportError:
+        return FrDump((), "torch has no distributed support")
+    except AttributeError:
+        return FrDump((), "this torch has no Flight Recorder dump")
     try:
         raw = dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
     except TypeError:  # an older signature
         try:
             raw = dump()
-        except Exception:
-            return ()
-    except Exception:
-        return ()
-    return parse_dump(raw, limit)
+        except Exception as err:
+            return FrDump((), _failed(err))
+    except Exception as err:  # the C++ side raises RuntimeError subclasses
+        return FrDump((), _failed(err))
+    if isinstance(raw, (bytes, bytearray)) and len(raw) > MAX_DUMP_BYTES:
+        return FrDump(
+            (), f"Flight Recorder dump of {len(raw)} bytes not read (over {MAX_DUMP_BYTES})"
+        )
+    entries = parse_dump(raw, limit, sizes=sizes)
+    if entries:
+        return FrDump(entries)
+    return FrDump(
+        (), "Flight Recorder is off or empty (set TORCH_FR_BUFFER_SIZE before the job starts)"
+    )
 
 
-def parse_dump(raw: bytes | Mapping[str, Any], limit: int = MAX_ENTRIES) -> tuple[FrEntry, ...]:
-    """Entries of one dump (pickled bytes or the unpickled dict); () where unreadable."""
+def _failed(err: BaseException) -> str:
+    return f"Flight Recorder dump failed: {err}".splitlines()[0]
+
+
+def parse_dump(
+    raw: bytes | Mapping[str, Any], limit: int = MAX_ENTRIES, *, sizes: bool = False
+) -> tuple[FrEntry, ...]:
+    """Entries of one dump (pickled bytes or the unpickled dict); () where unreadable.
+    Input sizes are read only with `sizes` (they cost about as much as the rest of an
+    entry, and the per-round read has no use for them)."""
     try:
         data = pickle.loads(raw) if isinstance(raw, (bytes, bytearray)) else raw
     except Exception:
@@ -122,8 +176,14 @@ def parse_dump(raw: bytes | Mapping[str, Any], limit: int = MAX_ENTRIES) -> tupl
     entries = data.get("entries") if isinstance(data, Mapping) else None
     if not isinstance(entries, list):
         return ()
-    out = [e for e in (_entry(item) for item in entries[-limit:]) if e is not None]
+    out = [e for e in (_entry(item, sizes) for item in entries[-limit:]) if e is not None]
     return tuple(out)
+
+
+def _shapes(sizes: Any) -> tuple[Any, ...]:
+    if not isinstance(sizes, (list, tuple)):
+        return ()
+    return tuple(tuple(one) if isinstance(one, (list, tuple)) else one for one in sizes[:MAX_SIZES])
 
 
 def _int(value: Any) -> int:
@@ -133,24 +193,33 @@ def _int(value: Any) -> int:
         return 0
 
 
-def _entry(item: Any) -> FrEntry | None:
+def _entry(item: Any, with_sizes: bool) -> FrEntry | None:
     if not isinstance(item, Mapping):
         return None
-    group = item.get("process_group")
-    pg_name = str(group[0]) if isinstance(group, (list, tuple)) and group else str(group or "")
-    p2p = bool(item.get("is_p2p", False))
-    seq = item.get("p2p_seq_id") if p2p else item.get("collective_seq_id")
+    get = item.get
+    group = get("process_group")
+    if isinstance(group, (list, tuple)) and group:
+        pg_name = str(group[0])
+        pg_desc = str(group[1]) if len(group) > 1 and group[1] else ""
+    else:
+        pg_name, pg_desc = str(group or ""), ""
+    p2p = bool(get("is_p2p", False))
+    sizes = get("input_sizes") if with_sizes else None
+    # positional, in field order: this runs for every buffered entry at every read
     return FrEntry(
-        record_id=_int(item.get("record_id", -1)),
-        pg_name=pg_name,
-        seq_id=_int(seq),
-        op=str(item.get("profiling_name", "")),
-        state=str(item.get("state", "")),
-        time_created_ns=_int(item.get("time_created_ns")),
-        time_started_ns=_int(item.get("time_discovered_started_ns")),
-        time_completed_ns=_int(item.get("time_discovered_completed_ns")),
-        thread_id=str(item.get("thread_id", "")),
-        is_p2p=p2p,
+        _int(get("record_id", -1)),
+        pg_name,
+        _int(get("p2p_seq_id") if p2p else get("collective_seq_id")),
+        str(get("profiling_name", "")),
+        str(get("state", "")),
+        _int(get("time_created_ns")),
+        _int(get("time_discovered_started_ns")),
+        _int(get("time_discovered_completed_ns")),
+        str(get("thread_id", "")),
+        p2p,
+        bool(get("retired")),
+        pg_desc,
+        _shapes(sizes) if sizes else (),
     )
 
 
@@ -167,3 +236,61 @@ class StepCollectives:
         self.count += 1
         if entry.time_created_ns >= self.last_created_ns:
             self.last_created_ns, self.last_seq = entry.time_created_ns, entry.seq_id
+
+
+def read_groups(max_per_group: int) -> tuple[list[GroupCollectives] | None, str | None]:
+    """The hang record's Flight Recorder view per process group of the script and, when
+    there is none, why."""
+    dump = read_dump(MAX_ENTRIES, sizes=True)
+    if not dump.entries:
+        return None, dump.note
+    groups = group_summaries(dump.entries, max_per_group)
+    if not groups:
+        return None, "Flight Recorder recorded no collective of the script's groups"
+    return groups, None
+
+
+def group_summaries(entries: Iterable[FrEntry], max_per_group: int) -> list[GroupCollectives]:
+    """Per named process group: last enqueued / completed sequence ids, the collectives
+    in flight and the latest `max_per_group` entries (p2p entries skipped: they have
+    their own sequence)."""
+    by_group: dict[str, list[Collective]] = {}
+    for entry in entries:
+        group = None if entry.is_p2p else _group_name(entry.pg_name, entry.pg_desc)
+        if group is None:
+            continue
+        sizes = [list(one) if isinstance(one, tuple) else one for one in entry.input_sizes]
+        by_group.setdefault(group, []).append(
+            Collective(
+                seq=entry.seq_id,
+                op=entry.op or "?",
+                state=entry.state or "?",
+                completed=entry.completed,
+                created_ns=entry.time_created_ns,
+                sizes=sizes,
+            )
+        )
+    out = []
+    for group, collectives in sorted(by_group.items()):
+        collectives.sort(key=lambda c: c.seq)
+        done = [c.seq for c in collectives if c.completed]
+        out.append(
+            GroupCollectives(
+                group=group,
+                last_enqueued=collectives[-1].seq,
+                last_completed=max(done) if done else -1,
+                in_flight=[c for c in collectives if not c.completed][-max_per_group:],
+                recent=collectives[-max_per_group:],
+            )
+        )
+    return out
+
+
+def _group_name(name: str, desc: str) -> str | None:
+    """A group's readable name; None for an unnamed group (distanom's own)."""
+    if not name:
+        return None
+    if desc == "default_pg":
+        return desc
+    # names are unique and the same on every rank; descriptions need not be unique
+    return f"group {name}" + (f" ({desc})" if desc and desc != "undefined" else "")

@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable
 
 from distanom.config import HangConfig
-from distanom.hang_flight_recorder import dump_flight_recorder
+from distanom.flight_recorder import read_groups
 from distanom.records.hangs import (
     CAUSE_NO_STEP,
     CAUSE_ROUND_TIMEOUT,
@@ -170,7 +170,7 @@ class HangWatch:
     def _report(
         self, cause: str, reason: str, last_step: int, silent_s: float, limit: float
     ) -> None:
-        groups, note = dump_flight_recorder(self.config.max_collectives)
+        groups, note = read_groups(self.config.max_collectives)
         record = HangRecord(
             rank=self.world.rank,
             world_size=self.world.world_size,

@@ -6,6 +6,8 @@ distanom, and run the same under plain `torchrun` and under `-m distanom.launch`
     torchrun --nproc-per-node 1 bench/workloads/loops.py amp --steps 1000 [--compile MODE]
 
 On a machine without CUDA the same loops run on the CPU (tiny sizes) for smoke tests.
+`build_loop` returns a workload as its optimizer and one step function, so an in-process
+bench (bench/agent_cost.py) can run the same loop block by block.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -42,31 +46,30 @@ def transformer(device: str, small: bool) -> tuple[torch.nn.Module, torch.Tensor
     return model, inputs, torch.randn(8, seq, d, device=device)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("workload", choices=["resnet18", "amp"])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--compile", default=None, help="torch.compile mode")
-    args = parser.parse_args()
+@dataclass(frozen=True)
+class Loop:
+    """A workload ready to train: the optimizer whose step ends a step, and one step."""
 
-    cuda = torch.cuda.is_available()
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu"
-    if cuda:
-        torch.cuda.set_device(device)
+    optimizer: torch.optim.Optimizer
+    step: Callable[[], None]
+
+
+def build_loop(workload: str, device: str, small: bool, compile_mode: str | None = None) -> Loop:
+    """The `workload` ("resnet18" or "amp") on `device`, optionally under torch.compile."""
     torch.manual_seed(0)
-    build = resnet18 if args.workload == "resnet18" else transformer
-    model, inputs, target = build(device, small=not cuda)
-    if args.compile:
-        model = torch.compile(model, mode=args.compile)  # type: ignore[assignment]
-    if args.workload == "resnet18":
+    build = resnet18 if workload == "resnet18" else transformer
+    model, inputs, target = build(device, small=small)
+    if compile_mode:
+        model = torch.compile(model, mode=compile_mode)  # type: ignore[assignment]
+    cuda = device.startswith("cuda")
+    if workload == "resnet18":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         scaler = None
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         scaler = torch.amp.GradScaler(device.split(":")[0], enabled=cuda)
-    warmup = min(100, args.steps // 5)
-    timer = StepTimer(warmup, chunk=min(100, max(5, (args.steps - warmup) // 10)))
-    for _ in range(args.steps):
+
+    def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         if scaler is None:
             loss = torch.nn.functional.mse_loss(model(inputs), target)
@@ -78,6 +81,26 @@ def main() -> None:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
+
+    return Loop(optimizer, step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("workload", choices=["resnet18", "amp"])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--compile", default=None, help="torch.compile mode")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(device)
+    loop = build_loop(args.workload, device, small=not cuda, compile_mode=args.compile)
+    warmup = min(100, args.steps // 5)
+    timer = StepTimer(warmup, chunk=min(100, max(5, (args.steps - warmup) // 10)))
+    for _ in range(args.steps):
+        loop.step()
         timer.step_end()
     timer.finish(workload=args.workload, compile=args.compile)
 

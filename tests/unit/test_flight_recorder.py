@@ -34,11 +34,25 @@ def test_parse_tolerates_missing_fields_and_garbage() -> None:
         "not an entry",
     ]  # fmt: skip
     parsed = parse_dump(pickle.dumps({"entries": entries}))
-    assert parsed[0] == FrEntry(3, "0", 4, "gloo:all_reduce", "scheduled", 99, 0, 0, "7")
+    assert parsed[0] == FrEntry(
+        3, "0", 4, "gloo:all_reduce", "scheduled", 99, 0, 0, "7", pg_desc="default_pg"
+    )
     assert parsed[1].record_id == 4 and parsed[1].time_created_ns == 0
     assert len(parsed) == 2
     assert parse_dump(b"garbage") == () and parse_dump({"entries": "x"}) == ()
     assert len(parse_dump({"entries": entries[:2]}, limit=1)) == 1
+
+
+def test_the_hang_fields_retired_and_sizes_are_read_sizes_on_request() -> None:
+    item = {"record_id": 1, "process_group": ["2", "tp"], "collective_seq_id": 5,
+            "state": "scheduled", "retired": True, "input_sizes": [[4, 8], [2]] * 3}  # fmt: skip
+    quick, full = parse_dump({"entries": [item]})[0], parse_dump({"entries": [item]}, sizes=True)[0]
+    assert quick.retired and quick.completed and quick.input_sizes == ()
+    assert full.input_sizes == ((4, 8), (2,), (4, 8), (2,))  # the first MAX_SIZES
+    assert (full.pg_name, full.pg_desc) == ("2", "tp")
+    open_entry = parse_dump({"entries": [dict(item, retired=False)]})[0]
+    assert not open_entry.completed
+    assert parse_dump({"entries": [dict(item, retired=False, state="completed")]})[0].completed
 
 
 def test_step_summary_keeps_the_last_collective() -> None:

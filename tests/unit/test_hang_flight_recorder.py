@@ -1,6 +1,7 @@
-"""The hang record's Flight Recorder summary: pure summarizing, and a real 2-process gloo
-job where one rank waits in a collective the other has not entered (the watcher thread
-keeps running and reads the in-flight collective meanwhile)."""
+"""The hang record's view of Flight Recorder (`flight_recorder.read_groups`): pure
+summarizing, and a real 2-process gloo job where one rank waits in a collective the
+other has not entered (the watcher thread keeps running and reads the in-flight
+collective meanwhile)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from distanom.hang_flight_recorder import summarize_fr
+from distanom.flight_recorder import group_summaries, parse_dump
 from tests.conftest import REPO, free_port, job_env
 
 
@@ -37,21 +38,23 @@ def test_summary_per_named_group_leaves_out_unnamed_groups_and_p2p() -> None:
             _entry(3, ["2", "tp"], True),
         ]
     }
-    groups = summarize_fr(doc, 4)
+    groups = group_summaries(parse_dump(doc, sizes=True), 4)
     assert [g.group for g in groups] == ["default_pg", "group 2 (tp)"]
     main = groups[0]
     assert (main.last_enqueued, main.last_completed) == (11, 10)
     assert [c.seq for c in main.in_flight] == [11]
     assert [c.seq for c in main.recent] == [8, 9, 10, 11]
     assert main.recent[-1].created_ns == 1011
-    assert summarize_fr({"entries": "bad"}, 4) == []
-    assert summarize_fr(None, 4) == []
+    assert main.recent[-1].sizes == [[4]] and main.recent[-1].state == "scheduled"
+    assert groups[1].last_completed == 3 and groups[1].in_flight == []  # retired: done
+    assert group_summaries(parse_dump({"entries": "bad"}, sizes=True), 4) == []
+    assert group_summaries((), 4) == []
 
 
 PROBE = r"""
 import datetime, json, os, sys, threading, time
 import torch, torch.distributed as dist
-from distanom.hang_flight_recorder import dump_flight_recorder
+from distanom.flight_recorder import read_groups
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -67,7 +70,7 @@ def watch():
     while True:
         ticks.append(time.monotonic())
         if len(ticks) == 10 and rank == 0:
-            groups, note = dump_flight_recorder(4)
+            groups, note = read_groups(4)
             seen["groups"] = [
                 {"group": g.group, "last_enqueued": g.last_enqueued,
                  "last_completed": g.last_completed, "in_flight": [c.seq for c in g.in_flight]}
@@ -122,10 +125,10 @@ def test_a_watcher_thread_reads_the_collective_a_rank_waits_in(tmp_path: Path) -
 def test_with_flight_recorder_off_there_is_a_note_not_entries(tmp_path: Path) -> None:
     code = (
         "import torch, torch.distributed as dist\n"
-        "from distanom.hang_flight_recorder import dump_flight_recorder\n"
+        "from distanom.flight_recorder import read_groups\n"
         "dist.init_process_group('gloo')\n"
         "dist.all_reduce(torch.ones(2))\n"
-        "print(dump_flight_recorder(4))\n"
+        "print(read_groups(4))\n"
         "dist.destroy_process_group()\n"
     )
     env = job_env(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
