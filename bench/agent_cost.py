@@ -136,6 +136,17 @@ def _agent_facts(agent: Agent) -> dict[str, Any]:
     return facts
 
 
+def _own_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float] | None:
+    """The agent's own time per step over the timed steps (its self-measurement: time
+    in boundaries on the training thread, CPU time of its control thread)."""
+    steps = int(after.get("steps", 0)) - int(before.get("steps", 0))
+    if steps <= 0 or "boundary_ns" not in before or "boundary_ns" not in after:
+        return None
+    boundary = (after["boundary_ns"] - before["boundary_ns"]) / steps / 1e3
+    control = (after["control_cpu_ns"] - before["control_cpu_ns"]) / steps / 1e3
+    return {"boundary_us": round(boundary, 2), "control_us": round(control, 2)}
+
+
 def run_block(
     loop: Loop, name: str, overrides: list[str] | None, warmup: int, steps: int, sync: Any
 ) -> dict[str, Any]:
@@ -160,11 +171,14 @@ def run_block(
                 loop.step()
             sync()
             record["duty_at_timed_start"] = _duty(agent)
+            own_before = agent.own_cost() if agent is not None else None
             started = time.perf_counter()
             for _ in range(steps):
                 loop.step()
             sync()
             record["ms_per_step"] = round((time.perf_counter() - started) * 1000 / steps, 4)
+            if agent is not None and own_before is not None:
+                record["own_us_per_timed_step"] = _own_delta(own_before, agent.own_cost())
         except Exception as err:
             record["error"] = f"{type(err).__name__}: {err}"[:1000]
         finally:
@@ -176,6 +190,7 @@ def run_block(
                     record["close_error"] = f"{type(err).__name__}: {err}"[:1000]
                 record["close_s"] = round(time.perf_counter() - started, 3)
                 record["duty_at_end"] = _duty(agent)
+                record["own_cost"] = agent.own_cost()  # measured by the agent itself
                 record.update(_agent_facts(agent))
             # the closed agent's inert wrapper is taken off, so wrappers do not pile up
             if had_step:
@@ -212,6 +227,15 @@ def summarize(rounds: list[dict[str, Any]], variants: list[str]) -> dict[str, An
             "max_ratio": round(max(ratios), 4) if ratios else None,
             "errors": errors,
         }
+        own = [r["blocks"][variant].get("own_us_per_timed_step") for r in rounds]
+        own = [o for o in own if o]
+        if own and times:
+            per_step_us = statistics.median(o["boundary_us"] + o["control_us"] for o in own)
+            out[variant]["own_us_per_step"] = round(per_step_us, 2)
+            # resolved where the block ratios are not: the agent's own time per step
+            out[variant]["own_pct_of_step"] = round(
+                per_step_us / 1e3 / statistics.median(times) * 100, 3
+            )
     return out
 
 

@@ -106,6 +106,10 @@ class Agent:
 
     # -- public API (training thread) --------------------------------------------------
 
+    def own_cost(self) -> dict[str, float | int | None]:
+        """distanom's own time per step on this rank, as status.json's `agent_cost`."""
+        return self.control.own_cost()
+
     @property
     def current_step(self) -> int:
         """The index of the step in progress, from 0."""

@@ -90,6 +90,7 @@ class StepBoundaries:
         self.tracer_note = "tracer: not started"
         self.tracer_started = False
         self.closed = False  # set at the end of training: later boundaries are ignored
+        self.own_ns = 0  # time spent in boundaries (this thread's cost of distanom)
         self.last_busy_ns = 0  # distanom's busy time (Health, capture) at the last boundary
         self.gc_pauses = GcPauses()
         self.evidence_marks = EvidenceMarks()
@@ -239,8 +240,10 @@ class StepBoundaries:
             return
         if not self._manual:
             self._optimizer_boundaries += 1
+        began = time.perf_counter_ns()
         try:
             self._boundary_unguarded(inside_optimizer, skipped)
+            self.own_ns += time.perf_counter_ns() - began
         except Exception as err:  # the last line of defence: never raise into training
             self._warn_once("boundary", "distanom: step bookkeeping failed (%s); disabled", err)
             self._boundaries_off = True  # close() still stops the tracer and finishes

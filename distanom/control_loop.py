@@ -112,6 +112,7 @@ class ControlLoop:
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
         self.hang_watch: HangWatch | None = None  # told when a round fails
         self.rounds = 0  # rounds run
+        self._cpu_ns = 0  # this (control) thread's CPU time, as last read on it
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
 
     # -- life cycle (called from the training thread) ----------------------------------
@@ -287,9 +288,33 @@ class ControlLoop:
                     size = self._round_steps()
                     round_ = builder.take(size, final=True)
                     more = self._run_round(round_, final=True, builder=builder)
+            self._cpu_ns = time.thread_time_ns()
             if self.world.rank == 0 and (now >= next_status or final):
                 next_status = now + control.status_interval_s
                 self._write_status("running")
+
+    def own_cost(self) -> dict[str, float | int | None]:
+        """What distanom itself costs this rank per step, measured live: time in the step
+        boundaries on the training thread, CPU time of the control thread (rounds,
+        evidence, files), and both as a percentage of the median step. Capture work and
+        the tracer's own cost are not in it (the duty cycle measures those)."""
+        steps = self.boundaries.current_step
+        if steps <= 0:
+            return {"steps": 0}
+        boundary_us = self.boundaries.own_ns / steps / 1e3
+        control_us = self._cpu_ns / steps / 1e3
+        median = self.detector.median_ms
+        pct = None
+        if median is not None and math.isfinite(median) and median > 0:
+            pct = round((boundary_us + control_us) / 1e3 / median * 100, 4)
+        return {
+            "steps": steps,
+            "boundary_ns": self.boundaries.own_ns,
+            "control_cpu_ns": self._cpu_ns,
+            "boundary_us_per_step": round(boundary_us, 2),
+            "control_us_per_step": round(control_us, 2),
+            "pct_of_median_step": pct,
+        }
 
     def _round_steps(self) -> int:
         """Steps the next round covers (the same on every rank: see `steps_per_round`)."""
@@ -528,6 +553,7 @@ class ControlLoop:
             "status_interval_s": self.config.control.status_interval_s,
             "exit_code": self._outcome[1] if state != "running" else None,
             "stragglers": self.evidence.scores(),
+            "agent_cost": self.own_cost(),
         }
 
     def _write_status(self, state: str) -> None:

@@ -67,6 +67,7 @@ class Status(TypedDict, total=False):
     status_interval_s: float
     exit_code: int | None  # the script's exit status once it ended
     stragglers: dict[str, Any] | None  # rank 0's straggler scores and drift (records.anomalies)
+    agent_cost: dict[str, Any]  # distanom's own time per step on rank 0 (ControlLoop.own_cost)
     updated_at: float  # added by `write_status`
     pid: int  # added by `write_status`
 

@@ -4,6 +4,7 @@ about `consensus.interval_ms` of steps; a heavy round is charged to the training
 from __future__ import annotations
 
 import csv
+import json
 import threading
 import time
 from pathlib import Path
@@ -117,3 +118,20 @@ def test_a_heavy_round_is_charged_to_the_steps_it_overlapped(
     with open(agent.run.steps_csv(0)) as handle:
         charged = [float(row["self_ms"]) for row in csv.DictReader(handle)]
     assert sum(1 for ms in charged if ms >= 25.0) >= 3
+
+
+def test_the_agent_measures_its_own_time_per_step(tmp_path: Path) -> None:
+    agent = run_agent(tmp_path, 120, 0.002)
+    own = agent.own_cost()
+    assert own["steps"] == 120
+    boundary, control = own["boundary_us_per_step"], own["control_us_per_step"]
+    assert isinstance(boundary, float) and isinstance(control, float)
+    assert 0 < boundary < 2000 and 0 < control < 2000  # a few to tens of us on a laptop
+    pct = own["pct_of_median_step"]
+    assert isinstance(pct, float)
+    assert pct == pytest.approx(
+        (boundary + control) / 1e3 / agent.control.detector.median_ms * 100, rel=0.01
+    )
+    assert agent.run is not None
+    status = json.loads((agent.run.path / "status.json").read_text())
+    assert status["agent_cost"]["steps"] == 120
