@@ -1,0 +1,343 @@
+"""Where a tracing budget goes beyond the duty cycle: the steps detection predicts slow.
+
+Owns the rule that sorts anomalies into classes (periodic, lasting slowdown, one-off) and
+the plan of extra traced steps that follows from it (docs/budget.md):
+
+- Episodes: anomalous steps at most `merge_gap_steps` apart are one episode, as the
+  detector groups them. An episode of `lasting_min_steps` or more anomalous steps is a
+  lasting slowdown; when none of its steps was traced, the next `episode_steps` steps
+  are traced at once (the detector then captures one of them).
+- Recurrence: episode starts whose gaps repeat within 2 x `tolerance_steps` (three
+  starts, two alike gaps: each start may be off by the tolerance) make a series;
+  several series are learned at once (an evaluation every 200 steps, a checkpoint every
+  500). Each predicted next start gets a window of 2 x tolerance + 1 traced steps; the
+  prediction follows the series' phase (half-way between where a start was expected and
+  where it came), so a start off by a step does not shift the next window by one. A
+  series whose recent predictions miss at least as often as they hit (and twice or
+  more) is dropped: it was a coincidence, or it ended.
+- Budget: the planned steps are charged to the same budget as the duty cycle, at the
+  costs the overhead governor measured (a traced step's extra time, a switch on and
+  off). The planner may spend `share` of the budget plus a small advance
+  (`advance_step_times`); past that it declines windows until the budget has grown.
+  What it spends is taken from the governor's credit, so the duty cycle traces less.
+
+Pure and deterministic: no torch, no clock, no I/O. Every rank feeds it the same judged
+steps, the same gathered and host steps and the same measured costs, in the same order,
+so every rank plans the same steps. Planned steps start no earlier than `earliest` (the
+furthest rank's host step plus a lead), so every rank learns of them before reaching
+them. Memory is bounded: the last `kept_starts` episode starts and `max_series` series.
+The report (`distanom.analysis.anomalies`) classifies recorded anomalies with
+`classify_steps`, the same rule run over a whole run.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+PERIODIC = "periodic"
+LASTING = "lasting_slowdown"
+ONE_OFF = "one_off"
+CLASSES = (PERIODIC, LASTING, ONE_OFF)  # in the order the report lists them
+# as a reader of the report names them
+CLASS_LABELS = {PERIODIC: "periodic", LASTING: "lasting slowdown", ONE_OFF: "one-off"}
+
+
+@dataclass(frozen=True)
+class PlannerParams:
+    """Tuning of the plan: tolerance of periods, window sizes, the planner's budget share."""
+
+    tolerance_steps: int = 1  # a start this far from its prediction is traced; half a window
+    min_period_steps: int = 8  # shorter gaps are not learned as periods
+    max_period_steps: int = 1_000_000
+    kept_starts: int = 32  # episode starts remembered for learning periods
+    max_series: int = 8
+    recent_outcomes: int = 6  # predictions per series a drop is judged on
+    lead_steps: int = 4  # planned steps start this far after the furthest host step
+    episode_steps: int = 8  # traced at once when a lasting slowdown went untraced
+    lasting_min_steps: int = 2  # anomalous steps that make an episode a lasting slowdown
+    share: float = 0.8  # of the budget the planner may spend; the duty cycle keeps the rest
+    advance_step_times: float = 6.0  # spent ahead of the budget, so the first plans happen
+
+    def __post_init__(self) -> None:
+        if self.tolerance_steps < 0 or self.min_period_steps < 4 * self.tolerance_steps + 2:
+            raise ValueError("tolerance_steps >= 0 and min_period_steps >= 4 x tolerance + 2")
+        if self.kept_starts < 3 or self.max_series < 1 or self.recent_outcomes < 2:
+            raise ValueError("kept_starts >= 3, max_series >= 1, recent_outcomes >= 2")
+        if self.episode_steps < 1 or self.lasting_min_steps < 2 or self.lead_steps < 0:
+            raise ValueError("episode_steps >= 1, lasting_min_steps >= 2, lead_steps >= 0")
+        if not 0 < self.share <= 1 or self.advance_step_times < 0:
+            raise ValueError("share in (0, 1], advance_step_times >= 0")
+
+
+@dataclass
+class Series:
+    """A learned period: starts expected at anchor + k x period (k >= 1)."""
+
+    period: int
+    anchor: float  # the series' phase at its latest start that matched
+    outcomes: collections.deque[bool]  # recent predictions: True hit, False missed
+    missed_since_anchor: int = 0  # predictions after the anchor already counted missed
+    scheduled: int = -1  # the latest predicted start traced for
+    declined: int = -1  # the latest predicted start the budget could not serve
+
+    def predicted_after(self, step: int) -> int:
+        """The first predicted start at or after `step`."""
+        k = max(1, math.ceil((step - self.anchor) / self.period))
+        while round(self.anchor + k * self.period) < step:
+            k += 1
+        return round(self.anchor + k * self.period)
+
+
+class SeriesLearner:
+    """Periods learned from episode starts, fed in step order (`observe`, `expire`)."""
+
+    def __init__(self, params: PlannerParams) -> None:
+        self.params = params
+        self._starts: collections.deque[int] = collections.deque(maxlen=params.kept_starts)
+        self.series: list[Series] = []
+
+    def observe(self, start: int) -> list[int]:
+        """Add an episode start; returns the starts it shows periodic (itself, and the
+        two earlier starts of a series it completes), [] if none."""
+        tol = 2 * self.params.tolerance_steps
+        periodic: list[int] = []
+        matched_periods = []
+        for series in self.series:
+            k = round((start - series.anchor) / series.period)
+            expected = series.anchor + k * series.period
+            if k >= 1 and abs(start - expected) <= tol:
+                series.anchor, series.missed_since_anchor = (start + expected) / 2, 0
+                series.outcomes.append(True)
+                matched_periods.append(series.period)
+                periodic = [start]
+        # a start an existing series explains makes no new one: with two series, their
+        # starts side by side form coincidental triples (200, 400, 500, 600: "every 100")
+        for p in reversed(self._starts if not matched_periods else ()):
+            gap = start - p
+            if gap < self.params.min_period_steps:
+                continue
+            if gap > self.params.max_period_steps:
+                break
+            q = next((q for q in self._starts if q < p and abs(p - q - gap) <= tol), None)
+            if q is None or any(abs(m - gap) <= tol for m in matched_periods):
+                continue  # none, or this round already made a series of it
+            if any(abs(s.period - gap) <= tol for s in self.series):
+                continue  # known (a missed start left the series' phase behind: it resyncs)
+            period = round((start - q) / 2)
+            outcomes: collections.deque[bool] = collections.deque(
+                maxlen=self.params.recent_outcomes
+            )
+            self.series.append(Series(period, float(start), outcomes))
+            matched_periods.append(period)
+            periodic = sorted({*periodic, q, p, start})
+        if len(self.series) > self.params.max_series:  # keep the best-supported ones
+            self.series.sort(key=lambda s: -sum(s.outcomes))
+            del self.series[self.params.max_series :]
+        self._starts.append(start)
+        return periodic
+
+    def expire(self, through: int) -> None:
+        """Count the predictions whose window ended by step `through` with no start as
+        misses; drop a series that misses at least as often as it hits, twice or more."""
+        tol = self.params.tolerance_steps
+        kept = []
+        for series in self.series:
+            passed = max(0, math.floor((through - 2 * tol - series.anchor) / series.period))
+            for _ in range(passed - series.missed_since_anchor):
+                series.outcomes.append(False)
+            series.missed_since_anchor = max(passed, series.missed_since_anchor)
+            misses = sum(1 for hit in series.outcomes if not hit)
+            if misses >= 2 and misses >= len(series.outcomes) - misses:
+                continue
+            kept.append(series)
+        self.series = kept
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What tracing costs, in step times: a traced step's extra time, switching on and
+    off once, and one traced window of the duty cycle (the governor's unit of credit)."""
+
+    traced_step: float
+    switch: float
+    window: float
+
+
+# Before the governor has measured anything: a traced step +25%, a switch pair a step and a
+# half (CUPTI's ~13 ms on a ~10 ms launch-bound step): pessimistic, so early plans are few.
+DEFAULT_COSTS = Costs(traced_step=0.25, switch=1.5, window=16 * 0.25)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Steps to trace (sorted) and their cost, in the governor's traced windows."""
+
+    steps: tuple[int, ...] = ()
+    charge_windows: float = 0.0
+
+
+@dataclass
+class PlannerCounts:
+    """What the planner did over the run (for status.json)."""
+
+    series_learned: int = 0
+    periodic_windows: int = 0
+    episode_windows: int = 0
+    steps_planned: int = 0
+    declined: int = 0  # windows the budget could not pay for
+    spent_step_times: float = 0.0
+
+
+@dataclass
+class _Episode:
+    first: int
+    last: int
+    steps: int = 1
+    traced: bool = False
+    periodic: bool = False
+    asked: bool = False
+
+
+@dataclass
+class TracePlanner:
+    """Plans traced steps around predicted anomalies within a share of the budget."""
+
+    budget_pct: float
+    merge_gap_steps: int
+    params: PlannerParams = field(default_factory=PlannerParams)
+    counts: PlannerCounts = field(default_factory=PlannerCounts)
+
+    def __post_init__(self) -> None:
+        if not self.budget_pct > 0 or self.merge_gap_steps < 0:
+            raise ValueError("budget_pct > 0 and merge_gap_steps >= 0")
+        self.learner = SeriesLearner(self.params)
+        self._episode: _Episode | None = None
+        self._planned: set[int] = set()  # planned steps not yet passed
+
+    def plan(
+        self,
+        judged: Iterable[tuple[int, bool]],
+        through: int,
+        furthest_host: int,
+        recorded_steps: int,
+        costs: Callable[[], Costs],
+    ) -> Plan:
+        """One round: the anomalous steps judged in it ((step, traced), in order), the
+        last judged step, the furthest rank's host step, the steps recorded so far (the
+        budget grows with them) and the measured costs (asked only when a window is
+        planned). Returns the steps to trace from now on and their charge."""
+        earliest = max(through, furthest_host) + 1 + self.params.lead_steps
+        self._planned = {s for s in self._planned if s >= earliest}
+        wanted: list[tuple[list[int], Series | None]] = []  # steps; the series or None
+        for step, traced in judged:
+            episode = self._episode
+            if episode is None or step - episode.last - 1 > self.merge_gap_steps:
+                before = len(self.learner.series)
+                periodic = bool(self.learner.observe(step))
+                self.counts.series_learned += max(0, len(self.learner.series) - before)
+                episode = self._episode = _Episode(step, step, periodic=periodic)
+            else:
+                episode.steps += 1
+                episode.last = step
+            episode.traced = episode.traced or traced
+            if episode.steps >= self.params.lasting_min_steps and not (
+                episode.traced or episode.periodic or episode.asked
+            ):
+                episode.asked = True  # once per episode, served or declined
+                span = range(earliest, earliest + self.params.episode_steps)
+                wanted.append((list(span), None))
+        self.learner.expire(through)
+        tol = self.params.tolerance_steps
+        for series in self.learner.series:
+            start = series.predicted_after(earliest)
+            if start - series.period >= earliest - tol and start - series.period > series.anchor:
+                start -= series.period  # its window only partly passed: still worth it
+            if start <= series.scheduled:
+                continue
+            steps = list(range(max(start - tol, earliest), start + tol + 1))
+            wanted.append((steps, series))
+        if not wanted:
+            return Plan()
+        return self._afford(wanted, recorded_steps, costs())
+
+    def _afford(
+        self,
+        wanted: Sequence[tuple[list[int], Series | None]],
+        recorded_steps: int,
+        costs: Costs,
+    ) -> Plan:
+        allowance = (
+            self.params.share * self.budget_pct / 100.0 * recorded_steps
+            + self.params.advance_step_times
+        )
+        chosen: list[int] = []
+        spent = 0.0
+        for steps, series in wanted:
+            new = [s for s in steps if s not in self._planned]
+            adjacent = any(s - 1 in self._planned or s + 1 in self._planned for s in new)
+            cost = len(new) * costs.traced_step + (0.0 if adjacent or not new else costs.switch)
+            target = steps[-1] - self.params.tolerance_steps if series is not None else -1
+            if self.counts.spent_step_times + spent + cost > allowance:
+                if series is None or series.declined != target:
+                    self.counts.declined += 1
+                if series is not None:
+                    series.declined = target
+                continue
+            spent += cost
+            chosen += new
+            self._planned.update(new)
+            if series is not None:
+                series.scheduled = target
+                self.counts.periodic_windows += 1
+            else:
+                self.counts.episode_windows += 1
+        self.counts.spent_step_times += spent
+        self.counts.steps_planned += len(set(chosen))
+        charge = spent / costs.window if costs.window > 0 else 0.0
+        return Plan(tuple(sorted(set(chosen))), charge)
+
+    def summary(self) -> dict[str, float | int]:
+        """JSON-ready counts, for the status file."""
+        out: dict[str, float | int] = dict(vars(self.counts))
+        out["spent_step_times"] = round(self.counts.spent_step_times, 3)
+        out["series"] = len(self.learner.series)
+        return out
+
+
+def episodes_of(steps: Iterable[int], merge_gap_steps: int) -> list[list[int]]:
+    """Anomalous steps (any order) grouped into episodes as the detector groups them."""
+    out: list[list[int]] = []
+    for step in sorted(set(steps)):
+        if out and step - out[-1][-1] - 1 <= merge_gap_steps:
+            out[-1].append(step)
+        else:
+            out.append([step])
+    return out
+
+
+def classify_steps(
+    steps: Iterable[int], merge_gap_steps: int, params: PlannerParams | None = None
+) -> dict[int, str]:
+    """Each anomalous step's class (PERIODIC, LASTING or ONE_OFF), by the planner's rule
+    run over the whole run: an episode whose start is part of a learned series is
+    periodic; else one of `lasting_min_steps` or more steps is a lasting slowdown."""
+    params = params or PlannerParams()
+    learner = SeriesLearner(params)
+    episodes = episodes_of(steps, merge_gap_steps)
+    periodic: set[int] = set()
+    for episode in episodes:
+        learner.expire(episode[0] - 1)
+        periodic.update(learner.observe(episode[0]))
+    out: dict[int, str] = {}
+    for episode in episodes:
+        if episode[0] in periodic:
+            kind = PERIODIC
+        elif len(episode) >= params.lasting_min_steps:
+            kind = LASTING
+        else:
+            kind = ONE_OFF
+        out.update(dict.fromkeys(episode, kind))
+    return out
