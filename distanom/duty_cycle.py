@@ -22,7 +22,14 @@ from distanom.config import Config
 from distanom.consensus import REQUEST_LEAD_STEPS
 from distanom.detect import AnomalyJudgment, StepSample
 from distanom.governor import GovernorNotReadyError, GovernorParams, OverheadGovernor
-from distanom.trace_planner import DEFAULT_COSTS, Costs, PlannerParams, TracePlanner
+from distanom.trace_planner import (
+    DEFAULT_COSTS,
+    DEFAULT_SWITCH_OFF,
+    DEFAULT_SWITCH_ON,
+    Costs,
+    PlannerParams,
+    TracePlanner,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,7 @@ class DutyCycle:
             self.planner = TracePlanner(
                 budget, config.detect.merge_gap_steps, PlannerParams(lead_steps=REQUEST_LEAD_STEPS)
             )
+        self._cached_costs: tuple[int, Costs] | None = None  # (windows recorded, costs)
         self._lock = threading.Lock()
         self._forced_on: set[int] = set()  # requested steps: traced whatever the governor says
 
@@ -102,11 +110,11 @@ class DutyCycle:
         try:
             with self._lock:
                 plan = planner.plan(
-                    [(j.step, j.traced) for j in judged],
+                    [(j.step, j.traced, j.ratio) for j in judged],
                     through_step,
                     furthest_host_step,
                     governor.steps_recorded,
-                    lambda: costs_of(governor),
+                    lambda: self._costs(governor),
                 )
                 governor.charge(plan.charge_windows)
         except Exception as err:
@@ -115,6 +123,13 @@ class DutyCycle:
             return
         if plan.steps:
             self.force(plan.steps)
+
+    def _costs(self, governor: OverheadGovernor) -> Costs:
+        """`costs_of(governor)`, worked out again only once a new window is recorded."""
+        key = governor.steps_recorded // governor.params.window_steps
+        if self._cached_costs is None or self._cached_costs[0] != key:
+            self._cached_costs = (key, costs_of(governor))
+        return self._cached_costs[1]
 
     def disable(self) -> None:
         """Stop deciding: tracing stays as it is from now on."""
@@ -140,9 +155,10 @@ def costs_of(governor: OverheadGovernor) -> Costs:
     traced = measured.traced_step
     if traced is None:
         traced = DEFAULT_COSTS.traced_step
-    switch = DEFAULT_COSTS.switch
-    if measured.switch_on is not None or measured.switch_off is not None:
-        switch = (measured.switch_on or 0.0) + (measured.switch_off or 0.0)
+    # each way measured apart: a run that starts traced has no switch on to measure
+    on, off = measured.switch_on, measured.switch_off
+    on = DEFAULT_SWITCH_ON if on is None else on
+    switch = on + (DEFAULT_SWITCH_OFF if off is None else off)
     overhead = measured.overhead
     window = DEFAULT_COSTS.window
     if overhead is not None and overhead > 0:

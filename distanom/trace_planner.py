@@ -7,14 +7,17 @@ the plan of extra traced steps that follows from it (docs/budget.md):
   detector groups them. An episode of `lasting_min_steps` or more anomalous steps is a
   lasting slowdown; when none of its steps was traced, the next `episode_steps` steps
   are traced at once (the detector then captures one of them).
-- Recurrence: episode starts whose gaps repeat within 2 x `tolerance_steps` (three
+- Recurrence: episode starts of `min_ratio` medians or more (near the threshold, noise
+  is dense enough to line up by chance) whose gaps repeat within 2 x `tolerance_steps` (three
   starts, two alike gaps: each start may be off by the tolerance) make a series;
   several series are learned at once (an evaluation every 200 steps, a checkpoint every
   500). Each predicted next start gets a window of 2 x tolerance + 1 traced steps; the
   prediction follows the series' phase (half-way between where a start was expected and
   where it came), so a start off by a step does not shift the next window by one. A
   series whose recent predictions miss at least as often as they hit (and twice or
-  more) is dropped: it was a coincidence, or it ended.
+  more) is dropped, and so is one whose first prediction missed: it was a coincidence,
+  or it ended. A series that has not hit yet spends from `probation_share` of the
+  planner's allowance at most, so coincidences cannot starve the proven series.
 - Budget: the planned steps are charged to the same budget as the duty cycle, at the
   costs the overhead governor measured (a traced step's extra time, a switch on and
   off). The planner may spend `share` of the budget plus a small advance
@@ -53,12 +56,14 @@ class PlannerParams:
     min_period_steps: int = 8  # shorter gaps are not learned as periods
     max_period_steps: int = 1_000_000
     kept_starts: int = 32  # episode starts remembered for learning periods
+    min_ratio: float = 2.0  # an episode start this slow (x median) or slower can be periodic
     max_series: int = 8
     recent_outcomes: int = 6  # predictions per series a drop is judged on
     lead_steps: int = 4  # planned steps start this far after the furthest host step
     episode_steps: int = 8  # traced at once when a lasting slowdown went untraced
     lasting_min_steps: int = 2  # anomalous steps that make an episode a lasting slowdown
     share: float = 0.8  # of the budget the planner may spend; the duty cycle keeps the rest
+    probation_share: float = 0.25  # of the planner's allowance, for series yet to hit
     advance_step_times: float = 6.0  # spent ahead of the budget, so the first plans happen
 
     def __post_init__(self) -> None:
@@ -68,8 +73,10 @@ class PlannerParams:
             raise ValueError("kept_starts >= 3, max_series >= 1, recent_outcomes >= 2")
         if self.episode_steps < 1 or self.lasting_min_steps < 2 or self.lead_steps < 0:
             raise ValueError("episode_steps >= 1, lasting_min_steps >= 2, lead_steps >= 0")
-        if not 0 < self.share <= 1 or self.advance_step_times < 0:
-            raise ValueError("share in (0, 1], advance_step_times >= 0")
+        if not (0 < self.share <= 1 and 0 < self.probation_share <= 1):
+            raise ValueError("share and probation_share in (0, 1]")
+        if self.advance_step_times < 0:
+            raise ValueError("advance_step_times >= 0")
 
 
 @dataclass
@@ -80,6 +87,7 @@ class Series:
     anchor: float  # the series' phase at its latest start that matched
     outcomes: collections.deque[bool]  # recent predictions: True hit, False missed
     missed_since_anchor: int = 0  # predictions after the anchor already counted missed
+    hits: int = 0  # starts that came where predicted, over the series' life
     scheduled: int = -1  # the latest predicted start traced for
     declined: int = -1  # the latest predicted start the budget could not serve
 
@@ -111,6 +119,7 @@ class SeriesLearner:
             if k >= 1 and abs(start - expected) <= tol:
                 series.anchor, series.missed_since_anchor = (start + expected) / 2, 0
                 series.outcomes.append(True)
+                series.hits += 1
                 matched_periods.append(series.period)
                 periodic = [start]
         # a start an existing series explains makes no new one: with two series, their
@@ -141,7 +150,8 @@ class SeriesLearner:
 
     def expire(self, through: int) -> None:
         """Count the predictions whose window ended by step `through` with no start as
-        misses; drop a series that misses at least as often as it hits, twice or more."""
+        misses; drop a series that missed before its first hit, or that misses at least
+        as often as it hits, twice or more."""
         tol = self.params.tolerance_steps
         kept = []
         for series in self.series:
@@ -150,6 +160,8 @@ class SeriesLearner:
                 series.outcomes.append(False)
             series.missed_since_anchor = max(passed, series.missed_since_anchor)
             misses = sum(1 for hit in series.outcomes if not hit)
+            if misses and not series.hits:
+                continue  # never hit: three starts lined up by chance
             if misses >= 2 and misses >= len(series.outcomes) - misses:
                 continue
             kept.append(series)
@@ -168,7 +180,8 @@ class Costs:
 
 # Before the governor has measured anything: a traced step +25%, a switch pair a step and a
 # half (CUPTI's ~13 ms on a ~10 ms launch-bound step): pessimistic, so early plans are few.
-DEFAULT_COSTS = Costs(traced_step=0.25, switch=1.5, window=16 * 0.25)
+DEFAULT_SWITCH_ON, DEFAULT_SWITCH_OFF = 1.0, 0.5
+DEFAULT_COSTS = Costs(0.25, DEFAULT_SWITCH_ON + DEFAULT_SWITCH_OFF, window=16 * 0.25)
 
 
 @dataclass(frozen=True)
@@ -189,6 +202,7 @@ class PlannerCounts:
     steps_planned: int = 0
     declined: int = 0  # windows the budget could not pay for
     spent_step_times: float = 0.0
+    probation_step_times: float = 0.0  # of which on series yet to hit
 
 
 @dataclass
@@ -219,24 +233,24 @@ class TracePlanner:
 
     def plan(
         self,
-        judged: Iterable[tuple[int, bool]],
+        judged: Iterable[tuple[int, bool, float]],
         through: int,
         furthest_host: int,
         recorded_steps: int,
         costs: Callable[[], Costs],
     ) -> Plan:
-        """One round: the anomalous steps judged in it ((step, traced), in order), the
+        """One round: the anomalous steps judged in it ((step, traced, x median), in order), the
         last judged step, the furthest rank's host step, the steps recorded so far (the
         budget grows with them) and the measured costs (asked only when a window is
         planned). Returns the steps to trace from now on and their charge."""
         earliest = max(through, furthest_host) + 1 + self.params.lead_steps
         self._planned = {s for s in self._planned if s >= earliest}
         wanted: list[tuple[list[int], Series | None]] = []  # steps; the series or None
-        for step, traced in judged:
+        for step, traced, ratio in judged:
             episode = self._episode
             if episode is None or step - episode.last - 1 > self.merge_gap_steps:
                 before = len(self.learner.series)
-                periodic = bool(self.learner.observe(step))
+                periodic = ratio >= self.params.min_ratio and bool(self.learner.observe(step))
                 self.counts.series_learned += max(0, len(self.learner.series) - before)
                 episode = self._episode = _Episode(step, step, periodic=periodic)
             else:
@@ -251,7 +265,8 @@ class TracePlanner:
                 wanted.append((list(span), None))
         self.learner.expire(through)
         tol = self.params.tolerance_steps
-        for series in self.learner.series:
+        # the budget goes to the best-proven series first
+        for series in sorted(self.learner.series, key=lambda s: -s.hits):
             start = series.predicted_after(earliest)
             if start - series.period >= earliest - tol and start - series.period > series.anchor:
                 start -= series.period  # its window only partly passed: still worth it
@@ -259,9 +274,24 @@ class TracePlanner:
                 continue
             steps = list(range(max(start - tol, earliest), start + tol + 1))
             wanted.append((steps, series))
-        if not wanted:
+        if not wanted or self.counts.spent_step_times >= self._allowance(recorded_steps):
+            if wanted:  # nothing affordable: the costs are not even asked for
+                self._decline(wanted)
             return Plan()
         return self._afford(wanted, recorded_steps, costs())
+
+    def _allowance(self, recorded_steps: int) -> float:
+        """What the planner may have spent by now, in step times."""
+        share = self.params.share * self.budget_pct / 100.0
+        return share * recorded_steps + self.params.advance_step_times
+
+    def _decline(self, wanted: Sequence[tuple[list[int], Series | None]]) -> None:
+        for steps, series in wanted:
+            target = steps[-1] - self.params.tolerance_steps
+            if series is None or series.declined != target:
+                self.counts.declined += 1  # once per window
+            if series is not None:
+                series.declined = target
 
     def _afford(
         self,
@@ -269,10 +299,8 @@ class TracePlanner:
         recorded_steps: int,
         costs: Costs,
     ) -> Plan:
-        allowance = (
-            self.params.share * self.budget_pct / 100.0 * recorded_steps
-            + self.params.advance_step_times
-        )
+        allowance = self._allowance(recorded_steps)
+        probation = self.params.probation_share * allowance
         chosen: list[int] = []
         spent = 0.0
         for steps, series in wanted:
@@ -280,12 +308,14 @@ class TracePlanner:
             adjacent = any(s - 1 in self._planned or s + 1 in self._planned for s in new)
             cost = len(new) * costs.traced_step + (0.0 if adjacent or not new else costs.switch)
             target = steps[-1] - self.params.tolerance_steps if series is not None else -1
-            if self.counts.spent_step_times + spent + cost > allowance:
-                if series is None or series.declined != target:
-                    self.counts.declined += 1
-                if series is not None:
-                    series.declined = target
+            unproven = series is not None and not series.hits
+            if self.counts.spent_step_times + spent + cost > allowance or (
+                unproven and self.counts.probation_step_times + cost > probation
+            ):
+                self._decline([(steps, series)])
                 continue
+            if unproven:
+                self.counts.probation_step_times += cost
             spent += cost
             chosen += new
             self._planned.update(new)
@@ -303,6 +333,7 @@ class TracePlanner:
         """JSON-ready counts, for the status file."""
         out: dict[str, float | int] = dict(vars(self.counts))
         out["spent_step_times"] = round(self.counts.spent_step_times, 3)
+        out["probation_step_times"] = round(self.counts.probation_step_times, 3)
         out["series"] = len(self.learner.series)
         return out
 
@@ -319,18 +350,23 @@ def episodes_of(steps: Iterable[int], merge_gap_steps: int) -> list[list[int]]:
 
 
 def classify_steps(
-    steps: Iterable[int], merge_gap_steps: int, params: PlannerParams | None = None
+    anomalies: Iterable[tuple[int, float]],
+    merge_gap_steps: int,
+    params: PlannerParams | None = None,
 ) -> dict[int, str]:
-    """Each anomalous step's class (PERIODIC, LASTING or ONE_OFF), by the planner's rule
-    run over the whole run: an episode whose start is part of a learned series is
-    periodic; else one of `lasting_min_steps` or more steps is a lasting slowdown."""
+    """Each anomalous step's class (PERIODIC, LASTING or ONE_OFF), from (step, x median)
+    pairs, by the planner's rule run over the whole run: an episode whose start is part
+    of a learned series is periodic; else one of `lasting_min_steps` or more steps is a
+    lasting slowdown."""
     params = params or PlannerParams()
+    ratios = dict(anomalies)
     learner = SeriesLearner(params)
-    episodes = episodes_of(steps, merge_gap_steps)
+    episodes = episodes_of(ratios, merge_gap_steps)
     periodic: set[int] = set()
     for episode in episodes:
         learner.expire(episode[0] - 1)
-        periodic.update(learner.observe(episode[0]))
+        if ratios[episode[0]] >= params.min_ratio:
+            periodic.update(learner.observe(episode[0]))
     out: dict[int, str] = {}
     for episode in episodes:
         if episode[0] in periodic:
