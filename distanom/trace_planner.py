@@ -16,8 +16,9 @@ the plan of extra traced steps that follows from it (docs/budget.md):
   where it came), so a start off by a step does not shift the next window by one. A
   series whose recent predictions miss at least as often as they hit (and twice or
   more) is dropped, and so is one whose first prediction missed: it was a coincidence,
-  or it ended. A series that has not hit yet spends from `probation_share` of the
-  planner's allowance at most, so coincidences cannot starve the proven series.
+  or it ended. Series that have not hit yet spend at most the advance and
+  `probation_share` of the rest of the allowance, so coincidences cannot starve the
+  proven series.
 - Budget: the planned steps are charged to the same budget as the duty cycle, at the
   costs the overhead governor measured (a traced step's extra time, a switch on and
   off). The planner may spend `share` of the budget plus a small advance
@@ -300,7 +301,9 @@ class TracePlanner:
         costs: Costs,
     ) -> Plan:
         allowance = self._allowance(recorded_steps)
-        probation = self.params.probation_share * allowance
+        # the advance stays open to a new series: its first window is the 4th start
+        advance = self.params.advance_step_times
+        probation = self.params.probation_share * (allowance - advance) + advance
         chosen: list[int] = []
         spent = 0.0
         for steps, series in wanted:
