@@ -143,8 +143,8 @@ class DutyCycle:
         with self._lock:
             report = governor.report()
             planner = self.planner
-            if planner is not None:
-                report["planner"] = planner.summary()
+            if planner is not None:  # flat: status.json's tracer holds scalars two deep
+                report.update({f"planner_{k}": v for k, v in planner.summary().items()})
             return report
 
 

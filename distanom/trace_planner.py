@@ -7,18 +7,19 @@ the plan of extra traced steps that follows from it (docs/budget.md):
   detector groups them. An episode of `lasting_min_steps` or more anomalous steps is a
   lasting slowdown; when none of its steps was traced, the next `episode_steps` steps
   are traced at once (the detector then captures one of them).
-- Recurrence: episode starts of `min_ratio` medians or more (near the threshold, noise
-  is dense enough to line up by chance) whose gaps repeat within 2 x `tolerance_steps` (three
-  starts, two alike gaps: each start may be off by the tolerance) make a series;
-  several series are learned at once (an evaluation every 200 steps, a checkpoint every
-  500). Each predicted next start gets a window of 2 x tolerance + 1 traced steps; the
-  prediction follows the series' phase (half-way between where a start was expected and
-  where it came), so a start off by a step does not shift the next window by one. A
-  series whose recent predictions miss at least as often as they hit (and twice or
-  more) is dropped, and so is one whose first prediction missed: it was a coincidence,
-  or it ended. Series that have not hit yet spend at most the advance and
-  `probation_share` of the rest of the allowance, so coincidences cannot starve the
-  proven series.
+- Recurrence: events are the steps of `min_ratio` medians or more (near the threshold,
+  noise is dense enough to line up by chance), grouped by `merge_gap_steps` like
+  episodes (a slight anomaly just before one does not move its start). Event starts
+  whose gaps repeat within 2 x `tolerance_steps` (three starts, two alike gaps: each
+  start may be off by the tolerance) make a series; several series are learned at once
+  (an evaluation every 200 steps, a checkpoint every 500). Each predicted next start
+  gets a window of 2 x tolerance + 1 traced steps; the prediction follows the series'
+  phase (half-way between where a start was expected and where it came), so a start off
+  by a step does not shift the next window by one. A series whose recent predictions
+  miss at least as often as they hit (and twice or more) is dropped, and so is one whose
+  first prediction missed: it was a coincidence, or it ended. Series that have not hit
+  yet spend at most the advance and `probation_share` of the rest of the allowance, so
+  coincidences cannot starve the proven series.
 - Budget: the planned steps are charged to the same budget as the duty cycle, at the
   costs the overhead governor measured (a traced step's extra time, a switch on and
   off). The planner may spend `share` of the budget plus a small advance
@@ -29,7 +30,7 @@ Pure and deterministic: no torch, no clock, no I/O. Every rank feeds it the same
 steps, the same gathered and host steps and the same measured costs, in the same order,
 so every rank plans the same steps. Planned steps start no earlier than `earliest` (the
 furthest rank's host step plus a lead), so every rank learns of them before reaching
-them. Memory is bounded: the last `kept_starts` episode starts and `max_series` series.
+them. Memory is bounded: the last `kept_starts` event starts and `max_series` series.
 The report (`distanom.analysis.anomalies`) classifies recorded anomalies with
 `classify_steps`, the same rule run over a whole run.
 """
@@ -56,13 +57,15 @@ class PlannerParams:
     tolerance_steps: int = 1  # a start this far from its prediction is traced; half a window
     min_period_steps: int = 8  # shorter gaps are not learned as periods
     max_period_steps: int = 1_000_000
-    kept_starts: int = 32  # episode starts remembered for learning periods
-    min_ratio: float = 2.0  # an episode start this slow (x median) or slower can be periodic
+    kept_starts: int = 32  # event starts remembered for learning periods
+    min_ratio: float = 2.0  # a step this slow (x median) or slower can be a periodic event
     max_series: int = 8
     recent_outcomes: int = 6  # predictions per series a drop is judged on
     lead_steps: int = 4  # planned steps start this far after the furthest host step
-    episode_steps: int = 8  # traced at once when a lasting slowdown went untraced
-    lasting_min_steps: int = 2  # anomalous steps that make an episode a lasting slowdown
+    episode_steps: int = 4  # traced at once when a lasting slowdown went untraced
+    # anomalous steps that make an episode a lasting slowdown: two or three side by side
+    # come by chance on a loaded host, and each would spend a window of the budget
+    lasting_min_steps: int = 4
     share: float = 0.8  # of the budget the planner may spend; the duty cycle keeps the rest
     probation_share: float = 0.25  # of the planner's allowance, for series yet to hit
     advance_step_times: float = 6.0  # spent ahead of the budget, so the first plans happen
@@ -101,7 +104,7 @@ class Series:
 
 
 class SeriesLearner:
-    """Periods learned from episode starts, fed in step order (`observe`, `expire`)."""
+    """Periods learned from event starts, fed in step order (`observe`, `expire`)."""
 
     def __init__(self, params: PlannerParams) -> None:
         self.params = params
@@ -109,7 +112,7 @@ class SeriesLearner:
         self.series: list[Series] = []
 
     def observe(self, start: int) -> list[int]:
-        """Add an episode start; returns the starts it shows periodic (itself, and the
+        """Add an event start; returns the starts it shows periodic (itself, and the
         two earlier starts of a series it completes), [] if none."""
         tol = 2 * self.params.tolerance_steps
         periodic: list[int] = []
@@ -230,6 +233,7 @@ class TracePlanner:
             raise ValueError("budget_pct > 0 and merge_gap_steps >= 0")
         self.learner = SeriesLearner(self.params)
         self._episode: _Episode | None = None
+        self._strong_last: int | None = None  # the latest step of min_ratio or more
         self._planned: set[int] = set()  # planned steps not yet passed
 
     def plan(
@@ -250,14 +254,18 @@ class TracePlanner:
         for step, traced, ratio in judged:
             episode = self._episode
             if episode is None or step - episode.last - 1 > self.merge_gap_steps:
-                before = len(self.learner.series)
-                periodic = ratio >= self.params.min_ratio and bool(self.learner.observe(step))
-                self.counts.series_learned += max(0, len(self.learner.series) - before)
-                episode = self._episode = _Episode(step, step, periodic=periodic)
+                episode = self._episode = _Episode(step, step)
             else:
                 episode.steps += 1
                 episode.last = step
             episode.traced = episode.traced or traced
+            if ratio >= self.params.min_ratio:
+                strong = self._strong_last
+                self._strong_last = step
+                if strong is None or step - strong - 1 > self.merge_gap_steps:
+                    before = len(self.learner.series)
+                    episode.periodic |= bool(self.learner.observe(step))
+                    self.counts.series_learned += max(0, len(self.learner.series) - before)
             if episode.steps >= self.params.lasting_min_steps and not (
                 episode.traced or episode.periodic or episode.asked
             ):
@@ -358,21 +366,20 @@ def classify_steps(
     params: PlannerParams | None = None,
 ) -> dict[int, str]:
     """Each anomalous step's class (PERIODIC, LASTING or ONE_OFF), from (step, x median)
-    pairs, by the planner's rule run over the whole run: an episode whose start is part
-    of a learned series is periodic; else one of `lasting_min_steps` or more steps is a
+    pairs, by the planner's rule run over the whole run: an episode holding a start of a
+    learned series is periodic; else one of `lasting_min_steps` or more steps is a
     lasting slowdown."""
     params = params or PlannerParams()
     ratios = dict(anomalies)
     learner = SeriesLearner(params)
-    episodes = episodes_of(ratios, merge_gap_steps)
+    strong = [step for step, ratio in ratios.items() if ratio >= params.min_ratio]
     periodic: set[int] = set()
-    for episode in episodes:
-        learner.expire(episode[0] - 1)
-        if ratios[episode[0]] >= params.min_ratio:
-            periodic.update(learner.observe(episode[0]))
+    for events in episodes_of(strong, merge_gap_steps):
+        learner.expire(events[0] - 1)
+        periodic.update(learner.observe(events[0]))
     out: dict[int, str] = {}
-    for episode in episodes:
-        if episode[0] in periodic:
+    for episode in episodes_of(ratios, merge_gap_steps):
+        if periodic.intersection(episode):
             kind = PERIODIC
         elif len(episode) >= params.lasting_min_steps:
             kind = LASTING
