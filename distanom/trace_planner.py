@@ -13,9 +13,9 @@ the plan of extra traced steps that follows from it (docs/budget.md):
   whose gaps repeat within 2 x `tolerance_steps` (three starts, two alike gaps: each
   start may be off by the tolerance) make a series; several series are learned at once
   (an evaluation every 200 steps, a checkpoint every 500). Each predicted next start
-  gets a window of 2 x tolerance + 1 traced steps; the prediction follows the series'
-  phase (half-way between where a start was expected and where it came), so a start off
-  by a step does not shift the next window by one. A series whose recent predictions
+  gets a window of 2 x tolerance + 1 traced steps (twice as wide while the series'
+  starts are few or jitter); the period and phase are fitted to the series' latest
+  starts, so jitter does not shift the next window. A series whose recent predictions
   miss at least as often as they hit (and twice or more) is dropped, and so is one whose
   first prediction missed: it was a coincidence, or it ended. Series that have not hit
   yet spend at most the advance and `probation_share` of the rest of the allowance, so
@@ -83,17 +83,45 @@ class PlannerParams:
             raise ValueError("advance_step_times >= 0")
 
 
+FIT_POINTS = 16  # a series' latest starts its period and phase are fitted to
+
+
 @dataclass
 class Series:
-    """A learned period: starts expected at anchor + k x period (k >= 1)."""
+    """A learned period: starts expected at anchor + k x period (k >= 1), both fitted
+    (least squares) to the latest starts, so jitter averages out and drift is followed."""
 
-    period: int
-    anchor: float  # the series' phase at its latest start that matched
+    period: float
+    anchor: float  # the fitted phase at the latest start that matched
     outcomes: collections.deque[bool]  # recent predictions: True hit, False missed
+    # (period number, start) of the latest starts, numbered from the first
+    points: collections.deque[tuple[int, int]] = field(
+        default_factory=lambda: collections.deque(maxlen=FIT_POINTS)
+    )
     missed_since_anchor: int = 0  # predictions after the anchor already counted missed
     hits: int = 0  # starts that came where predicted, over the series' life
+    residual: float = 0.0  # the largest distance of a fitted start from the fit
     scheduled: int = -1  # the latest predicted start traced for
     declined: int = -1  # the latest predicted start the budget could not serve
+
+    def add(self, index: int, start: int) -> None:
+        """A start of period number `index`: fit period and phase again."""
+        self.points.append((index, start))
+        n = len(self.points)
+        mean_i = sum(i for i, _ in self.points) / n
+        mean_t = sum(t for _, t in self.points) / n
+        spread = sum((i - mean_i) ** 2 for i, _ in self.points)
+        if spread > 0:
+            self.period = sum((i - mean_i) * (t - mean_t) for i, t in self.points) / spread
+        self.anchor = mean_t + (index - mean_i) * self.period
+        origin = self.anchor - index * self.period
+        self.residual = max(abs(t - origin - i * self.period) for i, t in self.points)
+
+    def half_width(self, tolerance: int) -> int:
+        """Steps traced each side of a predicted start: `tolerance` once four starts or
+        more fit within half a step, else twice that (jitter, or a fit of few starts)."""
+        exact = len(self.points) >= 4 and self.residual <= 0.5
+        return tolerance if exact else 2 * tolerance
 
     def predicted_after(self, step: int) -> int:
         """The first predicted start at or after `step`."""
@@ -116,12 +144,15 @@ class SeriesLearner:
         two earlier starts of a series it completes), [] if none."""
         tol = 2 * self.params.tolerance_steps
         periodic: list[int] = []
-        matched_periods = []
+        matched_periods: list[float] = []
         for series in self.series:
             k = round((start - series.anchor) / series.period)
             expected = series.anchor + k * series.period
-            if k >= 1 and abs(start - expected) <= tol:
-                series.anchor, series.missed_since_anchor = (start + expected) / 2, 0
+            # one step more than two tolerances: a period learned from three jittered
+            # starts is off by up to a step, and the first prediction carries that too
+            if k >= 1 and abs(start - expected) <= tol + 1:
+                series.add(series.points[-1][0] + k, start)
+                series.missed_since_anchor = 0
                 series.outcomes.append(True)
                 series.hits += 1
                 matched_periods.append(series.period)
@@ -139,11 +170,14 @@ class SeriesLearner:
                 continue  # none, or this round already made a series of it
             if any(abs(s.period - gap) <= tol for s in self.series):
                 continue  # known (a missed start left the series' phase behind: it resyncs)
-            period = round((start - q) / 2)
+            period = (start - q) / 2
             outcomes: collections.deque[bool] = collections.deque(
                 maxlen=self.params.recent_outcomes
             )
-            self.series.append(Series(period, float(start), outcomes))
+            series = Series(period, float(start), outcomes)
+            for index, step in enumerate((q, p, start)):
+                series.add(index, step)
+            self.series.append(series)
             matched_periods.append(period)
             periodic = sorted({*periodic, q, p, start})
         if len(self.series) > self.params.max_series:  # keep the best-supported ones
@@ -209,6 +243,16 @@ class PlannerCounts:
     probation_step_times: float = 0.0  # of which on series yet to hit
 
 
+@dataclass(frozen=True)
+class _Wanted:
+    """A window the planner would trace: its steps, and the series and predicted start
+    it is for (none for a lasting slowdown)."""
+
+    steps: list[int]
+    series: Series | None = None
+    start: int = -1
+
+
 @dataclass
 class _Episode:
     first: int
@@ -250,7 +294,7 @@ class TracePlanner:
         planned). Returns the steps to trace from now on and their charge."""
         earliest = max(through, furthest_host) + 1 + self.params.lead_steps
         self._planned = {s for s in self._planned if s >= earliest}
-        wanted: list[tuple[list[int], Series | None]] = []  # steps; the series or None
+        wanted: list[_Wanted] = []
         for step, traced, ratio in judged:
             episode = self._episode
             if episode is None or step - episode.last - 1 > self.merge_gap_steps:
@@ -271,18 +315,19 @@ class TracePlanner:
             ):
                 episode.asked = True  # once per episode, served or declined
                 span = range(earliest, earliest + self.params.episode_steps)
-                wanted.append((list(span), None))
+                wanted.append(_Wanted(list(span)))
         self.learner.expire(through)
-        tol = self.params.tolerance_steps
         # the budget goes to the best-proven series first
         for series in sorted(self.learner.series, key=lambda s: -s.hits):
-            start = series.predicted_after(earliest)
-            if start - series.period >= earliest - tol and start - series.period > series.anchor:
-                start -= series.period  # its window only partly passed: still worth it
+            tol = series.half_width(self.params.tolerance_steps)
+            # a window already partly passed still covers its start's late side
+            start = series.predicted_after(earliest - tol)
             if start <= series.scheduled:
                 continue
+            if not series.hits and series.scheduled >= 0:
+                continue  # a series yet to hit waits for its first prediction's outcome
             steps = list(range(max(start - tol, earliest), start + tol + 1))
-            wanted.append((steps, series))
+            wanted.append(_Wanted(steps, series, start))
         if not wanted or self.counts.spent_step_times >= self._allowance(recorded_steps):
             if wanted:  # nothing affordable: the costs are not even asked for
                 self._decline(wanted)
@@ -294,17 +339,17 @@ class TracePlanner:
         share = self.params.share * self.budget_pct / 100.0
         return share * recorded_steps + self.params.advance_step_times
 
-    def _decline(self, wanted: Sequence[tuple[list[int], Series | None]]) -> None:
-        for steps, series in wanted:
-            target = steps[-1] - self.params.tolerance_steps
-            if series is None or series.declined != target:
+    def _decline(self, wanted: Sequence[_Wanted]) -> None:
+        for want in wanted:
+            series = want.series
+            if series is None or series.declined != want.start:
                 self.counts.declined += 1  # once per window
             if series is not None:
-                series.declined = target
+                series.declined = want.start
 
     def _afford(
         self,
-        wanted: Sequence[tuple[list[int], Series | None]],
+        wanted: Sequence[_Wanted],
         recorded_steps: int,
         costs: Costs,
     ) -> Plan:
@@ -314,16 +359,16 @@ class TracePlanner:
         probation = self.params.probation_share * (allowance - advance) + advance
         chosen: list[int] = []
         spent = 0.0
-        for steps, series in wanted:
-            new = [s for s in steps if s not in self._planned]
+        for want in wanted:
+            series = want.series
+            new = [s for s in want.steps if s not in self._planned]
             adjacent = any(s - 1 in self._planned or s + 1 in self._planned for s in new)
             cost = len(new) * costs.traced_step + (0.0 if adjacent or not new else costs.switch)
-            target = steps[-1] - self.params.tolerance_steps if series is not None else -1
             unproven = series is not None and not series.hits
             if self.counts.spent_step_times + spent + cost > allowance or (
                 unproven and self.counts.probation_step_times + cost > probation
             ):
-                self._decline([(steps, series)])
+                self._decline([want])
                 continue
             if unproven:
                 self.counts.probation_step_times += cost
@@ -331,7 +376,7 @@ class TracePlanner:
             chosen += new
             self._planned.update(new)
             if series is not None:
-                series.scheduled = target
+                series.scheduled = want.start
                 self.counts.periodic_windows += 1
             else:
                 self.counts.episode_windows += 1
