@@ -118,10 +118,15 @@ class Series:
         self.residual = max(abs(t - origin - i * self.period) for i, t in self.points)
 
     def half_width(self, tolerance: int) -> int:
-        """Steps traced each side of a predicted start: `tolerance` once four starts or
-        more fit within half a step, else twice that (jitter, or a fit of few starts)."""
-        exact = len(self.points) >= 4 and self.residual <= 0.5
-        return tolerance if exact else 2 * tolerance
+        """Steps traced each side of a predicted start (one before it at least), once four
+        starts or more are fitted: none when they all lie on the fit (an evaluation every
+        N steps: the switches cost more than the steps, so every step saved counts),
+        `tolerance` when within a step of it; else (jitter, or few starts) twice that."""
+        if len(self.points) >= 4 and self.residual <= 0.25:
+            return 0
+        if len(self.points) >= 4 and self.residual <= 1.0:
+            return tolerance
+        return 2 * tolerance
 
     def predicted_after(self, step: int) -> int:
         """The first predicted start at or after `step`."""
@@ -320,13 +325,14 @@ class TracePlanner:
         # the budget goes to the best-proven series first
         for series in sorted(self.learner.series, key=lambda s: -s.hits):
             tol = series.half_width(self.params.tolerance_steps)
-            # a window already partly passed still covers its start's late side
-            start = series.predicted_after(earliest - tol)
+            # the first traced step carries the switch (judged as after a flush, by a
+            # wider margin): a predicted start is never a window's first step
+            start = series.predicted_after(earliest + 1)
             if start <= series.scheduled:
                 continue
             if not series.hits and series.scheduled >= 0:
                 continue  # a series yet to hit waits for its first prediction's outcome
-            steps = list(range(max(start - tol, earliest), start + tol + 1))
+            steps = list(range(max(start - max(1, tol), earliest), start + tol + 1))
             wanted.append(_Wanted(steps, series, start))
         if not wanted or self.counts.spent_step_times >= self._allowance(recorded_steps):
             if wanted:  # nothing affordable: the costs are not even asked for
