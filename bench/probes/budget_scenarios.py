@@ -86,7 +86,7 @@ def scenarios(steps: int = 12_000, seed: int = 0) -> list[Scenario]:
         Scenario(
             "episodes: lasting slowdowns (x1.6 for 400 steps, x2 for 100), and one-offs",
             steps,
-            slowdowns=[(2000, 2399, 1.6), (7000, 7099, 2.0)],
+            slowdowns=[(a := steps // 6, a + 399, 1.6), (b := steps * 7 // 12, b + 99, 2.0)],
             one_offs=one_offs,
         ),
         Scenario(
@@ -101,7 +101,7 @@ def scenarios(steps: int = 12_000, seed: int = 0) -> list[Scenario]:
             steps,
             {"eval/200": evals},
             {"eval/200": 0.040},
-            slowdowns=[(5000, 5299, 1.5)],
+            slowdowns=[(c := steps * 5 // 12, c + 299, 1.5)],
             one_offs=one_offs,
         ),
     ]
