@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from distanom.config import config_from_mapping
-from distanom.detect import STEP_AFTER_FLUSH, Detector, StepSample
+from distanom.detect import Detector, StepSample
 from distanom.duty_cycle import DutyCycle
 
 BASE_S, NOISE, TRACED_COST = 0.010, 0.02, 0.13
 SWITCH_ON_S, SWITCH_OFF_S = 0.0096, 0.0032
 LAG_STEPS = 2  # the clock resolves a step a step later, and a round takes about one more
 WINDOW_STEPS = 16
-_ = STEP_AFTER_FLUSH  # the flag the simulated switches stand for
 
 
 @dataclass
@@ -224,8 +222,3 @@ def _coverage(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 f"{sum(r[key]['within_two_windows'] for r in runs)}/{len(runs)}"
             )
     return out
-
-
-def check(results: dict[str, Any], pick: Callable[[dict[str, Any]], Any]) -> list[Any]:
-    """`pick` applied to every planner run (for tests and summaries)."""
-    return [pick(run) for per in results.values() for run in per["duty cycle + planner"]["runs"]]
