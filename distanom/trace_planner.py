@@ -164,13 +164,16 @@ class SeriesLearner:
                 periodic = [start]
         # a start an existing series explains makes no new one: with two series, their
         # starts side by side form coincidental triples (200, 400, 500, 600: "every 100")
+        known = set(self._starts)
         for p in reversed(self._starts if not matched_periods else ()):
             gap = start - p
             if gap < self.params.min_period_steps:
                 continue
             if gap > self.params.max_period_steps:
                 break
-            q = next((q for q in self._starts if q < p and abs(p - q - gap) <= tol), None)
+            # the earliest start one gap (within the tolerance) before p
+            near = range(p - gap - tol, min(p, p - gap + tol + 1))
+            q = next((q for q in near if q in known), None)
             if q is None or any(abs(m - gap) <= tol for m in matched_periods):
                 continue  # none, or this round already made a series of it
             if any(abs(s.period - gap) <= tol for s in self.series):
