@@ -5,9 +5,9 @@ requested steps; the training thread asks, at each boundary, whether the next st
 traced. With a budget, the trace planner (`distanom.trace_planner`) adds steps around
 the anomalies detection predicts, charged to the governor's budget (docs/budget.md).
 Every rank computes the same schedule from the same gathered data. The governor and the
-planner are guarded by one lock (it is only touched when a decision or a report needs it); the
-set of requested steps is read and changed by whole-set operations, which the GIL keeps
-atomic.
+planner are guarded by one lock (taken only when a decision, a plan or a report needs
+it); the set of requested steps is read and changed by whole-set operations, which the
+GIL keeps atomic.
 """
 
 from __future__ import annotations

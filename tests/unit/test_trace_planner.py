@@ -70,6 +70,15 @@ def test_a_periodic_anomaly_with_jitter_is_traced_from_its_fourth_occurrence_on(
     assert len(planned) <= 5 * len(starts)
 
 
+def test_an_exact_series_gets_the_step_before_each_start_and_the_start() -> None:
+    starts = list(range(100, 3000, 100))
+    planner = TracePlanner(5.0, merge_gap_steps=5)
+    planned, _ = run(planner, 3000, dict.fromkeys(starts, 4.0))
+    assert {398, 399, 400, 401, 402} <= planned  # three starts: a wide window
+    later = set(range(1000, 3000, 100))
+    assert {s for s in planned if 990 <= s < 2990} == later | {s - 1 for s in later}
+
+
 def test_two_series_at_once_are_both_learned() -> None:
     evals = list(range(200, 10_000, 200))
     checkpoints = list(range(500, 10_000, 500))
