@@ -407,6 +407,7 @@ class ControlLoop:
     def _fold_evidence(self, result: RoundResult) -> None:
         may_trace = self._offered_request is None and self.boundaries.tracer is not None
         judged = self.detector.take_anomalies()
+        self.duty.plan(judged, result.last_step, max((result.last_step, *result.host_steps)))
         straggler = self.evidence.fold(judged, result, may_trace=may_trace)
         if straggler is not None:  # worth one trace on every rank: it is late then too
             number = self._next_request_number

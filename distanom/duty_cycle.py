@@ -2,22 +2,36 @@
 
 The control thread feeds the overhead governor with gathered step times and schedules
 requested steps; the training thread asks, at each boundary, whether the next step is
-traced. Every rank computes the same schedule from the same gathered data. The governor
-is guarded by one lock (it is only touched when a decision or a report needs it); the
-set of requested steps is read and changed by whole-set operations, which the GIL keeps
-atomic.
+traced. With a budget, the trace planner (`distanom.trace_planner`) adds steps around
+the anomalies detection predicts, charged to the governor's budget (docs/budget.md).
+Every rank computes the same schedule from the same gathered data. The governor and the
+planner are guarded by one lock (taken only when a decision, a plan or a report needs
+it); the set of requested steps is read and changed by whole-set operations, which the
+GIL keeps atomic.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Iterable
 from typing import Any
 
 from distanom.config import Config
-from distanom.detect import StepSample
+from distanom.consensus import REQUEST_LEAD_STEPS
+from distanom.detect import AnomalyJudgment, StepSample
 from distanom.governor import GovernorNotReadyError, GovernorParams, OverheadGovernor
+from distanom.trace_planner import (
+    DEFAULT_COSTS,
+    DEFAULT_SWITCH_OFF,
+    DEFAULT_SWITCH_ON,
+    Costs,
+    PlannerParams,
+    TracePlanner,
+)
+
+log = logging.getLogger(__name__)
 
 
 class DutyCycle:
@@ -32,6 +46,15 @@ class DutyCycle:
             # and the switch would come late, mid-window
             params = GovernorParams(lag_steps=config.consensus.batch_steps + 4)
             self.governor = OverheadGovernor.from_config(config.tracer, params, first_step=1)
+        # without a budget every window but the probes is traced: nothing to plan (and a
+        # planned step in a probe window would spoil the measurement it is there for)
+        self.planner: TracePlanner | None = None
+        budget = config.tracer.overhead_budget_pct
+        if self.governor is not None and budget is not None:
+            self.planner = TracePlanner(
+                budget, config.detect.merge_gap_steps, PlannerParams(lead_steps=REQUEST_LEAD_STEPS)
+            )
+        self._cached_costs: tuple[int, Costs] | None = None  # (windows recorded, costs)
         self._lock = threading.Lock()
         self._forced_on: set[int] = set()  # requested steps: traced whatever the governor says
 
@@ -75,6 +98,39 @@ class DutyCycle:
                 seconds = step_ms / 1000.0 if math.isfinite(step_ms) else None
                 governor.record(sample.step, seconds, sample.traced, sample.after_flush)
 
+    def plan(
+        self, judged: Iterable[AnomalyJudgment], through_step: int, furthest_host_step: int
+    ) -> None:
+        """Trace the steps the planner wants after a round's judgments (`through_step`:
+        the round's last step; `furthest_host_step`: the furthest rank's training loop).
+        A failure is logged once and the planner steps aside; the duty cycle goes on."""
+        planner, governor = self.planner, self.governor
+        if planner is None or governor is None:
+            return
+        try:
+            with self._lock:
+                plan = planner.plan(
+                    [(j.step, j.traced, j.ratio) for j in judged],
+                    through_step,
+                    furthest_host_step,
+                    governor.steps_recorded,
+                    lambda: self._costs(governor),
+                )
+                governor.charge(plan.charge_windows)
+        except Exception as err:
+            self.planner = None
+            log.warning("trace planner: %s; tracing follows the duty cycle alone", err)
+            return
+        if plan.steps:
+            self.force(plan.steps)
+
+    def _costs(self, governor: OverheadGovernor) -> Costs:
+        """`costs_of(governor)`, worked out again only once a new window is recorded."""
+        key = governor.steps_recorded // governor.params.window_steps
+        if self._cached_costs is None or self._cached_costs[0] != key:
+            self._cached_costs = (key, costs_of(governor))
+        return self._cached_costs[1]
+
     def disable(self) -> None:
         """Stop deciding: tracing stays as it is from now on."""
         self.governor = None
@@ -85,4 +141,26 @@ class DutyCycle:
         if governor is None:
             return None
         with self._lock:
-            return governor.report()
+            report = governor.report()
+            planner = self.planner
+            if planner is not None:  # flat: status.json's tracer holds scalars two deep
+                report.update({f"planner_{k}": v for k, v in planner.summary().items()})
+            return report
+
+
+def costs_of(governor: OverheadGovernor) -> Costs:
+    """The planner's costs, in step times, from the governor's measurements (defaults for
+    what is not measured yet)."""
+    measured = governor.measured_costs()
+    traced = measured.traced_step
+    if traced is None:
+        traced = DEFAULT_COSTS.traced_step
+    # each way measured apart: a run that starts traced has no switch on to measure
+    on, off = measured.switch_on, measured.switch_off
+    on = DEFAULT_SWITCH_ON if on is None else on
+    switch = on + (DEFAULT_SWITCH_OFF if off is None else off)
+    overhead = measured.overhead
+    window = DEFAULT_COSTS.window
+    if overhead is not None and overhead > 0:
+        window = governor.params.window_steps * overhead
+    return Costs(traced, switch, window)

@@ -28,6 +28,11 @@ baseline, and a slow untraced window makes tracing look free. The hysteresis is 
 sided, so the budget holds: f is set to target / (1 + band / 2) and kept while the
 target stays within [f, f * (1 + band)].
 
+Tracing asked for outside the duty cycle (`distanom.trace_planner`: steps around
+predicted anomalies) is charged to the same budget (`charge`): its cost, in traced
+windows, comes off the credit of the first window whose decision the data recorded so
+far cannot make yet, the same window on every rank (docs/budget.md).
+
 Without a budget it traces every window but one in `probe_every_windows` (the first one
 after `first_probe_window` windows, past the run's start, when detection is still
 filling its baselines), so every run can still report what tracing costs.
@@ -91,6 +96,18 @@ class GovernorParams:
             raise ValueError("hysteresis in [0, 1), min_samples >= 1")
         if not 1 <= self.burst_windows <= self.max_run_windows < self.probe_every_windows:
             raise ValueError("need 1 <= burst_windows <= max_run_windows < probe_every_windows")
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Tracing's costs measured so far, as fractions of an untraced step (None: not yet):
+    a traced step's extra time, a switch on and a switch off, and the overhead per traced
+    step with the duty cycle's switches spread over its windows."""
+
+    traced_step: float | None
+    switch_on: float | None
+    switch_off: float | None
+    overhead: float | None
 
 
 @dataclass(frozen=True)
@@ -238,6 +255,10 @@ class OverheadGovernor:
         self._raised_at_run = 0  # settled runs when the fraction was last raised
         self._measure_now = False  # a raise was capped: start the next run at once
         self._last_overhead: float | None = None
+        # tracing asked for outside the duty cycle: (window, traced windows' worth), due
+        # from that window's decision on (see `charge`)
+        self._charges: collections.deque[tuple[int, float]] = collections.deque()
+        self._charged_windows = 0.0
 
     @classmethod
     def from_config(
@@ -312,6 +333,37 @@ class OverheadGovernor:
             self._pending_times, self._pending_flags = [], []
             self._pending_switches, self._pending_switch_ons = [], []
             self._pending_flushes = []
+
+    @property
+    def steps_recorded(self) -> int:
+        """Steps recorded so far."""
+        return self._recorded
+
+    def measured_costs(self) -> MeasuredCosts:
+        """Tracing's costs from every window recorded so far (the same on every rank,
+        however far decisions have got)."""
+        costs = self._costs.copy()
+        for window in self._unconsumed:
+            costs.add(window)
+
+        def median(values: collections.deque[float]) -> float | None:
+            return max(0.0, statistics.median(values)) if values else None
+
+        return MeasuredCosts(
+            median(costs.traced), median(costs.switch_on), median(costs.switch_off),
+            costs.overhead(),
+        )  # fmt: skip
+
+    def charge(self, windows: float) -> None:
+        """Take `windows` traced windows' worth of credit, for tracing asked for outside
+        the duty cycle: from the first window the data recorded so far cannot decide yet,
+        so that no rank has decided it and every rank charges the same window."""
+        if self.budget_pct is None or not windows > 0 or not math.isfinite(windows):
+            return
+        window = self._n_windows
+        while self._usable_windows(window) <= self._n_windows:
+            window += 1
+        self._charges.append((window, windows))
 
     # -- decisions -------------------------------------------------------------------
 
@@ -395,6 +447,10 @@ class OverheadGovernor:
                     # windows (a burst borrowed from future credit: the spend is the same)
                     self._measure_now = self._fraction < centred
         fraction = self._fraction if self._fraction is not None else prm.initial_fraction
+        while self._charges and self._charges[0][0] <= window:
+            charged = self._charges.popleft()[1]
+            self._credit -= charged
+            self._charged_windows += charged
         # credit accrues in every window, so bursts keep the traced share at `fraction`;
         # never banked beyond two bursts: a window forced off by max_run_windows cannot
         # spend it, and a later fall of the fraction would be spent at full duty
@@ -452,6 +508,7 @@ class OverheadGovernor:
                 if recent is None or fraction_steps is None
                 else 100.0 * recent * fraction_steps
             ),
+            "charged_windows": round(self._charged_windows, 3),
             "switches_off": costs.offs,
             "switch_excess_ms": excess_ms(costs.switch_off),
             "switches_on": costs.ons,

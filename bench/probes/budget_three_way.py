@@ -23,7 +23,10 @@ under --out; `--summarize RESULT [RESULT ...]` recomputes the summary of saved r
 anywhere, the rotations of several runs pooled (one run's +-0.7% cannot settle a 1% budget).
 `--simulate` runs the same rotation with no GPU: a CPU step and a tracer that burns the
 costs the cupti backend measured, so the governed loop's own cost can be seen apart from
-anything CUPTI or the GPU does (budget_three_way_simulated.json).
+anything CUPTI or the GPU does (budget_three_way_simulated.json). `--simulate
+--scenarios` instead runs where the budget goes (`probes/budget_scenarios.py`: periodic
+anomalies and lasting slowdowns, the duty cycle alone against it with the trace planner,
+on a virtual clock; budget_scenarios_simulated_cpu.json).
 """
 
 from __future__ import annotations
@@ -169,6 +172,14 @@ def main() -> int:
         "governed loop itself costs anything",
     )
     parser.add_argument(
+        "--scenarios",
+        action="store_true",
+        help="with --simulate: where a 1%% budget goes on simulated runs with periodic "
+        "anomalies and lasting slowdowns, the duty cycle alone and with the trace planner",
+    )
+    parser.add_argument("--steps", type=int, default=12_000, help="--scenarios: steps per run")
+    parser.add_argument("--seeds", type=int, default=3, help="--scenarios: runs per scenario")
+    parser.add_argument(
         "--summarize",
         metavar="RESULT",
         nargs="+",
@@ -184,6 +195,10 @@ def main() -> int:
             pooled += [{**b, "triple": (number, b["triple"])} for b in blocks]
         print(json.dumps(summarize(pooled), indent=1))
         return 0
+    if args.scenarios:
+        if not args.simulate:
+            parser.error("--scenarios needs --simulate (it runs on a virtual clock)")
+        return _scenarios(args.steps, args.seeds, Path(args.out))
 
     import torch
     from budget_block_calibration import NeverTraces
@@ -286,6 +301,34 @@ def main() -> int:
     print(json.dumps({k: v for k, v in out.items() if k not in ("blocks", "governor")}))
     name = "budget_three_way_simulated.json" if args.simulate else "budget_three_way.json"
     Path(args.out, name).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def _scenarios(steps: int, seeds: int, out: Path) -> int:
+    """Where the budget goes, on simulated runs (see probes/budget_scenarios.py)."""
+    from probes.budget_scenarios import run_all
+
+    import distanom.trace_planner as planner
+
+    started = time.perf_counter()
+    results = run_all(steps, seeds)
+    body = {
+        "device": "CPU simulation: no GPU, no tracer; a virtual clock fed to the agent's "
+        "DutyCycle (governor + trace planner) and Detector",
+        "model": "10 ms steps +-2%; traced +13%; switch on +9.6 ms, off +3.2 ms "
+        "(cupti on an H200, bench/results/cupti_switch_cost_probe_h200.json); budget 1%",
+        "planner_params": vars(planner.PlannerParams()),
+        "steps": steps,
+        "seeds": seeds,
+        "elapsed_s": round(time.perf_counter() - started, 1),
+        "scenarios": results,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "budget_scenarios_simulated_cpu.json").write_text(json.dumps(body, indent=1))
+    for name, per in results.items():
+        for kind, runs in per.items():
+            shown = {k: v for k, v in runs.items() if k != "runs"}
+            print(f"{name} | {kind}: {json.dumps(shown)}")
     return 0
 
 

@@ -21,6 +21,10 @@ Pure (no torch, no files). Rules, in order (slowdown = step time - median):
 
 A captured anomaly with no record (a run from before anomalies.jsonl existed) is listed
 from its capture, `judged_by: "unrecorded"`.
+
+`anomaly_classes` counts them per class (periodic, lasting slowdown, one-off: the trace
+planner's rule, `distanom.trace_planner.classify_steps`): episodes detected, traced
+(a step of it traced) and explained (a step of it with a verdict that names a cause).
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from distanom.config import DetectConfig
 from distanom.records.anomalies import AnomalyRecord, StepEvidence
+from distanom.trace_planner import CLASS_LABELS, CLASSES, classify_steps, episodes_of
 
 CULPRIT_SHARE = 0.5
 GC_SHARE = 0.25
@@ -144,6 +150,57 @@ def anomalies_of(
             )
         )
     return sorted(out, key=lambda a: a.step)
+
+
+@dataclass(frozen=True)
+class ClassCounts:
+    """One anomaly class: its episodes detected, traced and explained, and their steps."""
+
+    name: str  # "periodic", "lasting_slowdown" or "one_off"
+    detected: int
+    traced: int
+    explained: int
+    steps: int
+
+    @property
+    def label(self) -> str:
+        """The class as a reader names it ("lasting slowdown")."""
+        return CLASS_LABELS[self.name]
+
+    def as_json(self) -> dict[str, Any]:
+        """The report's JSON entry."""
+        return {
+            "class": self.name,
+            "detected": self.detected,
+            "traced": self.traced,
+            "explained": self.explained,
+            "steps": self.steps,
+        }
+
+
+def anomaly_classes(
+    anomalies: Sequence[Anomaly], detect_config: Mapping[str, Any] | None = None
+) -> list[ClassCounts]:
+    """Per class, in `CLASSES` order: episodes (anomalous steps at most the run's
+    `detect.merge_gap_steps` apart) detected, with a traced step, with an explained step."""
+    gap = (detect_config or {}).get("merge_gap_steps")
+    if not isinstance(gap, int) or isinstance(gap, bool) or gap < 0:
+        gap = DetectConfig().merge_gap_steps
+    by_step = {a.step: a for a in anomalies}
+    kinds = classify_steps(((a.step, a.ratio) for a in anomalies), gap)
+    counts = {name: [0, 0, 0, 0] for name in CLASSES}
+    for episode in episodes_of(by_step, gap):
+        count = counts[kinds[episode[0]]]
+        members = [by_step[step] for step in episode]
+        count[0] += 1
+        count[1] += any(a.traced for a in members)
+        count[2] += any(_explained(a.verdict) for a in members)
+        count[3] += len(members)
+    return [ClassCounts(name, *counts[name]) for name in CLASSES]
+
+
+def _explained(verdict: AnomalyVerdict) -> bool:
+    return verdict.cause not in ("unknown", "None", "")
 
 
 def judge(record: AnomalyRecord) -> AnomalyVerdict:

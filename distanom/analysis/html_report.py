@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distanom.analysis.anomalies import anomaly_classes
 from distanom.analysis.charts import (
     OUTSIDE,
     PART_COLORS,
@@ -266,6 +267,7 @@ def _slowness_sections(report: Report) -> list[str]:
     """The anomalies table (every judged step, traced or not) and the stragglers."""
     body = [f"<h2>Anomalies ({len(report.anomalies)})</h2>"]
     if report.anomalies:
+        body.append(_class_table(report))
         rows = "".join(
             f"<tr><td>{_e(a.step)}</td>"
             f'<td class="num">{_fmt(a.step_ms, 1)}</td><td class="num">{_fmt(a.ratio)}</td>'
@@ -283,6 +285,20 @@ def _slowness_sections(report: Report) -> list[str]:
     for line in straggler_lines(report):
         body.append(f"<p>{_e(line)}</p>")
     return body
+
+
+def _class_table(report: Report) -> str:
+    """Per anomaly class, its episodes detected, traced and explained."""
+    rows = "".join(
+        f'<tr><td>{_e(c.label)}</td><td class="num">{c.detected}</td>'
+        f'<td class="num">{c.traced}</td><td class="num">{c.explained}</td>'
+        f'<td class="num">{c.steps}</td></tr>'
+        for c in anomaly_classes(report.anomalies, report.detect_config)
+    )
+    return (
+        "<table><tr><th>class (episodes)</th><th>detected</th><th>traced</th>"
+        f"<th>explained</th><th>steps</th></tr>{rows}</table>"
+    )
 
 
 def _capture_section(capture: Capture, figure_class: Any, pngs: dict[str, bytes]) -> list[str]:

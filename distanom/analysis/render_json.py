@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distanom.analysis.anomalies import anomaly_classes
 from distanom.analysis.model import Capture, KernelDiff, RankEntry, Report
 from distanom.analysis.tables_io import timeline_json
 
@@ -52,6 +53,9 @@ def report_json(report: Report) -> dict[str, Any]:
         },
         "captures": [capture_json(capture) for capture in report.captures],
         "anomalies": [anomaly.as_json() for anomaly in report.anomalies],
+        "anomaly_classes": [
+            counts.as_json() for counts in anomaly_classes(report.anomalies, report.detect_config)
+        ],
         "stragglers": list(report.stragglers),
         "drift": report.drift,
         "capture_cost": None

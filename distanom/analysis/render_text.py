@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distanom.analysis.anomalies import anomaly_classes
 from distanom.analysis.hangs import hang_lines
 from distanom.analysis.kernel_diff import kernel_diff_lines
 from distanom.analysis.model import BREAKDOWN_ROWS, Capture, RankEntry, Report, StepStats
@@ -285,6 +286,7 @@ def _anomaly_lines(report: Report) -> list[str]:
             for a in anomalies[:200]
         ]
         header = ["step", "step ms", "x median", "traced", "judged by", "culprit", "cause"]
+        lines += _class_lines(report)
         lines += ["  " + line for line in table(header, rows)]
         lines += [f"  step {a.step}: {a.verdict.evidence}" for a in anomalies[:20]]
         if len(anomalies) > 200:
@@ -292,6 +294,16 @@ def _anomaly_lines(report: Report) -> list[str]:
     lines.append("stragglers:")
     lines += ["  " + line for line in straggler_lines(report)]
     return lines
+
+
+def _class_lines(report: Report) -> list[str]:
+    """Per anomaly class, its episodes detected, traced and explained."""
+    counts = anomaly_classes(report.anomalies, report.detect_config)
+    return ["  by class (episodes):"] + [
+        f"    {c.label}: {c.detected} detected, {c.traced} traced, {c.explained} explained"
+        for c in counts
+        if c.detected
+    ]
 
 
 def render_text(report: Report) -> str:

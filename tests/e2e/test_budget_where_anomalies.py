@@ -1,0 +1,59 @@
+"""End to end (CPU, kineto, 4 gloo ranks, real torchrun): at a 1% budget, a periodic stall
+on one rank is traced on every rank from its 4th occurrence on, and the report counts it
+as periodic, detected, traced and explained."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from distanom.cli import main as cli_main
+from tests.conftest import torchrun
+
+PERIOD = 100
+STALLS = list(range(PERIOD, 801, PERIOD))  # 8 occurrences: learned at the 3rd (300)
+
+
+def test_a_periodic_stall_is_traced_from_its_fourth_occurrence_at_a_one_percent_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    launch = [
+        "--run-dir", "runs",
+        "--set", "tracer.backend=kineto",
+        "--set", "tracer.overhead_budget_pct=1",
+        "--set", "detect.warmup_steps=5",
+        "--set", "detect.min_steps=15",
+        "--set", "capture.reference_every_steps=0",
+    ]  # fmt: skip
+    done = torchrun(
+        4,
+        launch,
+        ["--steps", "820", "--step-sleep", "0.02", "--stall-rank", "1",
+         "--stall-steps", ",".join(map(str, STALLS)), "--stall-s", "0.15"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    capsys.readouterr()
+    assert cli_main(["report", str(tmp_path / "runs"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    anomalies = {a["step"]: a for a in report["anomalies"]}
+    assert set(STALLS) <= set(anomalies), sorted(anomalies)
+    later = STALLS[3:]
+    untraced = [s for s in later if not anomalies[s]["traced"]]
+    traced = sorted(a["step"] for a in report["anomalies"] if a["traced"])
+    assert not untraced, (untraced, traced, report["tracer"].get("duty_cycle"))
+    captured = {c["step"] for c in report["captures"] if "anomaly" in c["kinds"]}
+    assert set(later) <= captured, sorted(captured)
+    for step in later:  # every rank wrote the step's trace
+        (capture,) = [c for c in report["captures"] if c["step"] == step]
+        assert sorted(capture["ranks"]) == ["0", "1", "2", "3"], capture["missing_ranks"]
+    assert report["tracer"]["duty_cycle"]["planner_periodic_windows"] >= len(later)
+    classes = {c["class"]: c for c in report["anomaly_classes"]}
+    periodic = classes["periodic"]
+    assert periodic["detected"] >= len(STALLS) and periodic["traced"] >= len(later)
+    assert periodic["explained"] >= len(later)
+    capsys.readouterr()
+    assert cli_main(["report", str(tmp_path / "runs")]) == 0
+    assert "periodic" in capsys.readouterr().out

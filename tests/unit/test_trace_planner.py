@@ -1,0 +1,266 @@
+"""The trace planner: periods learned from anomalies, windows around predicted ones, lasting
+slowdowns traced at once, all within its share of the budget, the same on every rank;
+and the governor's side of the accounting (`charge`)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+
+import pytest
+
+from distanom.analysis.run_checks import STATUS_FIELDS
+from distanom.config import config_from_mapping
+from distanom.detect import AnomalyJudgment
+from distanom.duty_cycle import DutyCycle
+from distanom.governor import GovernorParams, OverheadGovernor
+from distanom.trace_planner import (
+    LASTING,
+    ONE_OFF,
+    PERIODIC,
+    Costs,
+    PlannerParams,
+    TracePlanner,
+    classify_steps,
+)
+
+COSTS = Costs(traced_step=0.13, switch=1.3, window=16 * 0.2)
+LAG = 2  # the planner hears of a step this many steps after the slowest host ran it
+
+
+def run(
+    planner: TracePlanner,
+    steps: int,
+    anomalies: dict[int, float],
+    traced: Callable[[int], bool] = lambda s: False,
+) -> tuple[set[int], list[float]]:
+    """Feed `planner` one round per step, as the control loop does; returns the planned
+    steps and the charges. Checks every round that planned steps are ahead of every host
+    and that the planner stays within its allowance."""
+    planned: set[int] = set()
+    charges: list[float] = []
+    for host in range(LAG + 1, steps + 1):
+        judged_step = host - LAG
+        judged = []
+        if judged_step in anomalies:
+            judged = [(judged_step, traced(judged_step) or judged_step in planned,
+                       anomalies[judged_step])]  # fmt: skip
+        plan = planner.plan(judged, judged_step, host, judged_step, lambda: COSTS)
+        assert all(s > host + planner.params.lead_steps for s in plan.steps)
+        allowance = planner.params.share * planner.budget_pct / 100 * judged_step
+        assert planner.counts.spent_step_times <= allowance + planner.params.advance_step_times
+        planned.update(plan.steps)
+        charges.append(plan.charge_windows)
+    return planned, charges
+
+
+def test_a_periodic_anomaly_with_jitter_is_traced_from_its_fourth_occurrence_on() -> None:
+    rng = random.Random(3)
+    starts = [k * 200 + rng.choice((-1, 0, 1)) for k in range(1, 30)]
+    planner = TracePlanner(1.0, merge_gap_steps=5)
+    planned, charges = run(planner, 6000, dict.fromkeys(starts, 4.0))
+    missed = [s for s in starts[3:] if s not in planned]
+    assert len(missed) <= 0.1 * len(starts[3:]), missed
+    assert starts[2] not in planned  # learned from the first three
+    (series,) = planner.learner.series
+    assert series.period == pytest.approx(200, abs=0.5)
+    assert sum(charges) == pytest.approx(planner.counts.spent_step_times / COSTS.window)
+    # a few steps around each predicted start, not the run
+    assert len(planned) <= 5 * len(starts)
+
+
+def test_an_exact_series_gets_the_step_before_each_start_and_the_start() -> None:
+    starts = list(range(100, 3000, 100))
+    planner = TracePlanner(5.0, merge_gap_steps=5)
+    planned, _ = run(planner, 3000, dict.fromkeys(starts, 4.0))
+    assert {398, 399, 400, 401, 402} <= planned  # three starts: a wide window
+    later = set(range(1000, 3000, 100))
+    assert {s for s in planned if 990 <= s < 2990} == later | {s - 1 for s in later}
+
+
+def test_two_series_at_once_are_both_learned() -> None:
+    evals = list(range(200, 10_000, 200))
+    checkpoints = list(range(500, 10_000, 500))
+    anomalies = {**dict.fromkeys(evals, 3.0), **dict.fromkeys(checkpoints, 8.0)}
+    planner = TracePlanner(5.0, merge_gap_steps=5)  # enough budget for both
+    planned, _ = run(planner, 10_000, anomalies)
+    for series in (evals, checkpoints):
+        later = series[3:]
+        assert sum(s in planned for s in later) >= 0.9 * len(later)
+    assert sorted(round(s.period) for s in planner.learner.series) == [200, 500]
+
+
+def test_a_coincidental_series_is_dropped_at_its_first_miss() -> None:
+    planner = TracePlanner(5.0, merge_gap_steps=5)
+    planned, _ = run(planner, 2000, {300: 3.0, 400: 3.0, 500: 3.0})
+    assert {599, 600, 601} <= planned  # the 4th start, were it a series
+    assert not planner.learner.series  # it did not come: dropped
+    assert max(planned) <= 602  # its window, and nothing after it
+
+
+def test_slight_anomalies_teach_no_period_and_do_not_move_an_event() -> None:
+    planner = TracePlanner(5.0, merge_gap_steps=5)
+    slight = {s: 1.6 for s in range(100, 2000, 100)}  # periodic, but near the threshold
+    planned, _ = run(planner, 2000, slight)
+    assert not planned and planner.counts.series_learned == 0
+    stalls = {s: 5.0 for s in range(100, 1000, 100)}
+    stalls.update({s - 3: 1.6 for s in range(100, 1000, 100)})  # noise just before each
+    planner = TracePlanner(5.0, merge_gap_steps=5)
+    planned, _ = run(planner, 1000, stalls)
+    assert all(s in planned for s in range(400, 1000, 100))
+
+
+def test_an_untraced_lasting_slowdown_is_traced_within_its_first_window() -> None:
+    slow = {s: 1.7 for s in range(1000, 1300)}
+    planner = TracePlanner(1.0, merge_gap_steps=5)
+    planned, _ = run(planner, 2000, slow)
+    assert planned and min(planned) - 1000 < 16
+    assert len(planned) == planner.params.episode_steps  # once per episode
+    assert planner.counts.episode_windows == 1
+    # already traced (the duty cycle was on): nothing to add
+    planner = TracePlanner(1.0, merge_gap_steps=5)
+    planned, _ = run(planner, 2000, slow, traced=lambda s: True)
+    assert not planned
+
+
+def test_short_bursts_are_no_lasting_slowdown() -> None:
+    bursts = {s + d: 1.7 for s in range(100, 3000, 97) for d in range(3)}
+    planner = TracePlanner(1.0, merge_gap_steps=5)
+    planned, _ = run(planner, 3000, bursts)
+    assert not planned and planner.counts.episode_windows == 0
+
+
+def test_an_exhausted_budget_declines_windows_and_holds() -> None:
+    starts = list(range(50, 5000, 50))  # a window every 50 steps costs ~3% at these costs
+    planner = TracePlanner(1.0, merge_gap_steps=5)
+    planned, _ = run(planner, 5000, dict.fromkeys(starts, 4.0))
+    assert planner.counts.declined > 0
+    spent = planner.counts.spent_step_times
+    assert spent <= 0.8 * 0.01 * 5000 + planner.params.advance_step_times
+    later = starts[3:]
+    assert 0.2 * len(later) < sum(s in planned for s in later) < 0.6 * len(later)
+    # with no advance and a tiny budget nothing is affordable
+    params = PlannerParams(advance_step_times=0.0)
+    planner = TracePlanner(0.001, merge_gap_steps=5, params=params)
+    planned, _ = run(planner, 5000, dict.fromkeys(starts, 4.0))
+    assert not planned and planner.counts.declined > 0
+
+
+def test_the_same_inputs_give_the_same_plan() -> None:
+    rng = random.Random(7)
+    anomalies = {s: rng.uniform(1.5, 6.0) for s in rng.sample(range(20, 8000), 300)}
+    anomalies.update(dict.fromkeys(range(300, 8000, 300), 5.0))
+    plans = []
+    for _ in range(2):
+        planner = TracePlanner(1.0, merge_gap_steps=5)
+        plans.append(run(planner, 8000, anomalies))
+    assert plans[0] == plans[1]
+
+
+def test_classes_of_a_run() -> None:
+    anomalies = {s: 4.0 for s in (200, 400, 600, 800)}  # periodic
+    anomalies.update({s: 1.6 for s in range(1000, 1010)})  # lasting
+    anomalies.update({1500: 3.0, 2702: 1.6})  # one-offs
+    anomalies[797] = 1.6  # just before a periodic one: the same episode, still periodic
+    kinds = classify_steps(anomalies.items(), merge_gap_steps=5)
+    assert {kinds[s] for s in (200, 400, 600, 797, 800)} == {PERIODIC}
+    assert {kinds[s] for s in range(1000, 1010)} == {LASTING}
+    assert kinds[1500] == kinds[2702] == ONE_OFF
+
+
+def test_params_are_checked() -> None:
+    with pytest.raises(ValueError):
+        PlannerParams(tolerance_steps=3, min_period_steps=8)
+    with pytest.raises(ValueError):
+        PlannerParams(share=0.0)
+    with pytest.raises(ValueError):
+        TracePlanner(0.0, merge_gap_steps=5)
+
+
+# -- the governor's side ------------------------------------------------------------
+
+
+def feed(gov: OverheadGovernor, first: int, last: int) -> None:
+    for step in range(first, last + 1):
+        on = gov.tracing_on(step) if gov.ready(step) else False
+        gov.record(step, 0.010 * (1.13 if on else 1.0), on)
+
+
+def test_a_charge_lands_on_a_window_no_decision_has_seen_and_costs_traced_windows() -> None:
+    params = GovernorParams(lag_steps=4)
+    plain = OverheadGovernor(1.0, params, first_step=1)
+    charged = OverheadGovernor(1.0, params, first_step=1)
+    for gov in (plain, charged):
+        feed(gov, 1, 320)
+    # the charged one has decided every window its data allow; charge lands after them
+    decided = [charged.tracing_on(s) for s in range(161, 321 + 16, 16)]
+    assert decided == [plain.tracing_on(s) for s in range(161, 321 + 16, 16)]
+    charged.charge(4.0)
+    (window, amount), *_ = charged._charges
+    assert amount == 4.0 and window * 16 + 1 > 320 + 16
+    for gov in (plain, charged):
+        feed(gov, 321, 6400)
+    assert charged.report()["charged_windows"] == 4.0
+    assert charged.report()["windows_traced"] <= plain.report()["windows_traced"] - 3
+
+
+def test_charges_give_the_same_schedule_however_late_decisions_are_asked() -> None:
+    eager = OverheadGovernor(1.0, first_step=1)
+    late = OverheadGovernor(1.0, first_step=1)
+    for step in range(1, 4001):
+        on = eager.tracing_on(step) if eager.ready(step) else False
+        for gov in (eager, late):
+            gov.record(step, 0.010 * (1.13 if on else 1.0), on)
+            if step % 500 == 0:
+                gov.charge(1.5)  # after the same data on every rank
+    assert [eager.tracing_on(s) for s in range(3000, 4001)] == [
+        late.tracing_on(s) for s in range(3000, 4001)
+    ]
+
+
+def test_measured_costs_come_from_the_recorded_data() -> None:
+    gov = OverheadGovernor(1.0, first_step=1)
+    assert gov.measured_costs().overhead is None
+    feed(gov, 1, 3000)
+    costs = gov.measured_costs()
+    assert costs.traced_step == pytest.approx(0.13, abs=0.01)
+    assert costs.overhead is not None and costs.overhead >= costs.traced_step
+
+
+# -- the duty cycle ------------------------------------------------------------------
+
+
+def judgment(step: int, ratio: float = 4.0, traced: bool = False) -> AnomalyJudgment:
+    return AnomalyJudgment(step, 10.0 * ratio, 10.0, 15.0, traced, "condition", 0)
+
+
+def test_the_duty_cycle_plans_only_with_a_budget_and_reports_flat_counts() -> None:
+    budgeted = DutyCycle(config_from_mapping({"tracer": {"overhead_budget_pct": 1}}))
+    unbudgeted = DutyCycle(config_from_mapping({"tracer": {"backend": "kineto"}}))
+    assert budgeted.planner is not None and unbudgeted.planner is None
+    assert DutyCycle(config_from_mapping({"tracer": {"backend": "none"}})).planner is None
+    for step in (100, 200, 300):
+        budgeted.plan([judgment(step)], step + 1, step + 2)
+    assert budgeted._forced_on == set(range(398, 403))  # wide: a period from 3 starts
+    assert budgeted.wanted(400) is True
+    report = budgeted.report()
+    assert report is not None and report["planner_periodic_windows"] == 1
+    assert STATUS_FIELDS["tracer"]({"duty_cycle": report})  # the report reads it back
+
+
+def test_a_failing_planner_steps_aside_and_the_duty_cycle_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    duty = DutyCycle(config_from_mapping({"tracer": {"overhead_budget_pct": 1}}))
+
+    def broken(*_args: object) -> None:
+        raise RuntimeError("boom")
+
+    assert duty.planner is not None
+    duty.planner.plan = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING):
+        duty.plan([judgment(10)], 11, 12)
+        duty.plan([judgment(20)], 21, 22)
+    assert duty.planner is None and duty.governor is not None
+    assert sum("trace planner: boom" in r.getMessage() for r in caplog.records) == 1
