@@ -114,14 +114,14 @@ class ConsensusConfig(_Section):
     # a round's work holds the GIL a launch-bound training thread needs: rounds are paced
     # in time, not per step (docs/agent.md, "The control thread wakes per round")
     interval_ms: float = Field(
-        50.0,
+        250.0,
         gt=0,
         le=60_000,
         description="pace of the rounds: each covers as many steps as take about this long "
         "at the median step time (at least 1, at most batch_steps)",
     )
     batch_steps: int = Field(
-        8,
+        32,
         ge=1,
         le=1000,
         description="at most this many steps per all-gather round of step times across "
@@ -153,7 +153,7 @@ class TracerConfig(_Section):
         "it works, else kineto",
     )
     history_steps: int = Field(
-        16,
+        32,
         ge=2,
         le=10_000,
         description="past steps whose events are kept in memory, so a step can still be "

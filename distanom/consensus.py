@@ -416,6 +416,13 @@ def decide(result: RoundResult, detector: Detector, world_size: int) -> list[Cap
     return decisions
 
 
+def max_round_steps(batch_steps: int, history_steps: int, traced: bool) -> int:
+    """The most steps a round may cover: `batch_steps` (the row's room), and with a tracer
+    at most half its history, so a step's trace is still kept when the decision about
+    it arrives."""
+    return min(batch_steps, max(1, history_steps // 2)) if traced else batch_steps
+
+
 def steps_per_round(median_ms: float | None, interval_ms: float, max_steps: int) -> int:
     """How many steps the next round covers: as many as take about `interval_ms` at the
     median step time, 1 to `max_steps` (1 before a median exists). Every rank computes

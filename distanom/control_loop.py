@@ -36,6 +36,7 @@ from distanom.consensus import (
     decide,
     decode_round,
     encode_round,
+    max_round_steps,
     recent_times,
     steps_per_round,
 )
@@ -64,6 +65,7 @@ from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
 log = logging.getLogger(__name__)
 
 RECENT_STEPS = 64
+STEPS_FLUSH_S = 1.0  # the steps file is flushed at most this often while training runs
 WAKE_EVERY_S = 0.2  # the control thread wakes at least this often (polls, status, final)
 DRAIN_WAKE_AT = 256  # without consensus: steps queued before the drain wakes early
 FINAL_ROUND_TIMEOUT_S = 10.0
@@ -256,7 +258,7 @@ class ControlLoop:
     def _round_loop(self) -> None:
         builder = RoundBuilder(self.config.consensus.batch_steps)
         control = self.config.control
-        next_poll = next_status = 0.0
+        next_poll = next_status = next_flush = 0.0
         final = False
         while not final:
             # sleep until this rank's part of the next round is in (or a poll is due):
@@ -270,8 +272,10 @@ class ControlLoop:
                 self.evidence.add_gc(item.step, item.gc_ms)
                 self._log_step(item)
             builder.add_evidence(self.evidence.poll(final))
-            self._flush_steps()
             now = time.monotonic()
+            if now >= next_flush or final:  # a write per second, not per round
+                next_flush = now + STEPS_FLUSH_S
+                self._flush_steps()
             if self.world.rank == 0 and now >= next_poll:
                 next_poll = now + control.poll_interval_s
                 self._poll_requests()
@@ -318,8 +322,9 @@ class ControlLoop:
 
     def _round_steps(self) -> int:
         """Steps the next round covers (the same on every rank: see `steps_per_round`)."""
-        consensus = self.config.consensus
-        most = min(consensus.batch_steps, max(1, self.config.tracer.history_steps // 2))
+        consensus, tracer = self.config.consensus, self.config.tracer
+        traced = tracer.backend != "none"
+        most = max_round_steps(consensus.batch_steps, tracer.history_steps, traced)
         return steps_per_round(self.detector.median_ms, consensus.interval_ms, most)
 
     def _run_round(

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from distanom.config import Config
-from distanom.consensus import REQUEST_LEAD_STEPS
+from distanom.consensus import REQUEST_LEAD_STEPS, max_round_steps
 from distanom.detect import AnomalyJudgment, StepSample
 from distanom.governor import GovernorNotReadyError, GovernorParams, OverheadGovernor
 from distanom.trace_planner import (
@@ -41,10 +41,13 @@ class DutyCycle:
         # the governor is replaced or removed only between steps (tests; a failure)
         self.governor: OverheadGovernor | None = None
         if config.tracer.backend != "none":
-            # decisions wait for gathered data: with rounds of batch_steps steps, a lag
+            # decisions wait for gathered data: with rounds of up to this many steps, a lag
             # shorter than a round would leave the governor unready at window boundaries,
             # and the switch would come late, mid-window
-            params = GovernorParams(lag_steps=config.consensus.batch_steps + 4)
+            most = max_round_steps(
+                config.consensus.batch_steps, config.tracer.history_steps, traced=True
+            )
+            params = GovernorParams(lag_steps=most + 4)
             self.governor = OverheadGovernor.from_config(config.tracer, params, first_step=1)
         # without a budget every window but the probes is traced: nothing to plan (and a
         # planned step in a probe window would spoil the measurement it is there for)

@@ -92,7 +92,7 @@ class EvidenceCollector:
         self._last_mark: tuple[int, int, int] | None = None
         self._open: dict[int, _Open] = {}
         self._gc: dict[int, float] = {}
-        self._last_record = -1
+        self._last_record: dict[str, int] = {}  # per recorder (each numbers its own)
         self._next_read = 0.0
         self._interval = READ_MIN_INTERVAL_S
         self._slow_reads = 0
@@ -156,11 +156,7 @@ class EvidenceCollector:
                     spent_ms,
                     self._buffer,
                 )
-        new = [e for e in entries if e.record_id > self._last_record]
-        overflow = False
-        if new:
-            overflow = new[0].record_id > self._last_record + 1 and self._last_record >= 0
-            self._last_record = new[-1].record_id
+        new, overflow = self._new_entries(entries)
         carried, self._carry = self._carry, []
         if carried or new:
             self._assign([*carried, *new], overflow)
@@ -168,6 +164,23 @@ class EvidenceCollector:
         wanted = READ_FILL * self._buffer / rate if rate > 0 else READ_MAX_INTERVAL_S
         self._interval = min(READ_MAX_INTERVAL_S, max(READ_MIN_INTERVAL_S, wanted))
         self._next_read = now + self._interval
+
+    def _new_entries(self, entries: Iterable[FrEntry]) -> tuple[list[FrEntry], bool]:
+        """The entries not seen before, and whether some were overwritten unseen (a gap
+        in a recorder's numbering since the last read)."""
+        before = dict(self._last_record)
+        new = [e for e in entries if e.record_id > before.get(e.source, -1)]
+        firsts: dict[str, int] = {}
+        for entry in new:
+            firsts.setdefault(entry.source, entry.record_id)
+            self._last_record[entry.source] = max(
+                self._last_record.get(entry.source, -1), entry.record_id
+            )
+        overflow = any(
+            before.get(source, -1) >= 0 and first > before[source] + 1
+            for source, first in firsts.items()
+        )
+        return new, overflow
 
     def _assign(self, entries: Iterable[FrEntry], overflow: bool) -> None:
         steps = sorted(self._open)

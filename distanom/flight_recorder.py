@@ -25,6 +25,7 @@ Imports torch only inside `read_dump` (agent side; the report never calls it).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -48,6 +49,8 @@ _START_NOTE = ""
 MAX_ENTRIES = 4096
 # A dump larger than this is not parsed (a buffer of a few thousand entries is ~1 MB).
 MAX_DUMP_BYTES = 64 << 20
+# The recorders read, as (source, dump function of torch._C._distributed_c10d).
+DUMPS = (("generic", "_dump_fr_trace"), ("nccl", "_dump_nccl_trace"))
 # Input sizes kept per entry: enough to tell collectives apart, bounded whatever the op.
 MAX_SIZES = 4
 
@@ -69,6 +72,7 @@ class FrEntry:
     retired: bool = False  # the process group is done with it (it completed or failed)
     pg_desc: str = ""  # the group's description, e.g. "default_pg"
     input_sizes: tuple[Any, ...] = ()  # the first MAX_SIZES input shapes (read on request)
+    source: str = ""  # which recorder: "nccl" or "generic" (each numbers its records)
 
     @property
     def completed(self) -> bool:
@@ -129,34 +133,52 @@ def read_entries(limit: int = MAX_ENTRIES) -> tuple[FrEntry, ...]:
 def read_dump(limit: int = MAX_ENTRIES, *, sizes: bool = False) -> FrDump:
     """This process's Flight Recorder entries (as `read_entries`; input sizes only with
     `sizes`) and, when there are none, why (not in this torch, the dump failed or was
-    too large, recording is off)."""
+    too large, recording is off).
+
+    NCCL groups keep their own recorder (`_dump_nccl_trace`), gloo ones the generic one
+    (`_dump_fr_trace`): both are read, each entry tagged with its `source`, since each
+    numbers its records on its own."""
     try:
         from torch._C import _distributed_c10d as c10d
-
-        dump = getattr(c10d, "_dump_fr_trace")  # noqa: B009 (private, absent on old torch)
     except ImportError:
         return FrDump((), "torch has no distributed support")
-    except AttributeError:
+    entries: list[FrEntry] = []
+    problems: list[str] = []
+    for source, name in DUMPS:
+        dump = getattr(c10d, name, None)  # private, absent on some builds and versions
+        if dump is None:
+            continue
+        got, problem = _read_one(dump, source, limit, sizes)
+        entries += got
+        if problem:
+            problems.append(problem)
+    if entries:
+        entries.sort(key=lambda e: (e.time_created_ns, e.source, e.record_id))
+        return FrDump(tuple(entries[-limit:]))
+    if problems:
+        return FrDump((), problems[0])
+    if not any(hasattr(c10d, name) for _, name in DUMPS):
         return FrDump((), "this torch has no Flight Recorder dump")
+    return FrDump(
+        (), "Flight Recorder is off or empty (set TORCH_FR_BUFFER_SIZE before the job starts)"
+    )
+
+
+def _read_one(dump: Any, source: str, limit: int, sizes: bool) -> tuple[list[FrEntry], str]:
+    """One recorder's entries, tagged with `source`, and what went wrong ("" if nothing)."""
     try:
         raw = dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
     except TypeError:  # an older signature
         try:
             raw = dump()
         except Exception as err:
-            return FrDump((), _failed(err))
+            return [], _failed(err)
     except Exception as err:  # the C++ side raises RuntimeError subclasses
-        return FrDump((), _failed(err))
+        return [], _failed(err)
     if isinstance(raw, (bytes, bytearray)) and len(raw) > MAX_DUMP_BYTES:
-        return FrDump(
-            (), f"Flight Recorder dump of {len(raw)} bytes not read (over {MAX_DUMP_BYTES})"
-        )
-    entries = parse_dump(raw, limit, sizes=sizes)
-    if entries:
-        return FrDump(entries)
-    return FrDump(
-        (), "Flight Recorder is off or empty (set TORCH_FR_BUFFER_SIZE before the job starts)"
-    )
+        return [], f"Flight Recorder dump of {len(raw)} bytes not read (over {MAX_DUMP_BYTES})"
+    parsed = parse_dump(raw, limit, sizes=sizes)
+    return [dataclasses.replace(e, source=source) for e in parsed], ""
 
 
 def _failed(err: BaseException) -> str:

@@ -3,7 +3,9 @@ CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -93,3 +95,31 @@ def launch(args: list[str], *, cwd: Path, timeout: float = 120) -> subprocess.Co
         timeout=timeout,
         check=False,
     )
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (Linux /proc), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_job(job: subprocess.Popen[str]) -> None:
+    """SIGKILL a torchrun job and every rank below it: torchrun starts each rank in its
+    own session, so killing torchrun's process group alone leaves hung ranks behind."""
+    for pid in [job.pid, *descendants(job.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    job.wait(timeout=60)

@@ -5,8 +5,6 @@ still hangs (hang records on every rank, the culprit and its stack in `distanom 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from distanom.cli import main as cli_main
-from tests.conftest import job_env
+from tests.conftest import job_env, kill_job
 
 AFTER_S = 4.0
 POLL_S = 0.5
@@ -119,9 +117,7 @@ def test_a_rank_blocked_in_user_code_is_named_while_the_job_hangs(
         # rank 0 logs the verdict once every rank's record is in
         _wait_for(lambda: "hang verdict" in stderr.read_text(), time.monotonic() + 60, job)
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)  # the job's own process group, started above
-        job.wait(timeout=60)
+        kill_job(job)  # torchrun and its ranks, each in a session of its own
     err = stderr.read_text()
     for rank in ("r0/2", "r1/2"):
         lines = [

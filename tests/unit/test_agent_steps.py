@@ -252,7 +252,8 @@ def test_a_budgeted_agent_follows_the_governor_in_whole_windows(
     tracer = CostlyTracer()
     # nothing to capture: the stand-in holds no events
     quiet = ("detect.multiplier=50", "capture.reference_every_steps=0")
-    agent = make_agent(tmp_path, "tracer.overhead_budget_pct=5", *quiet)
+    # rounds of one step, so the stand-in governor's lag of 2 steps is enough
+    agent = make_agent(tmp_path, "tracer.overhead_budget_pct=5", "consensus.batch_steps=1", *quiet)
     params = GovernorParams(window_steps=8, lag_steps=2, burst_windows=2)
     agent.duty.governor = OverheadGovernor(5.0, params, first_step=1)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -283,19 +284,22 @@ def test_a_budgeted_agent_follows_the_governor_in_whole_windows(
 
 
 def test_the_governor_waits_for_a_whole_gathering_round(tmp_path: Path) -> None:
-    # step times reach the governor once per round of consensus.batch_steps steps: its
-    # decisions must not need fresher data, or every switch would come late
-    agent = make_agent(
-        tmp_path,
-        "tracer.backend=kineto",
-        "tracer.overhead_budget_pct=1",
-        "consensus.batch_steps=16",
-    )
-    try:
-        assert agent.duty.governor is not None
-        assert agent.duty.governor.params.lag_steps == 16 + 4
-    finally:
-        agent.close()
+    # step times reach the governor once per round of up to consensus.batch_steps steps
+    # (and half the trace history): its decisions must not need fresher data, or every
+    # switch would come late
+    for history, lag in ((32, 16 + 4), (16, 8 + 4)):
+        agent = make_agent(
+            tmp_path / str(history),
+            "tracer.backend=kineto",
+            "tracer.overhead_budget_pct=1",
+            "consensus.batch_steps=16",
+            f"tracer.history_steps={history}",
+        )
+        try:
+            assert agent.duty.governor is not None
+            assert agent.duty.governor.params.lag_steps == lag
+        finally:
+            agent.close()
 
 
 def test_a_capture_readings_step_back_never_gives_a_negative_share(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ rank 0's journal writes each anomaly once every rank's evidence is in."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from pathlib import Path
@@ -89,6 +90,24 @@ def test_overwritten_entries_leave_arrival_unknown(fr: FakeFr) -> None:
     got = dict(collector.poll(force=True))
     assert got[2].collectives == -1 and math.isnan(got[2].arrive_ms)
     assert got[3].arrive_ms == pytest.approx(50.0)
+
+
+def test_each_recorder_is_numbered_on_its_own(fr: FakeFr) -> None:
+    """NCCL groups have their own recorder, numbered from 0 like the generic one: the
+    entries of both count, and neither's numbers hide the other's."""
+    marks = marks_at(1000.0, 1100.0, 1200.0)
+    collector = EvidenceCollector(marks, read_fr=True)
+    nccl = [
+        dataclasses.replace(entry(r, at), source="nccl") for r, at in ((0, 1020.0), (1, 1040.0))
+    ]
+    fr.entries = [entry(0, 1010.0), *nccl, dataclasses.replace(entry(2, 1150.0), source="nccl")]
+    got = dict(collector.poll(force=True))
+    assert got[1].collectives == 3 and got[1].arrive_ms == pytest.approx(40.0)
+    assert got[2].collectives == 1
+    marks.marks.append((3, 1300 * MS, 6 * MS))
+    fr.entries.append(entry(1, 1250.0))  # the generic recorder's next record
+    got = dict(collector.poll(force=True))
+    assert got[3].collectives == 1 and got[3].arrive_ms == pytest.approx(50.0)
 
 
 def judgment(step: int) -> AnomalyJudgment:

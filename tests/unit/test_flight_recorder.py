@@ -6,6 +6,9 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
+
+import pytest
 
 from distanom import flight_recorder
 from distanom.flight_recorder import FrEntry, StepCollectives, enable_from_env, parse_dump
@@ -87,3 +90,20 @@ def test_gloo_collectives_are_recorded_and_read_back() -> None:
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_both_recorders_are_read_and_tagged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL collectives are only in the NCCL recorder's dump, gloo ones in the generic."""
+    from torch._C import _distributed_c10d as c10d
+
+    def dump_of(*items: dict) -> Callable[..., bytes]:
+        return lambda **_: pickle.dumps({"entries": list(items)})
+
+    gloo = {"record_id": 0, "process_group": ["0", "default_pg"], "time_created_ns": 20}
+    nccl = {"record_id": 0, "process_group": ["1", "tp"], "time_created_ns": 10}
+    monkeypatch.setattr(c10d, "_dump_fr_trace", dump_of(gloo), raising=False)
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", dump_of(nccl), raising=False)
+    got = flight_recorder.read_dump()
+    assert [(e.source, e.pg_name) for e in got.entries] == [("nccl", "1"), ("generic", "0")]
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", dump_of(), raising=False)
+    assert [e.source for e in flight_recorder.read_entries()] == ["generic"]

@@ -97,9 +97,9 @@ def run_agent(tmp_path: Path, steps: int, step_s: float) -> Agent:
 
 
 def test_a_fast_loop_is_gathered_in_rounds_of_several_steps(tmp_path: Path) -> None:
-    agent = run_agent(tmp_path, 240, 0.002)  # ~2 ms steps: 50 ms is 8 steps (the most)
+    agent = run_agent(tmp_path, 240, 0.002)  # ~2 ms steps: 250 ms is over 32 steps (the most)
     assert agent.control.detector.counts.judged >= 200  # every step still judged
-    assert agent.control.rounds <= 240 / 4, agent.control.rounds
+    assert agent.control.rounds <= 240 / 8, agent.control.rounds
 
 
 def test_a_heavy_round_is_charged_to_the_steps_it_overlapped(
@@ -135,3 +135,12 @@ def test_the_agent_measures_its_own_time_per_step(tmp_path: Path) -> None:
     assert agent.run is not None
     status = json.loads((agent.run.path / "status.json").read_text())
     assert status["agent_cost"]["steps"] == 120
+
+
+def test_rounds_stay_within_half_the_trace_history() -> None:
+    from distanom.consensus import max_round_steps
+
+    assert max_round_steps(16, 16, traced=True) == 8
+    assert max_round_steps(16, 16, traced=False) == 16  # no trace to keep: the row's room
+    assert max_round_steps(4, 64, traced=True) == 4
+    assert max_round_steps(16, 2, traced=True) == 1
