@@ -160,7 +160,8 @@ class AnomalyJournal:
         if self.small:
             self._recent.append([(v[0], v[2]) for v in row.values])
         else:
-            self._history[self._history_at % MEDIAN_STEPS] = row.values[:, [0, 2]]
+            kept = row.values[:, [0, 2]]  # infinities read as unknown, as in the list form
+            self._history[self._history_at % MEDIAN_STEPS] = kept.where(kept.isfinite(), math.nan)
             self._history_at += 1
 
     def _late(self, values: Any, step_ms: float) -> tuple[tuple[int, float], ...] | None:

@@ -281,6 +281,9 @@ def decode_round(
     bad = (matrix[:, 0] != MAGIC).nonzero()
     if len(bad):
         raise ValueError(f"rank {int(bad[0, 0])} sent a malformed round")
+    apart = (matrix[:, 1] != matrix[0, 1]).nonzero()
+    if len(apart):  # rounds out of step: an error, never misread samples
+        raise ValueError(f"rank {int(apart[0, 0])} sent a round of another first step")
     head = matrix[0].tolist()
     samples = _samples_of_matrix(matrix, int(head[1]), batch_steps)
     flags = tuple(int(f) for f in matrix[:, 3].tolist())
@@ -292,10 +295,12 @@ def decode_round(
 
 def _decode_rows(rows: list[list[float]], batch_steps: int, with_evidence: bool) -> RoundResult:
     """`decode_round` for a small world, from the matrix as lists."""
+    head = rows[0]
     for rank, row in enumerate(rows):
         if row[0] != MAGIC:
             raise ValueError(f"rank {rank} sent a malformed round")
-    head = rows[0]
+        if row[1] != head[1]:  # rounds out of step: an error, never misread samples
+            raise ValueError(f"rank {rank} sent round of step {row[1]:.0f}, rank 0 {head[1]:.0f}")
     start = HEADER + RANGE_SLOTS
     samples = _samples_of_rows(
         [row[start : start + 3 * batch_steps] for row in rows],

@@ -115,6 +115,7 @@ class ControlLoop:
         self.hang_watch: HangWatch | None = None  # told when a round fails
         self.rounds = 0  # rounds run
         self._cpu_ns = 0  # this (control) thread's CPU time, as last read on it
+        self._cpu_setup_ns = 0  # of which forming the group and the run directory
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
 
     # -- life cycle (called from the training thread) ----------------------------------
@@ -155,6 +156,7 @@ class ControlLoop:
             )
             self._drain_until_final()
             return
+        self._cpu_ns = self._cpu_setup_ns = time.thread_time_ns()
         finished = False
         try:
             self._round_loop()
@@ -190,6 +192,7 @@ class ControlLoop:
                 if item is FINAL:
                     return
                 self._log_step(item)
+            self._cpu_ns = time.thread_time_ns()
             now = time.monotonic()
             if self.world.rank == 0 and now >= next_status:
                 next_status = now + self.config.control.status_interval_s
@@ -306,7 +309,7 @@ class ControlLoop:
         if steps <= 0:
             return {"steps": 0}
         boundary_us = self.boundaries.own_ns / steps / 1e3
-        control_us = self._cpu_ns / steps / 1e3
+        control_us = max(0, self._cpu_ns - self._cpu_setup_ns) / steps / 1e3
         median = self.detector.median_ms
         pct = None
         if median is not None and math.isfinite(median) and median > 0:
@@ -332,7 +335,7 @@ class ControlLoop:
     ) -> bool:
         """One round; returns whether any rank has evidence left (final rounds only)."""
         assert self.group is not None
-        began = time.perf_counter_ns()
+        began_cpu = time.thread_time_ns()
         self.rounds += 1
         flags = FLAG_FINAL if final else 0
         if final and builder is not None and builder.evidence_backlog():
@@ -356,14 +359,14 @@ class ControlLoop:
             timeout = min(self.config.consensus.timeout_s, FINAL_ROUND_TIMEOUT_S)
         row = encode_round(local, batch)
         self._round_began = time.monotonic()
-        waited = time.perf_counter_ns()
         matrix = self.group.all_gather(row, timeout_s=timeout)
-        waited = time.perf_counter_ns() - waited  # the GIL is released while waiting
         result = decode_round(matrix, batch, with_evidence=self.world.rank == 0)
         if offered is not None:
             self._offered_request = None
         self._after_round(result)
-        self._charge(time.perf_counter_ns() - began - waited)
+        # CPU time, not wall time: waiting for the gather or for the GIL takes nothing
+        # from the training thread
+        self._charge(time.thread_time_ns() - began_cpu)
         return bool(result.ranks_with(FLAG_MORE_EVIDENCE))
 
     def _charge(self, spent_ns: int) -> None:

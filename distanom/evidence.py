@@ -79,7 +79,6 @@ class _Open:
     end_ns: int
     cpu_ms: float
     collectives: StepCollectives = field(default_factory=StepCollectives)
-    overflowed: bool = False
 
 
 class EvidenceCollector:
@@ -93,6 +92,9 @@ class EvidenceCollector:
         self._open: dict[int, _Open] = {}
         self._gc: dict[int, float] = {}
         self._last_record: dict[str, int] = {}  # per recorder (each numbers its own)
+        self._last_seen_ns: dict[str, int] = {}  # per recorder, its last entry's creation
+        # host-time spans whose entries were overwritten before a read (newest kept)
+        self._lost: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
         self._next_read = 0.0
         self._interval = READ_MIN_INTERVAL_S
         self._slow_reads = 0
@@ -156,41 +158,41 @@ class EvidenceCollector:
                     spent_ms,
                     self._buffer,
                 )
-        new, overflow = self._new_entries(entries)
+        new = self._new_entries(entries)
         carried, self._carry = self._carry, []
         if carried or new:
-            self._assign([*carried, *new], overflow)
+            self._assign([*carried, *new])
         rate = len(new) / max(self._interval, 1e-3)
         wanted = READ_FILL * self._buffer / rate if rate > 0 else READ_MAX_INTERVAL_S
         self._interval = min(READ_MAX_INTERVAL_S, max(READ_MIN_INTERVAL_S, wanted))
         self._next_read = now + self._interval
 
-    def _new_entries(self, entries: Iterable[FrEntry]) -> tuple[list[FrEntry], bool]:
-        """The entries not seen before, and whether some were overwritten unseen (a gap
-        in a recorder's numbering since the last read)."""
+    def _new_entries(self, entries: Iterable[FrEntry]) -> list[FrEntry]:
+        """The entries not seen before; where a recorder's numbering has a gap since the
+        last read, the span of host time whose entries were overwritten unseen (from its
+        last entry seen to its first entry now) is remembered in `_lost`."""
         before = dict(self._last_record)
         new = [e for e in entries if e.record_id > before.get(e.source, -1)]
-        firsts: dict[str, int] = {}
+        checked: set[str] = set()
         for entry in new:
-            firsts.setdefault(entry.source, entry.record_id)
-            self._last_record[entry.source] = max(
-                self._last_record.get(entry.source, -1), entry.record_id
-            )
-        overflow = any(
-            before.get(source, -1) >= 0 and first > before[source] + 1
-            for source, first in firsts.items()
-        )
-        return new, overflow
+            source = entry.source
+            if source not in checked:
+                checked.add(source)
+                previous = before.get(source, -1)
+                if previous >= 0 and entry.record_id > previous + 1:
+                    self._lost.append((self._last_seen_ns.get(source, 0), entry.time_created_ns))
+            self._last_record[source] = max(self._last_record.get(source, -1), entry.record_id)
+            seen = self._last_seen_ns.get(source, 0)
+            self._last_seen_ns[source] = max(seen, entry.time_created_ns)
+        return new
 
-    def _assign(self, entries: Iterable[FrEntry], overflow: bool) -> None:
+    def _assign(self, entries: Iterable[FrEntry]) -> None:
         steps = sorted(self._open)
         starts = [self._open[s].start_ns for s in steps]
         last_end = self._last_mark[1] if self._last_mark is not None else 0
-        oldest = None
         for entry in entries:
             if entry.thread_id == self._own_thread:
                 continue  # distanom's own consensus group
-            oldest = entry.time_created_ns if oldest is None else oldest
             if entry.time_created_ns >= last_end:
                 if len(self._carry) < MAX_PENDING_STEPS:
                     self._carry.append(entry)  # its step has not ended yet
@@ -201,10 +203,11 @@ class EvidenceCollector:
             step = self._open[steps[at]]
             if entry.time_created_ns < step.end_ns:
                 step.collectives.add(entry)
-        if overflow and oldest is not None:
-            for number in steps:  # entries of these steps were overwritten before the read
-                if self._open[number].start_ns < oldest:
-                    self._open[number].overflowed = True
+
+    def _lost_until(self, step: _Open) -> int | None:
+        """The end of the latest overwritten span that overlaps the step, if any."""
+        ends = [hi for lo, hi in self._lost if lo < step.end_ns and step.start_ns < hi]
+        return max(ends) if ends else None
 
     def _finish(self, is_final: object) -> list[tuple[int, StepEvidence]]:
         done: list[tuple[int, StepEvidence]] = []
@@ -219,11 +222,17 @@ class EvidenceCollector:
 
     def _evidence(self, step: int, entry: _Open) -> StepEvidence:
         gc_ms = self._gc.pop(step, 0.0)
-        # the ring keeps the newest entries: a step with any entry left still has its
-        # last collective; one with none left, after an overwrite, is unknown
-        if not entry.collectives.count and (not self._read_fr or entry.overflowed):
-            return StepEvidence(cpu_ms=entry.cpu_ms, gc_ms=gc_ms)
         summary = entry.collectives
+        if not summary.count and not self._read_fr:
+            return StepEvidence(cpu_ms=entry.cpu_ms, gc_ms=gc_ms)
+        lost_until = self._lost_until(entry)
+        if lost_until is not None:
+            # entries of the step were overwritten unseen: its count is short, and its
+            # last collective is known only if one created after the loss survived
+            arrive = math.nan
+            if summary.count and summary.last_created_ns >= lost_until:
+                arrive = (summary.last_created_ns - entry.start_ns) / 1e6
+            return StepEvidence(arrive, -1, entry.cpu_ms, gc_ms)
         arrive = math.nan
         if summary.count:
             arrive = (summary.last_created_ns - entry.start_ns) / 1e6

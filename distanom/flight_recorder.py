@@ -126,7 +126,7 @@ def buffer_size(environ: Mapping[str, str] | None = None) -> int:
 
 def read_entries(limit: int = MAX_ENTRIES) -> tuple[FrEntry, ...]:
     """This process's Flight Recorder entries, oldest first, at most `limit` of the newest
-    (() where torch has none or the read fails)."""
+    of each recorder (() where torch has none or the read fails)."""
     return read_dump(limit).entries
 
 
@@ -153,8 +153,10 @@ def read_dump(limit: int = MAX_ENTRIES, *, sizes: bool = False) -> FrDump:
         if problem:
             problems.append(problem)
     if entries:
+        # `limit` per recorder, not overall: a cut across both would drop one recorder's
+        # older entries and read as an overwrite
         entries.sort(key=lambda e: (e.time_created_ns, e.source, e.record_id))
-        return FrDump(tuple(entries[-limit:]))
+        return FrDump(tuple(entries))
     if problems:
         return FrDump((), problems[0])
     if not any(hasattr(c10d, name) for _, name in DUMPS):

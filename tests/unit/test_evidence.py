@@ -110,6 +110,38 @@ def test_each_recorder_is_numbered_on_its_own(fr: FakeFr) -> None:
     assert got[3].collectives == 1 and got[3].arrive_ms == pytest.approx(50.0)
 
 
+def nccl_entry(record: int, at_ms: float) -> FrEntry:
+    return dataclasses.replace(entry(record, at_ms), source="nccl")
+
+
+def test_an_overwrite_in_one_recorder_is_not_hidden_by_the_other(fr: FakeFr) -> None:
+    marks = marks_at(1000.0, 1100.0)
+    collector = EvidenceCollector(marks, read_fr=True)
+    fr.entries = [nccl_entry(0, 1050.0), entry(0, 1060.0)]
+    collector.poll(force=True)
+    marks.marks.extend([(2, 1200 * MS, 0), (3, 1300 * MS, 0), (4, 1400 * MS, 0)])
+    # NCCL records 1-4 (steps 2 and 3) were overwritten; a gloo entry of step 2 is left
+    fr.entries = [entry(1, 1150.0), nccl_entry(5, 1350.0)]
+    got = dict(collector.poll(force=True))
+    assert got[2].collectives == -1 and got[3].collectives == -1
+    assert math.isnan(got[3].arrive_ms)
+    # step 4 may have lost entries too, but its last collective came after the loss
+    assert got[4].arrive_ms == pytest.approx(50.0) and got[4].collectives == -1
+
+
+def test_an_overwrite_after_a_carried_entry_leaves_that_step_unknown(fr: FakeFr) -> None:
+    marks = marks_at(1000.0, 1100.0)
+    collector = EvidenceCollector(marks, read_fr=True)
+    fr.entries = [nccl_entry(0, 1050.0), nccl_entry(1, 1120.0)]  # 1120: step 2 still runs
+    collector.poll(force=True)
+    marks.marks.extend([(2, 1200 * MS, 0), (3, 1300 * MS, 0), (4, 1400 * MS, 0)])
+    fr.entries = [nccl_entry(9, 1350.0)]  # records 2-8 (steps 2 and 3) were overwritten
+    got = dict(collector.poll(force=True))
+    assert got[2].collectives == -1 and math.isnan(got[2].arrive_ms)  # not the early 20 ms
+    assert got[3].collectives == -1
+    assert got[4].arrive_ms == pytest.approx(50.0)
+
+
 def judgment(step: int) -> AnomalyJudgment:
     return AnomalyJudgment(step, 300.0, 15.0, 22.5, False, "condition", 0)
 

@@ -108,7 +108,9 @@ def test_a_heavy_round_is_charged_to_the_steps_it_overlapped(
     decode = control_loop.decode_round
 
     def slow_decode(*args: object, **kwargs: object) -> object:
-        time.sleep(0.03)  # stands for a round that holds the training thread's GIL
+        spin_until = time.thread_time() + 0.03  # a round that holds the GIL for 30 ms of CPU
+        while time.thread_time() < spin_until:
+            pass
         return decode(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(control_loop, "decode_round", slow_decode)
@@ -144,3 +146,20 @@ def test_rounds_stay_within_half_the_trace_history() -> None:
     assert max_round_steps(16, 16, traced=False) == 16  # no trace to keep: the row's room
     assert max_round_steps(4, 64, traced=True) == 4
     assert max_round_steps(16, 2, traced=True) == 1
+
+
+def test_a_round_waiting_without_working_is_not_charged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decode = control_loop.decode_round
+
+    def idle_decode(*args: object, **kwargs: object) -> object:
+        time.sleep(0.03)  # waiting (the GIL released) takes nothing from training
+        return decode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(control_loop, "decode_round", idle_decode)
+    agent = run_agent(tmp_path, 80, 0.002)
+    # charged by wall time, every round would be (30 ms against 1 ms or a quarter of ~2 ms);
+    # by CPU time only a cold first round may be
+    assert agent.control.rounds >= 6, agent.control.rounds
+    assert agent.control.rounds_charged < agent.control.rounds // 2
