@@ -29,7 +29,6 @@ from distanom.consensus import (
     FLAG_CAPTURE_OFF,
     FLAG_FINAL,
     FLAG_MORE_EVIDENCE,
-    CaptureRequest,
     LocalRound,
     RoundBuilder,
     RoundResult,
@@ -40,24 +39,18 @@ from distanom.consensus import (
     recent_times,
     steps_per_round,
 )
-from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, CaptureDecision, Detector, StepSample
+from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, Detector, StepSample
 from distanom.duty_cycle import DutyCycle
-from distanom.errors import CaptureRequestError, RunDirError
+from distanom.errors import RunDirError
 from distanom.evidence import EvidenceTier
 from distanom.hang import HangWatch
 from distanom.health import Health
 from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
-from distanom.records.requests import (
-    Accepted,
-    Refused,
-    answer,
-    pending_requests,
-    validate_request,
-)
 from distanom.records.run_info import build_run_info, write_run_info
 from distanom.records.status import CaptureCounts, Status, TracerReport, write_status
 from distanom.records.steps import StepRow, StepsWriter
+from distanom.request_desk import RequestDesk
 from distanom.rundir import RunDir, create_run, json_number, update_latest
 from distanom.version import __version__
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
@@ -104,9 +97,7 @@ class ControlLoop:
         self._outcome = ("finished", 0)  # how the script ended: the run's last state
         self._recent: collections.deque[StepSample] = collections.deque(maxlen=RECENT_STEPS)
         self._gathered_step = -1
-        self._request_numbers: dict[int, str] = {}
-        self._next_request_number = 1
-        self._offered_request: tuple[CaptureRequest, str] | None = None
+        self.requests = RequestDesk(world.world_size, health.warn_once)  # used on rank 0
         self._steps: StepsWriter | None = None
         self._started_at = time.time()
         self._round_began = time.monotonic()  # when the latest round started waiting
@@ -281,7 +272,7 @@ class ControlLoop:
                 self._flush_steps()
             if self.world.rank == 0 and now >= next_poll:
                 next_poll = now + control.poll_interval_s
-                self._poll_requests()
+                self.requests.poll(self.run)
             # the round size follows the median, which each round may move
             while builder.ready(self._round_steps()):
                 self._run_round(builder.take(self._round_steps()), final=False)
@@ -342,7 +333,7 @@ class ControlLoop:
             flags |= FLAG_MORE_EVIDENCE
         if self.health.capture_stepped_aside():
             flags |= FLAG_CAPTURE_OFF
-        offered = self._offered_request if self.world.rank == 0 else None
+        offered = self.requests.offered if self.world.rank == 0 else None
         local = LocalRound(
             local.first_step,
             local.durations_ms,
@@ -362,7 +353,7 @@ class ControlLoop:
         matrix = self.group.all_gather(row, timeout_s=timeout)
         result = decode_round(matrix, batch, with_evidence=self.world.rank == 0)
         if offered is not None:
-            self._offered_request = None
+            self.requests.carried()
         self._after_round(result)
         # CPU time, not wall time: waiting for the gather or for the GIL takes nothing
         # from the training thread
@@ -388,7 +379,7 @@ class ControlLoop:
         self._fold_evidence(result)
         self.duty.force(d.step for d in decisions if d.kind == "requested")
         if result.request is not None and self.world.rank == 0:
-            self._answer_request(result, decisions)
+            self.requests.answer(self.run, result.request, decisions)
         if not decisions or self.run is None or self.health.capture_off_reason is not None:
             return
         capture = self.health.capture
@@ -413,14 +404,12 @@ class ControlLoop:
     # -- evidence (rank 0 keeps the anomaly journal) -----------------------------------
 
     def _fold_evidence(self, result: RoundResult) -> None:
-        may_trace = self._offered_request is None and self.boundaries.tracer is not None
+        may_trace = not self.requests.busy() and self.boundaries.tracer is not None
         judged = self.detector.take_anomalies()
         self.duty.plan(judged, result.last_step, max((result.last_step, *result.host_steps)))
         straggler = self.evidence.fold(judged, result, may_trace=may_trace)
         if straggler is not None:  # worth one trace on every rank: it is late then too
-            number = self._next_request_number
-            self._next_request_number += 1
-            self._offered_request = (CaptureRequest(number, 1), f"straggler-{straggler.rank}")
+            number = self.requests.offer_own(1, f"straggler-{straggler.rank}")
             log.info(
                 "straggler: rank %d since step %d; tracing one step on every rank (request %d)",
                 straggler.rank,
@@ -458,54 +447,6 @@ class ControlLoop:
             except OSError as err:
                 self._warn_once("steps", "steps file: %s; step times not recorded", err.strerror)
                 self._steps = None
-
-    # -- on-demand requests (rank 0) ----------------------------------------------------
-
-    def _poll_requests(self) -> None:
-        if self.run is None or self._offered_request is not None:
-            return
-        try:  # a hostile request file must never reach the round loop (capture stays on)
-            self._take_request()
-        except Exception as err:
-            self._warn_once("requests", "requests/: %s; request skipped", err)
-
-    def _take_request(self) -> None:
-        assert self.run is not None
-        requests = pending_requests(self.run, skip=set(self._request_numbers.values()))
-        for request in requests:
-            if request.request_id in self._request_numbers.values():
-                continue
-            try:
-                validate_request(request.n_steps, request.ranges, self.world.world_size)
-            except CaptureRequestError as err:
-                answer(self.run, request.request_id, Refused(str(err)))
-                continue
-            number = self._next_request_number
-            self._next_request_number += 1
-            self._request_numbers[number] = request.request_id
-            carried = CaptureRequest(number, request.n_steps, request.ranges)
-            self._offered_request = (carried, request.request_id)
-            return
-
-    def _answer_request(self, result: RoundResult, decisions: list[CaptureDecision]) -> None:
-        request = result.request
-        if request is None or self.run is None:
-            return
-        request_id = self._request_numbers.get(request.number)
-        if request_id is None:
-            return
-        steps = [d.step for d in decisions if d.request_id == str(request.number)]
-        ranks = request.ranks(self.world.world_size)
-        accepted = Accepted(
-            request=str(request.number),
-            steps=steps,
-            ranks=list(ranks) if ranks is not None else "all",
-            world_size=self.world.world_size,
-        )
-        try:
-            answer(self.run, request_id, accepted)
-        except OSError as err:
-            self._warn_once("answer", "requests/: answer not written (%s)", err)
 
     # -- status (rank 0) ---------------------------------------------------------------
 

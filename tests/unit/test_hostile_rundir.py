@@ -9,13 +9,11 @@ import os
 import stat
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from distanom import rundir
 from distanom.errors import CaptureRequestError
-from distanom.evidence import EvidenceMarks
 from distanom.records.requests import (
     MAX_REQUESTS_PER_POLL,
     pending_requests,
@@ -212,39 +210,27 @@ def test_validate_request_refuses_negative_and_too_many_ranges() -> None:
 def test_rank0_polling_survives_every_hostile_request(
     run: RunDir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import queue
-
-    from distanom import control_loop
-    from distanom.config import load_config
-    from distanom.duty_cycle import DutyCycle
+    from distanom import request_desk
     from distanom.health import Health
-    from distanom.world import WorldInfo
 
-    config = load_config(None, [])
-    world = WorldInfo.from_env({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     health = Health()
-    loop = control_loop.ControlLoop(
-        config, world, run.path.parent, [], health=health, duty=DutyCycle(config),
-        boundaries=SimpleNamespace(evidence_marks=EvidenceMarks(), tracer=None),  # type: ignore[arg-type]
-        inbox=queue.SimpleQueue(),
-    )  # fmt: skip
-    loop.run = run
+    desk = request_desk.RequestDesk(2, health.warn_once)
     for i, name in enumerate(sorted(HOSTILE)):
         _request(run, f"20260101T000000-{i:08x}", HOSTILE[name])
     _request(run, "20260101T000000-000000ff", '{"steps": 1, "ranks": [[5, 5]]}')  # no rank 5
     for _ in range(3):
-        loop._poll_requests()
-    assert loop._offered_request is None and health.capture_off_reason is None
+        desk.poll(run)
+    assert desk.offered is None and health.capture_off_reason is None
     assert len(list(run.requests_dir.glob("*.response.json"))) == len(HOSTILE) + 1
     good = "20260101T000001-00000001"
     _request(run, good, '{"steps": 2, "ranks": [[1, 1]]}')
-    loop._poll_requests()
-    assert loop._offered_request is not None and loop._offered_request[1] == good
+    desk.poll(run)
+    assert desk.offered is not None and desk.offered[1] == good
 
     def broken(*args: object, **kwargs: object) -> list[object]:
         raise RecursionError("maximum recursion depth exceeded")
 
-    loop._offered_request = None
-    monkeypatch.setattr(control_loop, "pending_requests", broken)
-    loop._poll_requests()  # logged once, never raised into the round loop
-    assert health.capture_off_reason is None
+    desk.carried()
+    monkeypatch.setattr(request_desk, "pending_requests", broken)
+    desk.poll(run)  # logged once, never raised into the round loop
+    assert desk.offered is None and health.capture_off_reason is None
