@@ -150,8 +150,7 @@ class ControlLoop:
         self._cpu_ns = self._cpu_setup_ns = time.thread_time_ns()
         finished = False
         try:
-            self._round_loop()
-            finished = True
+            finished = self._round_loop()  # False: other ranks ended first
         except GroupUnavailableError as err:
             self.health.consensus_error = str(err)
             if self.hang_watch is not None:
@@ -249,7 +248,8 @@ class ControlLoop:
         except OSError as err:
             self.health.capture_off(f"{self.run.run_json}: cannot write ({err.strerror})")
 
-    def _round_loop(self) -> None:
+    def _round_loop(self) -> bool:
+        """Rounds until this rank's training ends (True) or another rank's (False)."""
         builder = RoundBuilder(self.config.consensus.batch_steps)
         control = self.config.control
         next_poll = next_status = next_flush = 0.0
@@ -275,21 +275,45 @@ class ControlLoop:
                 self.requests.poll(self.run)
             # the round size follows the median, which each round may move
             while builder.ready(self._round_steps()):
-                self._run_round(builder.take(self._round_steps()), final=False)
-            # the last steps' evidence rides in the final round and the rounds after it
-            if final and (builder.pending_steps() or self.evidence.final_rounds):
-                size = self._round_steps()
-                more = self._run_round(builder.take(size, final=True), final=True, builder=builder)
-                for _ in range(MAX_EVIDENCE_ROUNDS):
-                    if not more:
-                        break
-                    size = self._round_steps()
-                    round_ = builder.take(size, final=True)
-                    more = self._run_round(round_, final=True, builder=builder)
+                result = self._run_round(builder.take(self._round_steps()), final=False)
+                ended = result.ranks_with(FLAG_FINAL)
+                if ended:  # another rank's training is over: it joins no round after these
+                    self._last_rounds(builder, result)
+                    self._peers_ended(ended, max(result.last_step, self._gathered_step))
+                    return False
+            if final:
+                # every rank runs one final round, so the others learn this one is done;
+                # the last steps' evidence rides in it and the rounds after it
+                result = self._run_round(
+                    builder.take(self._round_steps(), final=True), final=True, builder=builder
+                )
+                self._last_rounds(builder, result)
             self._cpu_ns = time.thread_time_ns()
             if self.world.rank == 0 and (now >= next_status or final):
                 next_status = now + control.status_interval_s
                 self._write_status("running")
+        return True
+
+    def _last_rounds(self, builder: RoundBuilder, result: RoundResult) -> None:
+        """After a round some rank sent as its final one: the rounds that carry the
+        evidence left, as long as any rank says it has more (every rank runs the same
+        number, decided from the same gathered flags)."""
+        for _ in range(MAX_EVIDENCE_ROUNDS):
+            if not result.ranks_with(FLAG_MORE_EVIDENCE):
+                return
+            round_ = builder.take(self._round_steps(), final=True)
+            result = self._run_round(round_, final=True, builder=builder)
+
+    def _peers_ended(self, ranks: list[int], step: int) -> None:
+        """Ranks ended their training before this one: consensus ends here, training
+        goes on (capture steps aside: no rank could join a capture decision)."""
+        who = ", ".join(str(rank) for rank in ranks[:8]) + (" ..." if len(ranks) > 8 else "")
+        self.health.consensus_error = (
+            f"consensus ended: rank {who} ended its training first (steps gathered up to {step})"
+        )
+        log.info(
+            "%s; this rank trains on without detection", self.health.consensus_error, extra=HEADLINE
+        )
 
     def own_cost(self) -> dict[str, float | int | None]:
         """What distanom itself costs this rank per step, measured live: time in the step
@@ -323,8 +347,8 @@ class ControlLoop:
 
     def _run_round(
         self, local: LocalRound, *, final: bool, builder: RoundBuilder | None = None
-    ) -> bool:
-        """One round; returns whether any rank has evidence left (final rounds only)."""
+    ) -> RoundResult:
+        """One round, gathered from every rank and acted on."""
         assert self.group is not None
         began_cpu = time.thread_time_ns()
         self.rounds += 1
@@ -358,7 +382,7 @@ class ControlLoop:
         # CPU time, not wall time: waiting for the gather or for the GIL takes nothing
         # from the training thread
         self._charge(time.thread_time_ns() - began_cpu)
-        return bool(result.ranks_with(FLAG_MORE_EVIDENCE))
+        return result
 
     def _charge(self, spent_ns: int) -> None:
         """Charge a heavy round to the steps it overlapped, like capture work: holding the

@@ -248,8 +248,6 @@ class EvidenceTier:
         self, marks: EvidenceMarks, world_size: int, warn_once: Callable[..., None]
     ) -> None:
         self.collector = EvidenceCollector(marks)
-        # with Flight Recorder on (the same on every rank) the final round always runs
-        self.final_rounds = self.collector.reading_flight_recorder
         self.journal: AnomalyJournal | None = None
         self._world_size = world_size
         self._warn_once = warn_once

@@ -5,11 +5,13 @@ the exit status when the script did not finish."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TOY, launch, torchrun
+from tests.conftest import TOY, job_env, launch, torchrun
 
 FAST = ["--set", "detect.warmup_steps=5", "--set", "detect.min_steps=15"]
 
@@ -81,3 +83,41 @@ def test_the_runs_state_says_how_the_script_ended(
     assert status["state"] == state and status["exit_code"] == code
     ended = state if code == 0 else f"{state} (exit status {code})"
     assert f"INFO {ended}: 5 steps;" in done.stderr
+
+
+UNEVEN = """
+import os, time
+import torch
+rank = int(os.environ["RANK"])
+steps = 80 if rank == 0 else 40  # rank 1 ends first (uneven data, a dropped tail)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(steps):
+    model(torch.ones(2, 4)).sum().backward()
+    time.sleep(0.01)
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def test_a_rank_that_ends_first_ends_consensus_cleanly(tmp_path: Path) -> None:
+    """The others learn it from its final round: one line, no failed all-gather, no wait."""
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "distanom.launch", "--run-dir", "r", str(script)],
+        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours = [line for line in done.stderr.splitlines() if line.startswith("[distanom")]
+    ended = [line for line in ours if "consensus ended: rank 1 ended its training first" in line]
+    assert len(ended) == 1 and ended[0].startswith("[distanom r0/2] INFO"), ours
+    assert not [line for line in ours if "WARNING" in line or "abandoned" in line], ours
+    assert any("INFO finished: 80 steps" in line for line in ours)
+    status = final_status(tmp_path)
+    assert status["state"] == "finished" and status["consensus_error"].startswith(
+        "consensus ended: rank 1"
+    )
+    steps = (tmp_path / "r" / "latest" / "steps" / "rank0.csv").read_text().splitlines()
+    assert int(steps[-1].split(",")[0]) == 79  # rank 0's steps recorded to its end
