@@ -401,7 +401,7 @@ class ControlLoop:
         self._gathered_step = max(self._gathered_step, result.last_step)
         decisions = decide(result, self.detector, self.world.world_size)
         self._fold_evidence(result)
-        self.duty.force(d.step for d in decisions if d.kind == "requested")
+        self.duty.request([d.step for d in decisions if d.kind == "requested"])
         if result.request is not None and self.world.rank == 0:
             self.requests.answer(self.run, result.request, decisions)
         if not decisions or self.run is None or self.health.capture_off_reason is not None:

@@ -87,8 +87,23 @@ class DutyCycle:
     # -- control thread ----------------------------------------------------------------
 
     def force(self, steps: Iterable[int]) -> None:
-        """Trace these (requested) steps whatever the governor decides."""
+        """Trace these steps whatever the governor decides."""
         self._forced_on.update(steps)
+
+    def request(self, steps: list[int]) -> None:
+        """Trace requested steps (on demand, a straggler's) and, with a budget, charge
+        them to it like the planner's: each traced step and a pair of switches, as whole
+        windows' worth of the governor's credit. Every rank charges the same (requests
+        reach every rank in the same round)."""
+        if not steps:
+            return
+        governor = self.governor
+        if governor is not None and governor.budget_pct is not None:
+            with self._lock:
+                costs = self._costs(governor)
+                if costs.window > 0:
+                    governor.charge((len(steps) * costs.traced_step + costs.switch) / costs.window)
+        self.force(steps)
 
     def record(self, samples: Iterable[StepSample]) -> None:
         """Feed gathered step times to the governor; ValueError on data it refuses."""

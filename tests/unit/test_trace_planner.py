@@ -16,6 +16,7 @@ from distanom.detect import AnomalyJudgment
 from distanom.duty_cycle import DutyCycle
 from distanom.governor import GovernorParams, OverheadGovernor
 from distanom.trace_planner import (
+    DEFAULT_COSTS,
     LASTING,
     ONE_OFF,
     PERIODIC,
@@ -264,3 +265,17 @@ def test_a_failing_planner_steps_aside_and_the_duty_cycle_goes_on(
         duty.plan([judgment(20)], 21, 22)
     assert duty.planner is None and duty.governor is not None
     assert sum("trace planner: boom" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_requested_steps_are_charged_to_the_budget_and_traced() -> None:
+    budgeted = DutyCycle(config_from_mapping({"tracer": {"overhead_budget_pct": 1}}))
+    assert budgeted.governor is not None
+    budgeted.request([40, 41, 42])
+    ((_, windows),) = budgeted.governor._charges
+    costs = DEFAULT_COSTS  # nothing measured yet
+    assert windows == pytest.approx((3 * costs.traced_step + costs.switch) / costs.window)
+    assert budgeted.wanted(41) is True
+    unbudgeted = DutyCycle(config_from_mapping({"tracer": {"backend": "kineto"}}))
+    assert unbudgeted.governor is not None
+    unbudgeted.request([40])
+    assert not unbudgeted.governor._charges and unbudgeted.wanted(40) is True
