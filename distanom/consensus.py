@@ -60,6 +60,9 @@ FLAG_MORE_EVIDENCE = 4  # the rank has evidence left after this round: one more 
 # Requested steps start this many steps after the round that carried the request, so
 # every rank learns of them before it reaches them and can make sure they are traced.
 REQUEST_LEAD_STEPS = 4
+# ... and at least this long at the median step: on short steps a round's own work and the
+# gather's skew last more than 4 steps, and a rank must not pass them before it learns
+REQUEST_LEAD_MS = 50.0
 EVIDENCE_FIELDS = 4
 EVIDENCE_EXTRA_SLOTS = 3
 MAX_EVIDENCE_BACKLOG = 4096  # steps of evidence waiting for a round; the oldest go first
@@ -393,6 +396,15 @@ def _samples_of_rows(
     return samples
 
 
+def lead_steps(median_ms: float | None) -> int:
+    """Steps from the furthest rank's host step to the first step scheduled for every rank
+    (requests, planned tracing): `REQUEST_LEAD_STEPS`, or `REQUEST_LEAD_MS` at the median
+    step if that is more (the same on every rank: the median is gathered data's)."""
+    if median_ms is None or not math.isfinite(median_ms) or median_ms <= 0:
+        return REQUEST_LEAD_STEPS
+    return min(100_000, max(REQUEST_LEAD_STEPS, math.ceil(REQUEST_LEAD_MS / median_ms)))
+
+
 def decide(result: RoundResult, detector: Detector, world_size: int) -> list[CaptureDecision]:
     """Every capture decision of one round, in order: detector verdicts, then requests."""
     decisions: list[CaptureDecision] = []
@@ -402,7 +414,7 @@ def decide(result: RoundResult, detector: Detector, world_size: int) -> list[Cap
     if request is not None and request.n_steps > 0:
         # after every rank's training loop, not just the gathered steps (they lag it)
         furthest = max((result.last_step, *result.host_steps))
-        first = furthest + 1 + REQUEST_LEAD_STEPS
+        first = furthest + 1 + lead_steps(detector.median_ms)
         ranks = request.ranks(world_size)
         median = detector.median_ms
         for offset in range(request.n_steps):

@@ -29,12 +29,14 @@ from distanom.consensus import (
     FLAG_CAPTURE_OFF,
     FLAG_FINAL,
     FLAG_MORE_EVIDENCE,
+    REQUEST_LEAD_STEPS,
     LocalRound,
     RoundBuilder,
     RoundResult,
     decide,
     decode_round,
     encode_round,
+    lead_steps,
     max_round_steps,
     recent_times,
     steps_per_round,
@@ -430,7 +432,10 @@ class ControlLoop:
     def _fold_evidence(self, result: RoundResult) -> None:
         may_trace = not self.requests.busy() and self.boundaries.tracer is not None
         judged = self.detector.take_anomalies()
-        self.duty.plan(judged, result.last_step, max((result.last_step, *result.host_steps)))
+        furthest = max((result.last_step, *result.host_steps))
+        # the planner leads by REQUEST_LEAD_STEPS itself; on short steps, lead by more
+        extra = lead_steps(self.detector.median_ms) - REQUEST_LEAD_STEPS
+        self.duty.plan(judged, result.last_step, furthest + extra)
         straggler = self.evidence.fold(judged, result, may_trace=may_trace)
         if straggler is not None:  # worth one trace on every rank: it is late then too
             number = self.requests.offer_own(1, f"straggler-{straggler.rank}")

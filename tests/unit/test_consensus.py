@@ -175,3 +175,22 @@ def assert_same_samples(first: list, second: list) -> None:
         assert all(_same(x, y) for x, y in zip(a.times_ms, b.times_ms, strict=True))
         assert (a.traced, a.after_flush, a.disturbed) == (b.traced, b.after_flush, b.disturbed)
         assert a.self_ms == pytest.approx(b.self_ms)
+
+
+def test_requests_lead_by_time_on_short_steps() -> None:
+    from distanom.consensus import REQUEST_LEAD_MS, REQUEST_LEAD_STEPS, lead_steps
+
+    assert lead_steps(None) == lead_steps(float("nan")) == REQUEST_LEAD_STEPS
+    assert lead_steps(100.0) == REQUEST_LEAD_STEPS  # long steps: 4 steps are 400 ms
+    assert lead_steps(0.5) == REQUEST_LEAD_MS / 0.5  # 100 steps of 0.5 ms: 50 ms
+    detector = Detector(DetectConfig(min_steps=3, window_steps=10, warmup_steps=0), CaptureConfig())
+    rows = [LocalRound(1, (0.5,) * 8, (1,) * 8), LocalRound(1, (0.5,) * 8, (1,) * 8)]
+    decide(decode_round(gathered(rows, 8), 8), detector, world_size=2)
+    assert detector.median_ms == 0.5
+    request = CaptureRequest(4, 1)
+    rows = [
+        LocalRound(9, (0.5,), (1,), 0, request, host_step=20),
+        LocalRound(9, (0.5,), (1,), host_step=30),
+    ]
+    decisions = decide(decode_round(gathered(rows, 8), 8), detector, world_size=2)
+    assert [d.step for d in decisions if d.kind == "requested"] == [30 + 1 + 100]
