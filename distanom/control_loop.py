@@ -180,10 +180,11 @@ class ControlLoop:
         next_status = 0.0
         self.inbox.wake_at = DRAIN_WAKE_AT
         while True:
-            for item in self.inbox.take(1.0):
-                if item is FINAL:
-                    return
-                self._log_step(item)
+            items = self.inbox.take(1.0)
+            ended = any(item is FINAL for item in items)
+            self._log_steps([item for item in items if item is not FINAL])
+            if ended:
+                return
             self._cpu_ns = time.thread_time_ns()
             now = time.monotonic()
             if self.world.rank == 0 and now >= next_status:
@@ -260,13 +261,13 @@ class ControlLoop:
             # sleep until this rank's part of the next round is in (or a poll is due):
             # one wake-up per round, not per step
             self.inbox.wake_at = max(1, builder.missing(self._round_steps()))
-            for item in self.inbox.take(WAKE_EVERY_S):
-                if item is FINAL:
-                    final = True
-                    continue
+            items = self.inbox.take(WAKE_EVERY_S)
+            records = [item for item in items if item is not FINAL]
+            final = final or len(records) != len(items)
+            for item in records:
                 builder.add(item.step, item.duration_ms, item.flags, item.self_ms)
                 self.evidence.add_gc(item.step, item.gc_ms)
-                self._log_step(item)
+            self._log_steps(records)
             builder.add_evidence(self.evidence.poll(final))
             now = time.monotonic()
             if now >= next_flush or final:  # a write per second, not per round
@@ -449,22 +450,26 @@ class ControlLoop:
 
     # -- the steps file ----------------------------------------------------------------
 
-    def _log_step(self, item: StepRecord) -> None:
+    def _log_steps(self, items: list[StepRecord]) -> None:
+        """Append the steps' rows to this rank's steps file, in one write."""
         steps = self._steps
-        if steps is None:
+        if steps is None or not items:
             return
-        row = StepRow(
-            item.step,
-            item.duration_ms,
-            bool(item.flags & STEP_TRACED),
-            bool(item.flags & STEP_AFTER_FLUSH),
-            item.self_ms,
-            item.gc_ms,
-            item.gc_generation,
-            bool(item.flags & STEP_SKIPPED),
-        )
+        rows = [
+            StepRow(
+                item.step,
+                item.duration_ms,
+                bool(item.flags & STEP_TRACED),
+                bool(item.flags & STEP_AFTER_FLUSH),
+                item.self_ms,
+                item.gc_ms,
+                item.gc_generation,
+                bool(item.flags & STEP_SKIPPED),
+            )
+            for item in items
+        ]
         try:
-            steps.write(row)
+            steps.write_rows(rows)
         except (OSError, ValueError) as err:
             self._warn_once("steps", "steps file: %s; step times not recorded", err)
             self._steps = None

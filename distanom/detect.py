@@ -219,6 +219,7 @@ class Detector:
     _fast_while_due: int = 0  # due steps passed over as too fast since the last reference
     _max_episodes_kept: int = 1000
     _all_steps: RollingWindow = field(init=False)  # warm-up, disturbed included
+    _main: tuple[bool, bool] = (True, False)  # the condition with the most steps
     _judged: list[AnomalyJudgment] = field(default_factory=list)
     _max_judged_kept: int = 4096
 
@@ -271,7 +272,16 @@ class Detector:
 
     def _main_condition(self) -> tuple[bool, bool]:
         """The condition most steps so far were measured under (traced, no flush first)."""
-        return max(self._windows, key=lambda c: (len(self._windows[c]), c == (True, False)))
+        return self._main
+
+    def _grows_main(self, condition: tuple[bool, bool]) -> bool:
+        """Whether `condition`'s window, just grown, now outranks the main condition's
+        (windows only grow, so the main condition is kept up to date here)."""
+
+        def rank(c: tuple[bool, bool]) -> tuple[int, bool]:
+            return len(self._windows[c]), c == (True, False)
+
+        return condition != self._main and rank(condition) > rank(self._main)
 
     def threshold_before(self, sample: StepSample) -> float:
         """The threshold `observe(sample)` judges the step by (NaN while not judged)."""
@@ -314,6 +324,8 @@ class Detector:
                 decisions.extend(self._maybe_reference(sample, judged, median, threshold))
         if not sample.disturbed:
             self._windows[sample.condition].append(step_ms)
+            if self._grows_main(sample.condition):
+                self._main = sample.condition
         self._all_steps.append(step_ms)
         return decisions
 

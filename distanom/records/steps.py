@@ -70,6 +70,10 @@ class StepsWriter:
         """Append one row (buffered until `flush`)."""
         self._file.write(row.line())
 
+    def write_rows(self, rows: list[StepRow]) -> None:
+        """Append rows in one write (buffered until `flush`)."""
+        self._file.write("".join(row.line() for row in rows))
+
     def flush(self) -> None:
         """Hand the buffered rows to the operating system."""
         self._file.flush()
