@@ -201,6 +201,10 @@ class DetectorCounts:
     judged_fallback: int = 0  # judged against a wider baseline than their condition's
 
 
+# (traced, after a flush), in the order the detector keeps their windows
+CONDITIONS = ((True, True), (True, False), (False, True), (False, False))
+
+
 @dataclass
 class Detector:
     """The deterministic detection state machine fed by the consensus thread."""
@@ -226,9 +230,7 @@ class Detector:
     def __post_init__(self) -> None:
         self._all_steps = RollingWindow(self.detect.window_steps)
         self._windows = {
-            (traced, flushed): RollingWindow(self.detect.window_steps)
-            for traced in (True, False)
-            for flushed in (True, False)
+            condition: RollingWindow(self.detect.window_steps) for condition in CONDITIONS
         }
 
     @property
@@ -278,8 +280,9 @@ class Detector:
         """Whether `condition`'s window, just grown, now outranks the main condition's
         (windows only grow, so the main condition is kept up to date here)."""
 
-        def rank(c: tuple[bool, bool]) -> tuple[int, bool]:
-            return len(self._windows[c]), c == (True, False)
+        def rank(c: tuple[bool, bool]) -> tuple[int, bool, int]:
+            # most steps; then traced without a flush; then the first in CONDITIONS
+            return len(self._windows[c]), c == (True, False), -CONDITIONS.index(c)
 
         return condition != self._main and rank(condition) > rank(self._main)
 

@@ -72,7 +72,11 @@ def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
     recent = {
         str(rank): times
         for rank, times in list(_obj(status.get("recent_ms")).items())[:MAX_RANKS_SHOWN]
-        if str(rank).isdigit() and len(str(rank)) < 10 and isinstance(times, list)
+        # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
+        if str(rank).isascii()
+        and str(rank).isdigit()
+        and len(str(rank)) < 10
+        and isinstance(times, list)
     }
     slowest = status.get("slowest_ranks")
     slowest = slowest[:MAX_RANKS_SHOWN] if isinstance(slowest, list) else []

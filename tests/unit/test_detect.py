@@ -262,3 +262,19 @@ def test_a_lone_step_is_judged_against_the_other_ranks() -> None:
     decisions = detector.observe(StepSample(0, (10.0, 10.0, 10.0, 95.0), False))
     assert detector.take_anomalies()[0].judged_by == "ranks"
     assert decisions == []  # untraced: counted and recorded, not captured
+
+
+def test_the_main_condition_is_the_fullest_window_traced_first() -> None:
+    """Kept up to date as windows grow: the condition with the most steps, ties to traced
+    without a flush, as a max over the windows says."""
+    rng = random.Random(7)
+    detector = make({"window_steps": 12, "warmup_steps": 0, "min_steps": 3})
+    for step in range(400):
+        traced, flushed = rng.random() < 0.3, rng.random() < 0.3  # untraced leads at first
+        detector.observe(
+            StepSample(step, (10.0 + rng.random(),), traced=traced, after_flush=flushed,
+                       disturbed=rng.random() < 0.1)
+        )  # fmt: skip
+        windows = detector._windows
+        fullest = max(windows, key=lambda c: (len(windows[c]), c == (True, False)))
+        assert detector._main_condition() == fullest

@@ -368,3 +368,11 @@ def test_fuzz_status_and_run_json_in_status_and_report(
     report = build_report(load_run(str(base)))
     render_text(report)
     json.dumps(report_json(report), allow_nan=False, default=str)
+
+
+def test_a_rank_named_by_a_non_ascii_digit_is_left_out(tmp_path: Path) -> None:
+    """'²'.isdigit() is true but int('²') fails: such a rank key must not break status."""
+    run = a_run(tmp_path)
+    status = {"recent_ms": {"²": [1.0], "1": [2.0]}, "slowest_ranks": [1]}
+    text = render_status(run, status)
+    assert "²" not in text and "2.0" in text
