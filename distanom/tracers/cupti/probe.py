@@ -8,8 +8,8 @@ called.
 
 from __future__ import annotations
 
+import distanom.tracers.cupti.callbacks as callbacks
 from distanom.errors import TracerUnavailableError
-from distanom.tracers.cupti import callbacks
 from distanom.tracers.cupti.library import CuptiLib
 
 

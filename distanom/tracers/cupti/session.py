@@ -15,8 +15,8 @@ import logging
 import threading
 from collections.abc import Sequence
 
+import distanom.tracers.cupti.callbacks as callbacks
 from distanom.errors import TracerUnavailableError
-from distanom.tracers.cupti import callbacks
 from distanom.tracers.cupti.buffers import BufferPool
 from distanom.tracers.cupti.library import TRACED_KINDS, CuptiError, CuptiLib, DetachError
 

@@ -27,9 +27,9 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+import distanom.tracers.cupti.callbacks as callbacks
 from distanom.errors import TracerUnavailableError
 from distanom.tracers.base import Availability, StepTrace
-from distanom.tracers.cupti import callbacks
 from distanom.tracers.cupti.buffers import DEFAULT_BUFFER_BYTES, BufferPool
 from distanom.tracers.cupti.calibration import Calibration, calibrate
 from distanom.tracers.cupti.events import device_properties
