@@ -54,8 +54,10 @@ def torchrun(
     timeout: float = 240,
     extra_torchrun: list[str] | None = None,
     env: dict[str, str] | None = None,
+    script: Path = TOY,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `torchrun -m distanom.launch` with the toy script; returns the finished process."""
+    """Run `torchrun -m distanom.launch` with `script` (the toy script unless given);
+    returns the finished process."""
     command = [
         sys.executable,
         "-m",
@@ -65,7 +67,7 @@ def torchrun(
         "-m",
         "distanom.launch",
         *launch_args,
-        str(TOY),
+        str(script),
         *script_args,
     ]
     return subprocess.run(

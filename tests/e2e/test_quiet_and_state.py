@@ -5,13 +5,11 @@ the exit status when the script did not finish."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TOY, job_env, launch, torchrun
+from tests.conftest import TOY, launch, torchrun
 
 FAST = ["--set", "detect.warmup_steps=5", "--set", "detect.min_steps=15"]
 
@@ -104,11 +102,7 @@ def test_a_rank_that_ends_first_ends_consensus_cleanly(tmp_path: Path) -> None:
     """The others learn it from its final round: one line, no failed all-gather, no wait."""
     script = tmp_path / "uneven.py"
     script.write_text(UNEVEN)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "distanom.launch", "--run-dir", "r", str(script)],
-        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=240, check=False,
-    )  # fmt: skip
+    done = torchrun(2, ["--run-dir", "r"], [], cwd=tmp_path, script=script)
     assert done.returncode == 0, done.stderr[-3000:]
     ours = [line for line in done.stderr.splitlines() if line.startswith("[distanom")]
     ended = [line for line in ours if "consensus ended: rank 1 ended its training first" in line]
