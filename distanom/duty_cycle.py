@@ -101,8 +101,7 @@ class DutyCycle:
         if governor is not None and governor.budget_pct is not None:
             with self._lock:
                 costs = self._costs(governor)
-                if costs.window > 0:
-                    governor.charge((len(steps) * costs.traced_step + costs.switch) / costs.window)
+                governor.charge(costs.in_windows(costs.tracing(len(steps))))
         self.force(steps)
 
     def record(self, samples: Iterable[StepSample]) -> None:

@@ -223,6 +223,14 @@ class Costs:
     switch: float
     window: float
 
+    def tracing(self, steps: int, *, switches: bool = True) -> float:
+        """Step times that tracing `steps` steps costs, with a pair of switches or not."""
+        return steps * self.traced_step + (self.switch if switches and steps else 0.0)
+
+    def in_windows(self, step_times: float) -> float:
+        """`step_times` as traced windows' worth of the governor's credit."""
+        return step_times / self.window if self.window > 0 else 0.0
+
 
 # Before the governor has measured anything: a traced step +25%, a switch pair a step and a
 # half (CUPTI's ~13 ms on a ~10 ms launch-bound step): pessimistic, so early plans are few.
@@ -372,7 +380,7 @@ class TracePlanner:
             series = want.series
             new = [s for s in want.steps if s not in self._planned]
             adjacent = any(s - 1 in self._planned or s + 1 in self._planned for s in new)
-            cost = len(new) * costs.traced_step + (0.0 if adjacent or not new else costs.switch)
+            cost = costs.tracing(len(new), switches=not adjacent)
             unproven = series is not None and not series.hits
             if self.counts.spent_step_times + spent + cost > allowance or (
                 unproven and self.counts.probation_step_times + cost > probation
@@ -391,8 +399,7 @@ class TracePlanner:
                 self.counts.episode_windows += 1
         self.counts.spent_step_times += spent
         self.counts.steps_planned += len(set(chosen))
-        charge = spent / costs.window if costs.window > 0 else 0.0
-        return Plan(tuple(sorted(set(chosen))), charge)
+        return Plan(tuple(sorted(set(chosen))), costs.in_windows(spent))
 
     def summary(self) -> dict[str, float | int]:
         """JSON-ready counts, for the status file."""
