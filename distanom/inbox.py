@@ -41,6 +41,3 @@ class StepInbox:
         while items:
             out.append(items.popleft())
         return out
-
-    def __len__(self) -> int:
-        return len(self._items)

@@ -66,10 +66,6 @@ class StepsWriter:
         if self._file.tell() == 0:
             self._file.write(STEPS_CSV_HEADER)
 
-    def write(self, row: StepRow) -> None:
-        """Append one row (buffered until `flush`)."""
-        self._file.write(row.line())
-
     def write_rows(self, rows: list[StepRow]) -> None:
         """Append rows in one write (buffered until `flush`)."""
         self._file.write("".join(row.line() for row in rows))

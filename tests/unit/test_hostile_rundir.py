@@ -65,7 +65,7 @@ def test_steps_file_and_folder_never_followed(run: RunDir, victim: Path, tmp_pat
     with pytest.raises(UnsafePathError):  # a FIFO: refused at once, never blocks
         StepsWriter(run.steps_csv(2))
     writer = StepsWriter(run.steps_csv(3))
-    writer.write(StepRow(0, 1.0, False, False, 0.0))
+    writer.write_rows([StepRow(0, 1.0, False, False, 0.0)])
     writer.close()
     assert run.steps_csv(3).read_text().count("\n") == 2
 

@@ -158,8 +158,8 @@ def test_step_rows_keep_their_bytes_and_older_files_still_read(tmp_path: Path) -
     assert row.line() == "7,12.3457,1,0,0.500,1.250,2,0\n"
     path = tmp_path / "steps" / "rank0.csv"
     writer = StepsWriter(path)
-    writer.write(row)
-    writer.write(StepRow(8, 3.0, False, True, 0.0))
+    writer.write_rows([row])
+    writer.write_rows([StepRow(8, 3.0, False, True, 0.0)])
     writer.close()
     assert path.read_text() == STEPS_CSV_HEADER + row.line() + "8,3.0000,0,1,0.000,0.000,-1,0\n"
     read = read_steps(path)
