@@ -72,9 +72,9 @@ def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
     recent = {
         str(rank): times
         for rank, times in list(_obj(status.get("recent_ms")).items())[:MAX_RANKS_SHOWN]
-        # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
+        # ASCII decimal digits only: str.isdigit() also accepts '²', which int() refuses
         if str(rank).isascii()
-        and str(rank).isdigit()
+        and str(rank).isdecimal()
         and len(str(rank)) < 10
         and isinstance(times, list)
     }

@@ -70,7 +70,7 @@ class WorldInfo:
             node_rank=number("GROUP_RANK", 0),
             host=socket.gethostname(),
             master_addr=env.get("MASTER_ADDR") or None,
-            master_port=int(port) if port and port.isdigit() else None,
+            master_port=int(port) if port and port.isdecimal() else None,
             job_id=f"{env.get('TORCHELASTIC_RUN_ID', 'none')}/"
             f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}",
         )

@@ -376,3 +376,15 @@ def test_a_rank_named_by_a_non_ascii_digit_is_left_out(tmp_path: Path) -> None:
     status = {"recent_ms": {"²": [1.0], "1": [2.0]}, "slowest_ranks": [1]}
     text = render_status(run, status)
     assert "²" not in text and "2.0" in text
+
+
+def test_digits_int_refuses_are_not_read_as_numbers() -> None:
+    """str.isdigit() accepts '²'; int() does not: a port or a library version like that
+    is no number, never a crash."""
+    from distanom.tracers.cupti.library import _version_key
+    from distanom.world import WorldInfo
+
+    assert WorldInfo.from_env({"MASTER_PORT": "²"}).master_port is None
+    assert WorldInfo.from_env({"MASTER_PORT": "29500"}).master_port == 29500
+    assert _version_key("/lib/libcupti.so.13.²") == (13,)
+    assert _version_key("/lib/libcupti.so.13.0.85") == (13, 0, 85)

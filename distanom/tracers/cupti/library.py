@@ -90,7 +90,7 @@ def _mapped_libcupti() -> list[str]:
 def _version_key(path: str) -> tuple[int, ...]:
     # libcupti.so.13.0.85 > libcupti.so.13 > libcupti.so: prefer the most specific.
     tail = os.path.basename(path).split(".so", 1)[-1].strip(".")
-    parts = [int(p) for p in tail.split(".") if p.isdigit()]
+    parts = [int(p) for p in tail.split(".") if p.isdecimal()]
     return tuple(parts)
 
 
