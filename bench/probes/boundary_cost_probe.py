@@ -1,0 +1,194 @@
+"""Where the training thread's time at a step boundary goes, on a real loop.
+
+    python3 bench/probes/boundary_cost_probe.py --out $OUT/boundary.json
+        [--workloads resnet18,amp] [--steps 600] [--define NAME KEY=VALUE ...]
+
+One process per call, world size 1, a fresh agent per block (detection alone by default,
+`--define` adds variants as `bench/agent_cost.py` takes them). The probe wraps, from
+outside, the boundary's body and the clock's mark and reads per call both the wall
+clock and the training thread's CPU time (`time.thread_time_ns`): wall minus CPU is time
+the thread waited (for the GIL, mostly: a CUDA event call releases it, and the control
+thread takes it then). It also reads the control thread's CPU time per step (the agent's
+own figure) and how often the training thread woke the control thread. A `clock` block
+times the CUDA-event clock alone (no agent) in the same loop. Figures are per step,
+from the timed steps only (after `--warmup`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench" / "workloads"))
+sys.path.insert(0, str(REPO))
+
+from loops import build_loop  # noqa: E402
+
+from distanom import boundary as boundary_module  # noqa: E402
+from distanom import clock as clock_module  # noqa: E402
+from distanom import inbox as inbox_module  # noqa: E402
+from distanom.agent import Agent  # noqa: E402
+from distanom.config import load_config  # noqa: E402
+from distanom.world import WorldInfo  # noqa: E402
+
+
+class Meter:
+    """Wall and thread-CPU nanoseconds of the calls wrapped, and their count."""
+
+    def __init__(self) -> None:
+        self.wall = 0
+        self.cpu = 0
+        self.calls = 0
+
+    def reset(self) -> None:
+        self.wall = self.cpu = self.calls = 0
+
+    def wrap(self, owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+        meter = self
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                meter.cpu += time.thread_time_ns() - cpu
+                meter.wall += time.perf_counter_ns() - wall
+                meter.calls += 1
+
+        setattr(owner, name, wrapped)
+
+    def per_call_us(self) -> dict[str, float]:
+        n = max(1, self.calls)
+        return {
+            "calls": self.calls,
+            "wall_us": round(self.wall / n / 1e3, 2),
+            "cpu_us": round(self.cpu / n / 1e3, 2),
+            "waited_us": round((self.wall - self.cpu) / n / 1e3, 2),
+        }
+
+
+BOUNDARY, CLOCK = Meter(), Meter()
+DEVICE = ["cuda:0"]
+WAKES = [0]
+
+
+def install_meters() -> None:
+    BOUNDARY.wrap(boundary_module.StepBoundaries, "_boundary_unguarded")
+    CLOCK.wrap(clock_module.StepClock, "mark")
+    original_set = inbox_module.threading.Event.set
+
+    def counting_set(self: Any) -> None:
+        WAKES[0] += 1
+        original_set(self)
+
+    inbox_module.threading.Event.set = counting_set  # type: ignore[method-assign]
+
+
+def sync() -> None:
+    if DEVICE[0].startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def block(workload: str, name: str, overrides: list[str] | None, warmup: int, steps: int) -> dict[str, Any]:
+    loop = build_loop(workload, DEVICE[0], small=not DEVICE[0].startswith("cuda"))
+    optimizer = loop.optimizer
+    record: dict[str, Any] = {"variant": name}
+    mode = "cuda_event" if DEVICE[0].startswith("cuda") else "host"
+    clock = clock_module.StepClock(mode) if overrides is None else None
+    with tempfile.TemporaryDirectory() as scratch:
+        agent = None
+        if overrides is not None:
+            agent = Agent(load_config(None, overrides), WorldInfo.from_env({}), Path(scratch) / "r")
+            agent.install()
+        for i in range(warmup):
+            loop.step()
+            if clock is not None:
+                clock.mark(i)
+        sync()
+        BOUNDARY.reset()
+        CLOCK.reset()
+        WAKES[0] = 0
+        own = agent.own_cost() if agent is not None else None
+        cpu0, wall0 = time.thread_time_ns(), time.perf_counter_ns()
+        for i in range(warmup, warmup + steps):
+            loop.step()
+            if clock is not None:
+                clock.mark(i)
+        sync()
+        wall = time.perf_counter_ns() - wall0
+        record["ms_per_step"] = round(wall / steps / 1e6, 4)
+        record["training_thread_cpu_pct"] = round((time.thread_time_ns() - cpu0) / wall * 100, 1)
+        record["boundary"] = BOUNDARY.per_call_us()
+        record["clock_mark"] = CLOCK.per_call_us()
+        record["event_sets_per_100_steps"] = round(WAKES[0] * 100 / steps, 2)
+        if agent is not None and own is not None:
+            after = agent.own_cost()
+            record["control_cpu_us_per_step"] = round(
+                (after["control_cpu_ns"] - own["control_cpu_ns"]) / steps / 1e3, 2  # type: ignore[operator]
+            )
+            record["rounds"] = agent.control.rounds
+            agent.close()
+            record["own_cost_whole_block"] = agent.own_cost()
+        optimizer.__dict__.pop("step", None)
+    return record
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--workloads", default="resnet18,amp")
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--define", nargs="+", action="append", default=[])
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--device", default="cuda:0")
+    args = parser.parse_args()
+    DEVICE[0] = args.device
+    install_meters()
+    variants: dict[str, list[str] | None] = {"clock": None, "detect": ["tracer.backend=none"]}
+    for name, *overrides in args.define:
+        variants[name] = overrides
+    out: dict[str, Any] = {
+        "facts": {
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor(),
+            "python": platform.python_version(),
+            "distanom_commit": args.commit,
+        },
+        "params": {k: str(v) for k, v in vars(args).items()},
+        "workloads": {},
+    }
+    for workload in args.workloads.split(","):
+        rows = []
+        for _ in range(args.repeats):
+            for name, overrides in variants.items():
+                rows.append(block(workload, name, overrides, args.warmup, args.steps))
+                print(workload, json.dumps(rows[-1]), flush=True)
+        summary = {}
+        for name in variants:
+            mine = [r for r in rows if r["variant"] == name]
+            summary[name] = {
+                f"{key}_{field}": statistics.median(r[key][field] for r in mine)
+                for key in ("boundary", "clock_mark")
+                for field in ("wall_us", "cpu_us")
+            } | {"control_cpu_us_per_step": statistics.median(r.get("control_cpu_us_per_step", 0) for r in mine)}
+        out["workloads"][workload] = {"blocks": rows, "median": summary}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
