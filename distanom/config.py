@@ -114,14 +114,14 @@ class ConsensusConfig(_Section):
     # a round's work holds the GIL a launch-bound training thread needs: rounds are paced
     # in time, not per step (docs/agent.md, "The control thread wakes per round")
     interval_ms: float = Field(
-        250.0,
+        1000.0,
         gt=0,
         le=60_000,
         description="pace of the rounds: each covers as many steps as take about this long "
         "at the median step time (at least 1, at most batch_steps)",
     )
     batch_steps: int = Field(
-        32,
+        128,
         ge=1,
         le=1000,
         description="at most this many steps per all-gather round of step times across "

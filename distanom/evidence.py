@@ -252,6 +252,7 @@ class EvidenceTier:
         self._world_size = world_size
         self._warn_once = warn_once
         self._off = False
+        self._stragglers_written: dict[str, Any] | None = None  # the body last written
         self._traced: set[int] = set()
 
     def add_gc(self, step: int, gc_ms: float) -> None:
@@ -306,12 +307,16 @@ class EvidenceTier:
         """Straggler scores and drift for status.json (None: no journal)."""
         return self.journal.scorer.to_json() if self.journal is not None else None
 
-    def write_stragglers(self, run: RunDir | None) -> None:
-        """Rewrite stragglers.json (rank 0)."""
+    def write_stragglers(self, run: RunDir | None, *, final: bool = False) -> None:
+        """Rewrite stragglers.json (rank 0) when the scores changed, or at the end."""
         if self.journal is None or run is None:
             return
+        body = self.journal.scorer.to_json()
+        if body == self._stragglers_written and not final:
+            return
         try:
-            write_stragglers(run, self.journal.scorer.to_json())
+            write_stragglers(run, body, durable=final)
+            self._stragglers_written = body
         except (OSError, ValueError) as err:
             # written with status.json: one warning for both
             self._warn_once("status", "status file not written (%s)", err)
@@ -325,4 +330,4 @@ class EvidenceTier:
             journal.flush()
             if journal.writer is not None:
                 journal.writer.close()
-        self.write_stragglers(run)
+        self.write_stragglers(run, final=True)

@@ -139,15 +139,18 @@ def json_number(value: float | None, digits: int = 4) -> float | None:
     return round(value, digits)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a fsynced temporary file renamed into place; the
-    folder's last component must not be a symlink (UnsafePathError, never followed)."""
-    write_atomic(path, data, FILE_MODE)
+def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Write `data` to `path` through a temporary file renamed into place, fsynced first
+    unless `durable` is False (live files rewritten every few seconds: a crash loses
+    nothing a reader needs, and the fsync would cost the control thread a disk flush per
+    write); the folder's last component must not be a symlink (UnsafePathError)."""
+    write_atomic(path, data, FILE_MODE, durable=durable)
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any, *, durable: bool = True) -> None:
     """Write `obj` as indented JSON (no NaN) through `write_bytes_atomic`."""
-    write_bytes_atomic(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode())
+    data = (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode()
+    write_bytes_atomic(path, data, durable=durable)
 
 
 def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:

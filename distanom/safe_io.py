@@ -68,9 +68,11 @@ def open_dir(root: Path, parts: Sequence[str] = (), *, create: bool = False) -> 
         os.close(fd)
 
 
-def write_atomic_at(dir_fd: int, name: str, data: bytes, mode: int) -> None:
-    """Write `data` to `name` in the folder `dir_fd` through a fsynced temporary file
-    (created exclusively, never through a link) renamed over it."""
+def write_atomic_at(
+    dir_fd: int, name: str, data: bytes, mode: int, *, durable: bool = True
+) -> None:
+    """Write `data` to `name` in the folder `dir_fd` through a temporary file (created
+    exclusively, never through a link, fsynced when `durable`) renamed over it."""
     temp = f".{name}.{secrets.token_hex(4)}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(temp, flags, 0o600, dir_fd=dir_fd)
@@ -79,7 +81,8 @@ def write_atomic_at(dir_fd: int, name: str, data: bytes, mode: int) -> None:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
             os.fchmod(fd, mode)
         finally:
             os.close(fd)
@@ -90,7 +93,7 @@ def write_atomic_at(dir_fd: int, name: str, data: bytes, mode: int) -> None:
         raise
 
 
-def write_atomic(path: Path, data: bytes, mode: int) -> None:
+def write_atomic(path: Path, data: bytes, mode: int, *, durable: bool = True) -> None:
     """`write_atomic_at` into `path`'s folder, whose last component must not be a link."""
     try:
         fd = os.open(path.parent, _DIR_FLAGS)
@@ -99,7 +102,7 @@ def write_atomic(path: Path, data: bytes, mode: int) -> None:
             raise _refused(path.parent, "a symlink or not a directory") from None
         raise
     try:
-        write_atomic_at(fd, path.name, data, mode)
+        write_atomic_at(fd, path.name, data, mode, durable=durable)
     finally:
         os.close(fd)
 

@@ -5,13 +5,14 @@
 
 One process per call, world size 1, a fresh agent per block (detection alone by default,
 `--define` adds variants as `bench/agent_cost.py` takes them). The probe wraps, from
-outside, the boundary's body and the clock's mark and reads per call both the wall
-clock and the training thread's CPU time (`time.thread_time_ns`): wall minus CPU is time
-the thread waited (for the GIL, mostly: a CUDA event call releases it, and the control
-thread takes it then). It also reads the control thread's CPU time per step (the agent's
-own figure) and how often the training thread woke the control thread. A `clock` block
-times the CUDA-event clock alone (no agent) in the same loop. Figures are per step,
-from the timed steps only (after `--warmup`).
+outside, the boundary's body, the clock's `mark` (training thread) and `poll` (control
+thread) and reads per call both the wall clock and the calling thread's CPU time
+(`time.thread_time_ns`): wall minus CPU is time the thread waited (for the GIL, mostly).
+It also reads the control thread's CPU time per step (the agent's own figure, which
+includes `poll`) and how many `threading.Event.set` calls there were (the training
+thread waking the control thread, mostly). A `clock` block times the CUDA-event clock
+alone (no agent: `mark` each step, `poll` every 32) in the same loop. Figures are per
+step, from the timed steps only (after `--warmup`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,6 @@ from loops import build_loop  # noqa: E402
 
 from distanom import boundary as boundary_module  # noqa: E402
 from distanom import clock as clock_module  # noqa: E402
-from distanom import inbox as inbox_module  # noqa: E402
 from distanom.agent import Agent  # noqa: E402
 from distanom.config import load_config  # noqa: E402
 from distanom.world import WorldInfo  # noqa: E402
@@ -78,7 +79,7 @@ class Meter:
         }
 
 
-BOUNDARY, CLOCK = Meter(), Meter()
+BOUNDARY, CLOCK, POLL = Meter(), Meter(), Meter()
 DEVICE = ["cuda:0"]
 WAKES = [0]
 
@@ -86,13 +87,14 @@ WAKES = [0]
 def install_meters() -> None:
     BOUNDARY.wrap(boundary_module.StepBoundaries, "_boundary_unguarded")
     CLOCK.wrap(clock_module.StepClock, "mark")
-    original_set = inbox_module.threading.Event.set
+    POLL.wrap(clock_module.StepClock, "poll")
+    original_set = threading.Event.set
 
     def counting_set(self: Any) -> None:
         WAKES[0] += 1
         original_set(self)
 
-    inbox_module.threading.Event.set = counting_set  # type: ignore[method-assign]
+    threading.Event.set = counting_set  # type: ignore[method-assign]
 
 
 def sync() -> None:
@@ -100,7 +102,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def block(workload: str, name: str, overrides: list[str] | None, warmup: int, steps: int) -> dict[str, Any]:
+def block(
+    workload: str, name: str, overrides: list[str] | None, warmup: int, steps: int
+) -> dict[str, Any]:
     loop = build_loop(workload, DEVICE[0], small=not DEVICE[0].startswith("cuda"))
     optimizer = loop.optimizer
     record: dict[str, Any] = {"variant": name}
@@ -118,6 +122,7 @@ def block(workload: str, name: str, overrides: list[str] | None, warmup: int, st
         sync()
         BOUNDARY.reset()
         CLOCK.reset()
+        POLL.reset()
         WAKES[0] = 0
         own = agent.own_cost() if agent is not None else None
         cpu0, wall0 = time.thread_time_ns(), time.perf_counter_ns()
@@ -125,17 +130,21 @@ def block(workload: str, name: str, overrides: list[str] | None, warmup: int, st
             loop.step()
             if clock is not None:
                 clock.mark(i)
+                if i % 32 == 0:  # as the control thread reads it, once per round
+                    clock.poll()
         sync()
         wall = time.perf_counter_ns() - wall0
         record["ms_per_step"] = round(wall / steps / 1e6, 4)
         record["training_thread_cpu_pct"] = round((time.thread_time_ns() - cpu0) / wall * 100, 1)
         record["boundary"] = BOUNDARY.per_call_us()
         record["clock_mark"] = CLOCK.per_call_us()
+        record["clock_poll"] = POLL.per_call_us()  # on the control thread (agent blocks)
         record["event_sets_per_100_steps"] = round(WAKES[0] * 100 / steps, 2)
         if agent is not None and own is not None:
             after = agent.own_cost()
             record["control_cpu_us_per_step"] = round(
-                (after["control_cpu_ns"] - own["control_cpu_ns"]) / steps / 1e3, 2  # type: ignore[operator]
+                (after["control_cpu_ns"] - own["control_cpu_ns"]) / steps / 1e3,
+                2,  # type: ignore[operator]
             )
             record["rounds"] = agent.control.rounds
             agent.close()
@@ -163,7 +172,11 @@ def main() -> int:
     out: dict[str, Any] = {
         "facts": {
             "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor(),
+            "device": (
+                torch.cuda.get_device_name(0)
+                if args.device.startswith("cuda")
+                else platform.processor()
+            ),
             "python": platform.python_version(),
             "distanom_commit": args.commit,
         },
@@ -183,7 +196,10 @@ def main() -> int:
                 f"{key}_{field}": statistics.median(r[key][field] for r in mine)
                 for key in ("boundary", "clock_mark")
                 for field in ("wall_us", "cpu_us")
-            } | {"control_cpu_us_per_step": statistics.median(r.get("control_cpu_us_per_step", 0) for r in mine)}
+            }
+            summary[name]["control_cpu_us_per_step"] = statistics.median(
+                r.get("control_cpu_us_per_step", 0) for r in mine
+            )
         out["workloads"][workload] = {"blocks": rows, "median": summary}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -175,9 +175,9 @@ def read_anomalies(run: RunDir) -> list[AnomalyRecord]:
     return [records[s] for s in sorted(records)]
 
 
-def write_stragglers(run: RunDir, body: dict[str, Any]) -> None:
-    """Rewrite stragglers.json atomically."""
-    write_json_atomic(stragglers_path(run), {"v": FORMAT_VERSION, **body})
+def write_stragglers(run: RunDir, body: dict[str, Any], *, durable: bool = True) -> None:
+    """Rewrite stragglers.json atomically (fsynced when `durable`)."""
+    write_json_atomic(stragglers_path(run), {"v": FORMAT_VERSION, **body}, durable=durable)
 
 
 def read_stragglers(run: RunDir) -> dict[str, Any]:

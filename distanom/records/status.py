@@ -74,7 +74,9 @@ class Status(TypedDict, total=False):
 
 def write_status(run: RunDir, status: Status) -> None:
     """Rewrite status.json atomically, stamped with the time and this process id."""
-    write_json_atomic(run.status_json, {**status, "updated_at": time.time(), "pid": os.getpid()})
+    body = {**status, "updated_at": time.time(), "pid": os.getpid()}
+    # rewritten every few seconds while training runs: not fsynced (the last one is)
+    write_json_atomic(run.status_json, body, durable=status["state"] != "running")
 
 
 def read_status(run: RunDir) -> Status | None:
