@@ -18,10 +18,9 @@ call it exactly once per iteration whether or not it steps, so a wrapper on the 
 did not run inside it. The scaler's own decision is the signal: no private state of the
 scaler is read.
 
-At a boundary: one host timestamp, the clock's mark (a CUDA event recorded, or a host
-clock read), the tracer's step mark, the duty cycle's switch for the next step, and one
-queue put of the step (`inbox.StepRecord`, to the control thread, which reads a CUDA
-event's time later). Reads the
+At a boundary: one host timestamp, the clock's mark (a CUDA event or a host clock read),
+the tracer's step mark, the duty cycle's switch for the next step, and a queue put of
+each step whose time became known (`StepRecord`, to the control thread). Reads the
 shared `Health` and `DutyCycle`; nothing here blocks or raises into training.
 """
 
@@ -30,10 +29,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import time
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,7 +42,7 @@ from distanom.duty_cycle import DutyCycle
 from distanom.evidence import EvidenceMarks
 from distanom.gc_pauses import GcPauses
 from distanom.health import Health
-from distanom.inbox import StepInbox, StepRecord
+from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
 from distanom.tracers import Tracer, create_tracer
 
@@ -52,6 +50,21 @@ log = logging.getLogger(__name__)
 
 FINAL = object()  # inbox sentinel: training is over
 STEP_SKIPPED = 8  # the step's optimizer step was skipped by a GradScaler (not sent in rounds)
+# steps whose time the clock has not given yet are kept this long at most: past it, the
+# clock gave up on them (their bookkeeping would grow without bound)
+MAX_UNRESOLVED = 4096
+KEEP_UNRESOLVED = 2048
+
+
+class StepRecord(NamedTuple):
+    """One resolved step, from the training thread to the control thread."""
+
+    step: int
+    duration_ms: float
+    flags: int  # STEP_* bits
+    self_ms: float  # distanom's capture work during the step
+    gc_ms: float  # Python garbage collection during the step (host time)
+    gc_generation: int  # the highest generation collected, -1 for none
 
 
 class StepBoundaries:
@@ -87,9 +100,12 @@ class StepBoundaries:
         self._manual = config.step.source == "manual"
         self._hook_handle: Any = None
         self._inside_counted_step = False
+        self._step_flags: dict[int, int] = {}  # STEP_* bits of steps not yet resolved
         self._next_after_flush = False  # the tracer flushed at the last boundary
         self._first_boundary_done = False
         self._boundaries_off = False  # step bookkeeping failed: training goes on unwatched
+        self._self_ms: dict[int, float] = {}  # capture work during steps not yet resolved
+        self._gc: dict[int, tuple[float, int]] = {}  # collections during steps not yet resolved
         self._tracing_during = False  # whether the tracer records the step in progress
         self._scaler_patch: Any = None  # undoes the GradScaler wrapper
         self._seen_of_class: list[weakref.ref[Any]] = []  # step.optimizer's class, first-step order
@@ -244,20 +260,24 @@ class StepBoundaries:
         if not self._first_boundary_done:
             self._first_boundary_done = True  # once: a later clock failure re-creates nothing
             self._first_boundary()
-        duration = math.nan  # cuda_event: the control thread reads it later
+        resolved: list[tuple[int, float]] = []
         if self.clock is not None:
             try:
-                duration = self.clock.mark(step)
+                resolved = self.clock.mark(step)
             except Exception as err:
                 self._warn_once("clock", "clock: step timing failed (%s); detection stops", err)
                 self.clock = None
         self_ms = self.self_ms_of_ended_step()
-        flags = (
+        self._step_flags[step] = (
             self._flags_of_ended_step()
             | (STEP_DISTURBED if self_ms else 0)
             | (STEP_SKIPPED if skipped else 0)
         )
+        if self_ms:
+            self._self_ms[step] = self_ms
         gc_ms, gc_generation = self.gc_pauses.take()
+        if gc_ms > 0:
+            self._gc[step] = (gc_ms, gc_generation)
         tracer = self.tracer
         if tracer is not None and not inside_optimizer:
             flushes = tracer.boundary_flushes
@@ -281,7 +301,21 @@ class StepBoundaries:
             except Exception as err:
                 self._tracer_failed(err)
             self._next_after_flush = tracer.boundary_flushes != flushes
-        self.inbox.put(StepRecord(step, duration, flags, self_ms, gc_ms, gc_generation))
+        for resolved_step, duration in resolved:
+            self.inbox.put(self._resolved(resolved_step, duration))
+        if len(self._step_flags) > MAX_UNRESOLVED:
+            for old in [s for s in self._step_flags if s < step - KEEP_UNRESOLVED]:
+                del self._step_flags[old]
+                self._self_ms.pop(old, None)
+                self._gc.pop(old, None)
+
+    def _resolved(self, step: int, duration: float) -> StepRecord:
+        """What the control thread gets of a step whose time is known."""
+        gc_ms, gc_generation = self._gc.pop(step, (0.0, -1))
+        return StepRecord(
+            step, duration, self._step_flags.pop(step, 0), self._self_ms.pop(step, 0.0),
+            gc_ms, gc_generation,
+        )  # fmt: skip
 
     def _flags_of_ended_step(self) -> int:
         """STEP_* bits of the step that just ended: traced, after a flush, disturbed by
@@ -348,18 +382,17 @@ class StepBoundaries:
     # -- end of training (on the training thread) --------------------------------------
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for the GPU to pass the last step boundaries (their
-        times are then read by the control thread), then stop the tracer; returns
-        whether the GPU got there (else the tracer is left as it is: stopping it could
-        wait on the GPU too)."""
+        """Queue the last steps' times the GPU reaches within `timeout_s`, then stop the
+        tracer; returns whether the GPU reached every boundary (else the tracer is left
+        as it is: stopping it could wait on the GPU too)."""
         gpu_done = True
-        clock = self.clock
-        if clock is not None:
+        if self.clock is not None:
             # polled, never a synchronize: a hung GPU must not hang the exit
             try:
-                gpu_done = clock.wait_for_gpu(timeout_s)
+                drained, gpu_done = self.clock.drain(timeout_s)
+                for step, duration in drained:
+                    self.inbox.put(self._resolved(step, duration))
                 if not gpu_done:
-                    clock.abandon()
                     log.warning(
                         "distanom: the GPU did not reach the last step boundaries within "
                         "%.0f s; their timings are dropped and the tracer is left as it is",

@@ -1,13 +1,12 @@
 """The agent's control thread (`distanom-control`): everything that can block.
 
 Forms distanom's group, creates the run directory (rank 0) and writes run.json, then
-loops: takes the `StepRecord`s the training thread queued, reads the CUDA-event clock's
-step times for them (`StepClock.poll`, once per wake: never at the boundary), appends
-them to this rank's steps file, gathers rounds of step times across ranks, feeds the
-duty cycle, decides captures and hands them to the capture worker, polls and answers
-on-demand requests and rewrites status.json (rank 0). Without consensus (setup failed,
-a rank gone) it keeps draining the queue so the training thread never fills memory.
-State it shares with the training thread lives in `Health` and `DutyCycle`.
+loops: takes the `StepRecord`s the training thread queued, appends them to this rank's
+steps file, gathers rounds of step times across ranks, feeds the duty cycle, decides
+captures and hands them to the capture worker, polls and answers on-demand requests and
+rewrites status.json (rank 0). Without consensus (setup failed, a rank gone) it keeps
+draining the queue so the training thread never fills memory. State it shares with the
+training thread lives in `Health` and `DutyCycle`.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from distanom.boundary import FINAL, STEP_SKIPPED, StepBoundaries
+from distanom.boundary import FINAL, STEP_SKIPPED, StepBoundaries, StepRecord
 from distanom.capture import CaptureWorker
 from distanom.config import Config
 from distanom.consensus import (
@@ -48,7 +47,7 @@ from distanom.errors import RunDirError
 from distanom.evidence import EvidenceTier
 from distanom.hang import HangWatch
 from distanom.health import Health
-from distanom.inbox import PendingSteps, StepInbox, StepRecord
+from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
 from distanom.records.run_info import build_run_info, write_run_info
 from distanom.records.status import CaptureCounts, Status, TracerReport, write_status
@@ -64,14 +63,6 @@ RECENT_STEPS = 64
 STEPS_FLUSH_S = 1.0  # the steps file is flushed at most this often while training runs
 WAKE_EVERY_S = 1.0  # the control thread wakes at least this often (polls, status, flush)
 DRAIN_WAKE_AT = 256  # without consensus: steps queued before the drain wakes early
-# With the CUDA-event clock a step's time is read a few steps after its boundary (the GPU
-# runs behind the host): the control thread waits for this many steps more than a round
-# needs, so that one wake usually finds the round's times read.
-CLOCK_LAG_STEPS = 4
-# ...and when the GPU is still behind after that, it sleeps about this many median steps
-# before reading the clock again.
-CLOCK_RETRY_STEPS = 2
-CLOCK_RETRY_S = 0.01  # the same before a median exists
 FINAL_ROUND_TIMEOUT_S = 10.0
 # After the final round, rounds that carry only the evidence left (every rank runs one
 # more while any rank said it has more): at most this many.
@@ -110,7 +101,6 @@ class ControlLoop:
         self._gathered_step = -1
         self.requests = RequestDesk(world.world_size, health.warn_once)  # used on rank 0
         self._steps: StepsWriter | None = None
-        self._pending = PendingSteps()  # records waiting for the clock's reading
         self._started_at = time.time()
         self._round_began = time.monotonic()  # when the latest round started waiting
         self.evidence = EvidenceTier(boundaries.evidence_marks, world.world_size, health.warn_once)
@@ -190,8 +180,9 @@ class ControlLoop:
         next_status = 0.0
         self.inbox.wake_at = DRAIN_WAKE_AT
         while True:
-            records, ended = self._take(1.0)
-            self._log_steps(records)
+            items = self.inbox.take(1.0)
+            ended = any(item is FINAL for item in items)
+            self._log_steps([item for item in items if item is not FINAL])
             if ended:
                 return
             self._cpu_ns = time.thread_time_ns()
@@ -269,7 +260,10 @@ class ControlLoop:
         while not final:
             # sleep until this rank's part of the next round is in (or a poll is due):
             # one wake-up per round, not per step
-            records, final = self._take(self._wait_for_round(builder))
+            self.inbox.wake_at = max(1, builder.missing(self._round_steps()))
+            items = self.inbox.take(WAKE_EVERY_S)
+            records = [item for item in items if item is not FINAL]
+            final = final or len(records) != len(items)
             for item in records:
                 builder.add(item.step, item.duration_ms, item.flags, item.self_ms)
                 self.evidence.add_gc(item.step, item.gc_ms)
@@ -323,40 +317,6 @@ class ControlLoop:
         log.info(
             "%s; this rank trains on without detection", self.health.consensus_error, extra=HEADLINE
         )
-
-    def _wait_for_round(self, builder: RoundBuilder) -> float:
-        """Set the inbox to wake this thread once the next round's steps are likely
-        timed; returns how long to sleep at most."""
-        missing = builder.missing(self._round_steps())
-        clock = self.boundaries.clock
-        if clock is None or clock.mode != "cuda_event":
-            self.inbox.wake_at = max(1, missing)
-            return WAKE_EVERY_S
-        records_needed = missing - len(self._pending)
-        self.inbox.wake_at = max(1, records_needed) + CLOCK_LAG_STEPS
-        if records_needed > 0:
-            return WAKE_EVERY_S
-        # every record is in, the GPU has not passed their boundaries yet: read again soon
-        median = self.detector.median_ms
-        if median is None or not math.isfinite(median):
-            return CLOCK_RETRY_S
-        return min(WAKE_EVERY_S, max(CLOCK_RETRY_S / 10, CLOCK_RETRY_STEPS * median / 1e3))
-
-    def _take(self, timeout_s: float) -> tuple[list[StepRecord], bool]:
-        """The steps queued since the last call whose time is known now, and whether
-        training has ended (after `FINAL` the clock has been waited for: the last read)."""
-        items = self.inbox.take(timeout_s)
-        records = [item for item in items if item is not FINAL]
-        ended = len(records) != len(items)
-        clock = self.boundaries.clock
-        durations = None
-        if clock is not None and clock.mode == "cuda_event":
-            try:
-                durations = clock.poll()
-            except Exception as err:
-                self._warn_once("clock", "clock: reading step times failed (%s)", err)
-                self.boundaries.clock = None
-        return self._pending.join(records, durations), ended
 
     def own_cost(self) -> dict[str, float | int | None]:
         """What distanom itself costs this rank per step, measured live: time in the step

@@ -200,16 +200,8 @@ def test_a_gpu_that_never_reaches_the_end_leaves_the_tracer_running(
     agent, _ = started_with(tmp_path, model, tracer)
 
     class HungClock:
-        mode = "cuda_event"
-
-        def wait_for_gpu(self, timeout_s: float) -> bool:
-            return False
-
-        def abandon(self) -> None:
-            pass
-
-        def poll(self) -> list[tuple[int, float]]:
-            return []
+        def drain(self, timeout_s: float) -> tuple[list[tuple[int, float]], bool]:
+            return [], False
 
     agent.clock = HungClock()  # type: ignore[assignment]
     with caplog.at_level("WARNING", logger="distanom"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import threading
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from distanom import control_loop
 from distanom.agent import Agent
 from distanom.config import load_config
 from distanom.consensus import RoundBuilder, steps_per_round
-from distanom.inbox import PendingSteps, StepInbox, StepRecord
+from distanom.inbox import StepInbox
 from distanom.world import WorldInfo
 
 END = object()
@@ -179,17 +178,3 @@ def test_the_inbox_signals_once_per_wake(monkeypatch: pytest.MonkeyPatch) -> Non
     inbox.put(6)
     inbox.put(7)
     assert len(sets) == 2
-
-
-def _record(step: int, duration: float = math.nan) -> StepRecord:
-    return StepRecord(step, duration, 0, 0.0, 0.0, -1)
-
-
-def test_pending_steps_join_records_with_the_clock_s_durations() -> None:
-    pending = PendingSteps()
-    assert pending.join([_record(s) for s in range(4)], [(1, 5.0)]) == [_record(1, 5.0)]
-    assert len(pending) == 2  # step 0 (no start boundary) can get no time any more
-    assert pending.join([_record(4)], [(2, 6.0), (3, 7.0)]) == [_record(2, 6.0), _record(3, 7.0)]
-    # a host clock's records come with their time; without later durations, none wait
-    assert pending.join([_record(9, 1.0), _record(10)], None) == [_record(9, 1.0)]
-    assert len(pending) == 1  # step 4, still waiting for the GPU

@@ -5,10 +5,7 @@ grid size encodes `step % K`. Two launchers, the cheaper first:
 
 - `DriverMarker`: a kernel named `distanom_step_marker`, loaded once from PTX text
   through the CUDA driver API (`ctypes` on libcuda) and launched with `cuLaunchKernel`
-  on torch's current stream, grid = code + 1: a few µs of host time per step. The
-  stream is looked up every `STREAM_RECHECK` launches, not at each:
-  `torch.cuda.current_stream()` alone costs ~40 us on the H200 VM
-  (bench/results/event_clock_probe_h200.json).
+  on torch's current stream, grid = code + 1: a few µs of host time per step.
 - `JiteratorMarker`: torch's jiterator compiles an elementwise kernel of that name; its
   input length (1 + code * 4096 elements) sets the grid. Much dearer per step, so it is
   used only where the driver path is unavailable (no libcuda symbol, PTX rejected).
@@ -30,9 +27,6 @@ log = logging.getLogger(__name__)
 MARKER_NAME = "distanom_step_marker"
 MARKER_SOURCE = f"template <typename T> T {MARKER_NAME}(T x) {{ return x + T(1); }}"
 MARKER_LENGTH_STRIDE = 4096  # elements between two codes' jiterator inputs (> any block's work)
-# A script that changes the stream its steps end on gets markers on the new one from the
-# next look-up on (as the step clock's events: distanom.clock).
-STREAM_RECHECK = 64
 
 # An empty kernel; PTX ISA 7.0 for sm_70 is JIT-compiled by the driver for any newer GPU.
 MARKER_PTX = f"""
@@ -72,8 +66,6 @@ class DriverMarker:
     def __init__(self, torch: Any, codes: int) -> None:
         self._torch = torch
         self._codes = codes
-        self._stream: int | None = None  # the raw stream markers go to (looked up again
-        self._launches = 0  # every STREAM_RECHECK launches)
         try:
             lib = ctypes.CDLL("libcuda.so.1")
         except OSError as err:
@@ -130,11 +122,7 @@ class DriverMarker:
 
     def launch(self, code: int) -> None:
         """Launch the marker with grid `code + 1` on torch's current stream."""
-        if self._stream is None or self._launches >= STREAM_RECHECK:
-            self._stream = self._torch.cuda.current_stream().cuda_stream
-            self._launches = 0
-        self._launches += 1
-        stream = self._stream
+        stream = self._torch.cuda.current_stream().cuda_stream
         rc = self._launch(self._function, code + 1, 1, 1, 1, 1, 1, 0, stream, None, None)
         if rc != 0:
             self._check(rc, "cuLaunchKernel")
