@@ -133,9 +133,11 @@ class ControlLoop:
         """Release the group (only once the thread has finished) and the steps file."""
         if self.group is not None and not self._thread.is_alive():
             self.group.close()
+        # taken away first: a thread abandoned at exit then writes nothing more to it
+        steps, self._steps = self._steps, None
         with contextlib.suppress(Exception):
-            if self._steps is not None:
-                self._steps.close()
+            if steps is not None:
+                steps.close()
 
     # -- the thread --------------------------------------------------------------------
 
@@ -475,11 +477,13 @@ class ControlLoop:
             self._steps = None
 
     def _flush_steps(self) -> None:
-        if self._steps is not None:
+        steps = self._steps
+        if steps is not None:
             try:
-                self._steps.flush()
-            except OSError as err:
-                self._warn_once("steps", "steps file: %s; step times not recorded", err.strerror)
+                steps.flush()
+            except (OSError, ValueError) as err:  # ValueError: closed at exit meanwhile
+                reason = err.strerror if isinstance(err, OSError) else str(err)
+                self._warn_once("steps", "steps file: %s; step times not recorded", reason)
                 self._steps = None
 
     # -- status (rank 0) ---------------------------------------------------------------
