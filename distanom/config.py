@@ -126,7 +126,7 @@ class ConsensusConfig(_Section):
         le=1000,
         description="at most this many steps per all-gather round of step times across "
         "ranks (and at most half of tracer.history_steps, so a step's trace is still kept "
-        "when the decision about it arrives)",
+        "when the decision about it arrives); the gathered row has room for that many",
     )
     timeout_s: float = Field(
         120.0,

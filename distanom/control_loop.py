@@ -110,6 +110,12 @@ class ControlLoop:
         self._cpu_ns = 0  # this (control) thread's CPU time, as last read on it
         self._cpu_setup_ns = 0  # of which forming the group and the run directory
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
+        # the gathered row's room: the most steps a round may cover, so a tracer's shorter
+        # rounds gather shorter rows (the same on every rank: it comes from the config)
+        consensus, tracer = config.consensus, config.tracer
+        self._row_steps = max_round_steps(
+            consensus.batch_steps, tracer.history_steps, tracer.backend != "none"
+        )
 
     # -- life cycle (called from the training thread) ----------------------------------
 
@@ -255,7 +261,7 @@ class ControlLoop:
 
     def _round_loop(self) -> bool:
         """Rounds until this rank's training ends (True) or another rank's (False)."""
-        builder = RoundBuilder(self.config.consensus.batch_steps)
+        builder = RoundBuilder(self._row_steps)
         control = self.config.control
         next_poll = next_status = next_flush = 0.0
         final = False
@@ -345,10 +351,8 @@ class ControlLoop:
 
     def _round_steps(self) -> int:
         """Steps the next round covers (the same on every rank: see `steps_per_round`)."""
-        consensus, tracer = self.config.consensus, self.config.tracer
-        traced = tracer.backend != "none"
-        most = max_round_steps(consensus.batch_steps, tracer.history_steps, traced)
-        return steps_per_round(self.detector.median_ms, consensus.interval_ms, most)
+        interval = self.config.consensus.interval_ms
+        return steps_per_round(self.detector.median_ms, interval, self._row_steps)
 
     def _run_round(
         self, local: LocalRound, *, final: bool, builder: RoundBuilder | None = None
@@ -373,7 +377,7 @@ class ControlLoop:
             host_step=self.boundaries.current_step,
             evidence=local.evidence,
         )
-        batch = self.config.consensus.batch_steps
+        batch = self._row_steps
         timeout = None
         if final:
             timeout = min(self.config.consensus.timeout_s, FINAL_ROUND_TIMEOUT_S)

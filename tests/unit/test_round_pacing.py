@@ -199,3 +199,15 @@ def test_a_control_thread_abandoned_at_exit_writes_nothing_to_the_closed_steps_f
         agent.control._flush_steps()  # what the abandoned thread does next: no raise
     assert not [r for r in caplog.records if "steps file" in r.getMessage()]
     agent.close()
+
+
+@pytest.mark.parametrize(("backend", "room"), [("none", 128), ("kineto", 16)])
+def test_the_gathered_row_has_room_for_the_longest_round_only(
+    tmp_path: Path, backend: str, room: int
+) -> None:
+    # with a tracer, rounds are at most half of tracer.history_steps (32): a row sized by
+    # batch_steps (128) would gather 8x the bytes from every rank for nothing
+    config = load_config(None, [f"tracer.backend={backend}"])
+    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    assert agent.control._row_steps == room
+    assert agent.control._round_steps() == 1  # before a median exists
