@@ -61,7 +61,15 @@ log = logging.getLogger(__name__)
 
 RECENT_STEPS = 64
 STEPS_FLUSH_S = 1.0  # the steps file is flushed at most this often while training runs
-WAKE_EVERY_S = 1.0  # the control thread wakes at least this often (polls, status, flush)
+# The control thread wakes once its part of the next round is in, and otherwise when the
+# next periodic task is due (steps-file flush, rank 0's request poll and status write, a
+# Flight Recorder read), at most this long apart and at least WAKE_MIN_S apart.
+WAKE_EVERY_S = 1.0
+WAKE_MIN_S = 0.01
+# A Flight Recorder read due sooner than this does not wake the thread on its own: the
+# old fixed 0.2 s wake-up, so at most 5 reads a second between rounds (each converts the
+# whole buffer).
+EVIDENCE_WAKE_MIN_S = 0.2
 DRAIN_WAKE_AT = 256  # without consensus: steps queued before the drain wakes early
 FINAL_ROUND_TIMEOUT_S = 10.0
 # After the final round, rounds that carry only the evidence left (every rank runs one
@@ -269,7 +277,10 @@ class ControlLoop:
             # sleep until this rank's part of the next round is in (or a poll is due):
             # one wake-up per round, not per step
             self.inbox.wake_at = max(1, builder.missing(self._round_steps()))
-            items = self.inbox.take(WAKE_EVERY_S)
+            due = [next_flush]
+            if self.world.rank == 0:
+                due += [next_poll, next_status]
+            items = self.inbox.take(self._sleep_s(due))
             records = [item for item in items if item is not FINAL]
             final = final or len(records) != len(items)
             for item in records:
@@ -304,6 +315,15 @@ class ControlLoop:
                 next_status = now + control.status_interval_s
                 self._write_status("running")
         return True
+
+    def _sleep_s(self, due: list[float]) -> float:
+        """How long the round loop may sleep: until the soonest of `due` (monotonic
+        times) or of the next Flight Recorder read, within WAKE_MIN_S..WAKE_EVERY_S."""
+        now = time.monotonic()
+        soonest = min(due, default=math.inf)
+        evidence = self.evidence.next_read_at()
+        soonest = min(soonest, max(evidence, now + EVIDENCE_WAKE_MIN_S))
+        return min(WAKE_EVERY_S, max(WAKE_MIN_S, soonest - now))
 
     def _last_rounds(self, builder: RoundBuilder, result: RoundResult) -> None:
         """After a round some rank sent as its final one: the rounds that carry the
@@ -486,7 +506,7 @@ class ControlLoop:
             try:
                 steps.flush()
             except (OSError, ValueError) as err:  # ValueError: closed at exit meanwhile
-                reason = err.strerror if isinstance(err, OSError) else str(err)
+                reason = (err.strerror if isinstance(err, OSError) else None) or str(err)
                 self._warn_once("steps", "steps file: %s; step times not recorded", reason)
                 self._steps = None
 

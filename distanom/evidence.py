@@ -108,6 +108,11 @@ class EvidenceCollector:
         """Whether collective arrival is being read."""
         return self._read_fr
 
+    def next_read_at(self) -> float:
+        """When (time.monotonic) the next Flight Recorder read is due; inf when nothing
+        waits for one (not reading, or no step open)."""
+        return self._next_read if self._read_fr and self._open else math.inf
+
     def add_gc(self, step: int, gc_ms: float) -> None:
         """The GC time of a step, as the training thread reported it."""
         self._gc[step] = gc_ms
@@ -258,6 +263,10 @@ class EvidenceTier:
     def add_gc(self, step: int, gc_ms: float) -> None:
         """A step's GC time, from the training thread's record."""
         self.collector.add_gc(step, gc_ms)
+
+    def next_read_at(self) -> float:
+        """When (time.monotonic) the next Flight Recorder read is due (inf: none)."""
+        return math.inf if self._off else self.collector.next_read_at()
 
     def poll(self, final: bool) -> list[tuple[int, StepEvidence]]:
         """This rank's newly final evidence ([] once stepped aside)."""

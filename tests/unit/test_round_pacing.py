@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -211,3 +212,18 @@ def test_the_gathered_row_has_room_for_the_longest_round_only(
     agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
     assert agent.control._row_steps == room
     assert agent.control._round_steps() == 1  # before a median exists
+
+
+def test_the_round_loop_sleeps_until_the_next_periodic_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = load_config(None, ["tracer.backend=none"])
+    loop = Agent(config, WorldInfo.from_env({}), tmp_path / "runs").control
+    now = time.monotonic()
+    monkeypatch.setattr(loop.evidence, "next_read_at", lambda: math.inf)
+    assert loop._sleep_s([]) == control_loop.WAKE_EVERY_S  # nothing due: the idle wake
+    assert loop._sleep_s([now + 0.3]) == pytest.approx(0.3, abs=0.05)  # e.g. a status write
+    assert loop._sleep_s([now - 5]) == control_loop.WAKE_MIN_S  # overdue: at once
+    # a Flight Recorder read due soon wakes it, but not more than 5 times a second
+    monkeypatch.setattr(loop.evidence, "next_read_at", lambda: now + 0.01)
+    assert loop._sleep_s([]) == pytest.approx(control_loop.EVIDENCE_WAKE_MIN_S, abs=0.05)
