@@ -12,7 +12,8 @@ and runs it in blocks, rotating between variants from round to round:
 - `off`: no agent (`off_aa`: a second no-agent block, an A/A check of the method);
 - `detect`: the agent with `tracer.backend=none` (detection alone);
 - `default`: the agent with its defaults;
-- `budget1`: the agent with `tracer.overhead_budget_pct=1`;
+- `budget1`: the agent with `tracer.overhead_budget_pct=1` (the default since 2026-12);
+- `trace_all`: the agent with `tracer.overhead_budget_pct=null` (every step traced);
 - any variant named by `--define NAME KEY=VALUE ...` (config overrides as
   `distanom.config.load_config(None, overrides)` takes them; none: the defaults).
 
@@ -86,6 +87,7 @@ VARIANTS: dict[str, list[str] | None] = {
     "detect": ["tracer.backend=none"],
     "default": [],
     "budget1": ["tracer.overhead_budget_pct=1"],
+    "trace_all": ["tracer.overhead_budget_pct=null"],
 }
 BASELINE = "off"
 # a block's agent install and close, beyond its steps (seconds; for the round estimate)

@@ -45,6 +45,7 @@ def run_job(backend: str, nproc: int, runs: Path) -> dict[str, Any]:
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", "-m", "distanom.launch", "--run-dir", str(runs),
         "--set", f"tracer.backend={backend}", "--set", "detect.warmup_steps=20",
+        "--set", "tracer.overhead_budget_pct=null",  # every step traced: one-off delays
         "--set", "detect.min_steps=30", "--set", "capture.reference_every_steps=60",
         "--set", "detect.merge_gap_steps=2",
         str(REPO / "examples" / "seed_resnet.py"), "--steps", str(STEPS),

@@ -59,6 +59,7 @@ def run_job(nproc: int, runs: Path, backend: str, compute_rank: int, stall_rank:
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", "-m", "distanom.launch", "--run-dir", str(runs),
         "--set", f"tracer.backend={backend}", "--set", "detect.warmup_steps=20",
+        "--set", "tracer.overhead_budget_pct=null",  # every step traced: one-off delays
         "--set", "detect.min_steps=30", "--set", "detect.merge_gap_steps=2",
         "--set", "capture.reference_every_steps=50",
         str(REPO / "examples" / "seed_resnet.py"), "--steps", str(STEPS),

@@ -10,7 +10,8 @@ Workloads (bench/workloads/): `resnet18` (the seed's ResNet18, bf16, batch 5, SG
 Hugging Face Trainer on a 4-layer GPT-2 built from a config), `lightning` (a Lightning
 Trainer on an MLP). Variants: `plain` (no distanom) is the baseline of every pair;
 `default` (distanom's defaults), `none` (`tracer.backend: none`: detection alone),
-`budget` (`tracer.overhead_budget_pct: 1`).
+`budget` (`tracer.overhead_budget_pct: 1`, the default since 2026-12), `trace_all`
+(`tracer.overhead_budget_pct: null`: every step traced, the default before).
 
 Metric: each script's own steady-state time per step (StepTimer: synchronized chunks
 of 100 steps after a warm-up), not process wall time, which start-up noise dominates.
@@ -49,6 +50,7 @@ VARIANTS: dict[str, list[str]] = {
     "default": [],
     "none": ["--set", "tracer.backend=none"],
     "budget": ["--set", "tracer.overhead_budget_pct=1"],
+    "trace_all": ["--set", "tracer.overhead_budget_pct=null"],
 }
 
 

@@ -172,7 +172,7 @@ class TracerConfig(_Section):
         description="cupti: memory for raw activity buffers, oldest dropped first",
     )
     overhead_budget_pct: float | None = Field(
-        None,
+        1.0,
         gt=0,
         le=100,
         description="duty-cycle tracing so its measured overhead stays under this percent "

@@ -56,6 +56,7 @@ def test_an_attacked_job_finishes_with_its_captures_and_speed(
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "-m", "distanom.launch", "--run-dir", str(runs),
         "--set", "tracer.backend=kineto", "--set", "control.poll_interval_s=0.2",
+        "--set", "tracer.overhead_budget_pct=null",  # every step traced
         "--set", "control.status_interval_s=0.5", "--set", "capture.reference_every_steps=0",
         str(TOY), "--steps", "1200", "--step-sleep", str(STEP_SLEEP_S), "--width", "16",
         "--stall-rank", "1", "--stall-steps", "150,250,305,900", "--stall-s", "0.3",

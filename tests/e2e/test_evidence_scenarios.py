@@ -61,6 +61,8 @@ def test_a_rank_slower_from_some_step_on_is_named_first_among_stragglers(
         "--set",
         "tracer.backend=kineto",
         "--set",
+        "tracer.overhead_budget_pct=null",  # every step traced
+        "--set",
         "detect.warmup_steps=5",
     ]
     done = torchrun(

@@ -14,7 +14,10 @@ import pytest
 from distanom.cli import main as cli_main
 from tests.conftest import TOY, job_env, torchrun
 
-FAST = ["--set", "detect.warmup_steps=5", "--set", "detect.min_steps=15"]
+FAST = [  # every step traced (a one-off stall is captured): the budget off
+    *["--set", "tracer.overhead_budget_pct=null"],
+    *["--set", "detect.warmup_steps=5", "--set", "detect.min_steps=15"],
+]
 
 
 def warnings_with(stderr: str, needle: str) -> list[str]:

@@ -18,7 +18,10 @@ from distanom.cli import main as cli_main
 from tests.conftest import job_env
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-FAST = ["--set", "detect.warmup_steps=5", "--set", "detect.min_steps=15"]
+FAST = [  # every step traced (a one-off stall is captured): the budget off
+    *["--set", "tracer.overhead_budget_pct=null"],
+    *["--set", "detect.warmup_steps=5", "--set", "detect.min_steps=15"],
+]
 STALL_RANK = 1
 
 

@@ -13,7 +13,9 @@ import pytest
 from distanom.cli import main as cli_main
 from tests.conftest import TOY, free_port, job_env, launch, torchrun
 
-FAST = [
+FAST = [  # every step traced (a one-off stall is captured): the budget off
+    "--set",
+    "tracer.overhead_budget_pct=null",
     "--set",
     "detect.warmup_steps=5",
     "--set",

@@ -238,7 +238,9 @@ def judgment(step: int, ratio: float = 4.0, traced: bool = False) -> AnomalyJudg
 
 def test_the_duty_cycle_plans_only_with_a_budget_and_reports_flat_counts() -> None:
     budgeted = DutyCycle(config_from_mapping({"tracer": {"overhead_budget_pct": 1}}))
-    unbudgeted = DutyCycle(config_from_mapping({"tracer": {"backend": "kineto"}}))
+    unbudgeted = DutyCycle(
+        config_from_mapping({"tracer": {"backend": "kineto", "overhead_budget_pct": None}})
+    )
     assert budgeted.planner is not None and unbudgeted.planner is None
     assert DutyCycle(config_from_mapping({"tracer": {"backend": "none"}})).planner is None
     for step in (100, 200, 300):
@@ -275,7 +277,9 @@ def test_requested_steps_are_charged_to_the_budget_and_traced() -> None:
     costs = DEFAULT_COSTS  # nothing measured yet
     assert windows == pytest.approx((3 * costs.traced_step + costs.switch) / costs.window)
     assert budgeted.wanted(41) is True
-    unbudgeted = DutyCycle(config_from_mapping({"tracer": {"backend": "kineto"}}))
+    unbudgeted = DutyCycle(
+        config_from_mapping({"tracer": {"backend": "kineto", "overhead_budget_pct": None}})
+    )
     assert unbudgeted.governor is not None
     unbudgeted.request([40])
     assert not unbudgeted.governor._charges and unbudgeted.wanted(40) is True
