@@ -324,7 +324,7 @@ class EvidenceTier:
         if body == self._stragglers_written and not final:
             return
         try:
-            write_stragglers(run, body, durable=final)
+            write_stragglers(run, body, final=final)
             self._stragglers_written = body
         except (OSError, ValueError) as err:
             # written with status.json: one warning for both

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from distanom.errors import RunDirError
-from distanom.rundir import FILE_MODE, RunDir, read_json, write_json_atomic
+from distanom.rundir import FILE_MODE, RunDir, read_json, write_live_json
 from distanom.safe_io import open_append_at, open_dir, open_regular, parse_json
 
 ANOMALIES_FILE = "anomalies.jsonl"
@@ -175,9 +175,9 @@ def read_anomalies(run: RunDir) -> list[AnomalyRecord]:
     return [records[s] for s in sorted(records)]
 
 
-def write_stragglers(run: RunDir, body: dict[str, Any], *, durable: bool = True) -> None:
-    """Rewrite stragglers.json atomically (fsynced when `durable`)."""
-    write_json_atomic(stragglers_path(run), {"v": FORMAT_VERSION, **body}, durable=durable)
+def write_stragglers(run: RunDir, body: dict[str, Any], *, final: bool = True) -> None:
+    """Rewrite stragglers.json atomically (a live file: fsynced when `final`)."""
+    write_live_json(stragglers_path(run), {"v": FORMAT_VERSION, **body}, final=final)
 
 
 def read_stragglers(run: RunDir) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import time
 from typing import Any, TypedDict
 
 from distanom.errors import RunDirError
-from distanom.rundir import RunDir, read_json, write_json_atomic
+from distanom.rundir import RunDir, read_json, write_live_json
 
 MAX_STATUS_BYTES = 1024 * 1024  # a status is a few KB
 MAX_TIME = 4.1e9  # year 2100: a later heartbeat is damage
@@ -76,7 +76,7 @@ def write_status(run: RunDir, status: Status) -> None:
     """Rewrite status.json atomically, stamped with the time and this process id."""
     body = {**status, "updated_at": time.time(), "pid": os.getpid()}
     # rewritten every few seconds while training runs: not fsynced (the last one is)
-    write_json_atomic(run.status_json, body, durable=status["state"] != "running")
+    write_live_json(run.status_json, body, final=status["state"] != "running")
 
 
 def read_status(run: RunDir) -> Status | None:

@@ -196,3 +196,20 @@ def test_index_and_run_json_keep_their_keys(tmp_path: Path) -> None:
         "config", "hosts", "nodes",
     ]  # fmt: skip
     assert info["nodes"] == {"a": [0], "b": [1]}
+
+
+def test_a_live_file_is_fsynced_only_when_final_and_writes_nan_as_null(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distanom.rundir import write_live_json
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    path = tmp_path / "status.json"
+    write_live_json(path, {"median_ms": float("nan"), "ranks": {1: "a"}})
+    assert json.loads(path.read_text()) == {"median_ms": None, "ranks": {"1": "a"}}
+    assert synced == []  # rewritten every few seconds: not flushed to disk
+    write_live_json(path, {"state": "finished", "big": 2**70}, final=True)  # json's path
+    assert json.loads(path.read_text()) == {"state": "finished", "big": 2**70}
+    assert len(synced) == 1
