@@ -380,10 +380,19 @@ class StepBoundaries:
             log.info("started: %s; %s", self.step_source(), self._start_notes(), extra=HEADLINE)
 
     def _start_notes(self) -> str:
-        """The tracer chosen and what was done about Flight Recorder, for the start line."""
+        """The tracer chosen, how much it may trace, and what was done about Flight
+        Recorder, for the start line."""
         from distanom.flight_recorder import start_note
 
-        notes = [self.tracer_note, start_note()]
+        budget = self.config.tracer.overhead_budget_pct
+        tracing = None
+        if self.tracer is not None:
+            tracing = (
+                "tracing every step (tracer.overhead_budget_pct: null)"
+                if budget is None
+                else f"tracing duty-cycled to {budget:g}% of step time (tracer.overhead_budget_pct)"
+            )
+        notes = [self.tracer_note, tracing, start_note()]
         return "; ".join(note for note in notes if note)
 
     def _tracer_failed(self, err: BaseException) -> None:

@@ -230,3 +230,19 @@ def test_the_round_loop_sleeps_until_the_next_periodic_task(
     # a Flight Recorder read due soon wakes it, but not more than 5 times a second
     monkeypatch.setattr(loop.evidence, "next_read_at", lambda: now + 0.01)
     assert loop._sleep_s([]) == pytest.approx(control_loop.EVIDENCE_WAKE_MIN_S, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], "tracing duty-cycled to 1% of step time (tracer.overhead_budget_pct)"),
+        (["tracer.overhead_budget_pct=null"], "tracing every step"),
+    ],
+)
+def test_the_start_line_says_how_much_is_traced(
+    tmp_path: Path, overrides: list[str], expected: str
+) -> None:
+    agent = Agent(load_config(None, overrides), WorldInfo.from_env({}), tmp_path / "runs")
+    assert "tracing" not in agent.boundaries._start_notes()  # no tracer (yet): nothing said
+    agent.boundaries.tracer = object()  # type: ignore[assignment]  # any tracer
+    assert expected in agent.boundaries._start_notes()
