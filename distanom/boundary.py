@@ -91,10 +91,7 @@ class StepBoundaries:
         self.tracer_started = False
         self.closed = False  # set at the end of training: later boundaries are ignored
         self.own_ns = 0  # time spent in boundaries (this thread's cost of distanom)
-        self.last_busy_ns = 0  # the capture worker's busy time at the last boundary
-        self._last_control_ns = 0  # Health.control_busy_ns at the last boundary
-        self._control_owed_ns = 0  # heavy-round time not yet charged to a step
-        self._last_boundary_ns: int | None = None  # host time of the last boundary
+        self.last_busy_ns = 0  # distanom's busy time (Health, capture) at the last boundary
         self.gc_pauses = GcPauses()
         self.evidence_marks = EvidenceMarks()
         self._capture_is_off = health.capture_is_off  # bound once: called every step
@@ -270,7 +267,7 @@ class StepBoundaries:
             except Exception as err:
                 self._warn_once("clock", "clock: step timing failed (%s); detection stops", err)
                 self.clock = None
-        self_ms = self.self_ms_of_ended_step(host_ns)
+        self_ms = self.self_ms_of_ended_step()
         self._step_flags[step] = (
             self._flags_of_ended_step()
             | (STEP_DISTURBED if self_ms else 0)
@@ -328,29 +325,17 @@ class StepBoundaries:
             flags |= STEP_AFTER_FLUSH
         return flags
 
-    def self_ms_of_ended_step(self, host_ns: int | None = None) -> float:
-        """How long distanom's own heavy work ran during the step that just ended (ms):
-        the capture worker's, and heavy consensus rounds'. A round holds the GIL the
-        training thread needs, so one that outlasted the step (`host_ns`, this
-        boundary's host time, minus the last one's) is charged to the following steps
-        too: a step gets at most its own host time of it."""
+    def self_ms_of_ended_step(self) -> float:
+        """How long distanom's own heavy work (capture work, heavy consensus rounds) ran
+        during the step that just ended (ms)."""
         capture = self.health.capture
-        busy = capture.busy_ns() if capture is not None else 0
+        busy = self.health.control_busy_ns + (capture.busy_ns() if capture is not None else 0)
         # monotone: a reading that ran a little ahead of the worker (it read a lookup
         # as heavy just before the worker measured it under the threshold) is absorbed
         # by later work instead of giving a step a negative share
         busy = max(busy, self.last_busy_ns)
         spent, self.last_busy_ns = busy - self.last_busy_ns, busy
-        control = self.health.control_busy_ns
-        owed = self._control_owed_ns + max(0, control - self._last_control_ns)
-        self._last_control_ns = control
-        charged = owed
-        if host_ns is not None:
-            if self._last_boundary_ns is not None:
-                charged = min(owed, max(0, host_ns - self._last_boundary_ns))
-            self._last_boundary_ns = host_ns
-        self._control_owed_ns = owed - charged
-        return (spent + charged) / 1e6
+        return spent / 1e6
 
     def _apply_duty_cycle(self, tracer: Tracer, next_step: int) -> None:
         """Switch tracing on or off for the next step as the duty cycle decided."""
@@ -388,7 +373,7 @@ class StepBoundaries:
         tracing = None
         if self.tracer is not None:
             tracing = (
-                "tracing every step (tracer.overhead_budget_pct: null)"
+                "tracing nearly every step (tracer.overhead_budget_pct: null)"
                 if budget is None
                 else f"tracing duty-cycled to {budget:g}% of step time (tracer.overhead_budget_pct)"
             )

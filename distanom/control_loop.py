@@ -65,7 +65,7 @@ STEPS_FLUSH_S = 1.0  # the steps file is flushed at most this often while traini
 # next periodic task is due (steps-file flush, rank 0's request poll and status write, a
 # Flight Recorder read), at most this long apart and at least WAKE_MIN_S apart.
 WAKE_EVERY_S = 1.0
-WAKE_MIN_S = 0.01
+WAKE_MIN_S = 0.05
 # A Flight Recorder read due sooner than this does not wake the thread on its own: the
 # old fixed 0.2 s wake-up, so at most 5 reads a second between rounds (each converts the
 # whole buffer).
@@ -75,6 +75,15 @@ FINAL_ROUND_TIMEOUT_S = 10.0
 # After the final round, rounds that carry only the evidence left (every rank runs one
 # more while any rank said it has more): at most this many.
 MAX_EVIDENCE_ROUNDS = 64
+
+
+def yield_gil() -> None:
+    """Let a thread waiting for the GIL (a launch-bound training thread) run now. A round
+    of up to 128 steps is a few ms of Python on this thread; held in one piece it would
+    stall one training step by all of it (CPython hands the GIL over only every 5 ms
+    otherwise). Yielding between its phases splits that into pieces of a fraction of a
+    millisecond; the round takes longer in wall time, which costs training nothing."""
+    time.sleep(0)
 
 
 class ControlLoop:
@@ -287,6 +296,7 @@ class ControlLoop:
                 builder.add(item.step, item.duration_ms, item.flags, item.self_ms)
                 self.evidence.add_gc(item.step, item.gc_ms)
             self._log_steps(records)
+            yield_gil()
             builder.add_evidence(self.evidence.poll(final))
             now = time.monotonic()
             if now >= next_flush or final:  # a write per second, not per round
@@ -405,6 +415,7 @@ class ControlLoop:
         self._round_began = time.monotonic()
         matrix = self.group.all_gather(row, timeout_s=timeout)
         result = decode_round(matrix, batch, with_evidence=self.world.rank == 0)
+        yield_gil()
         if offered is not None:
             self.requests.carried()
         self._after_round(result)
@@ -429,7 +440,9 @@ class ControlLoop:
         self._feed_governor(result)
         self._gathered_step = max(self._gathered_step, result.last_step)
         decisions = decide(result, self.detector, self.world.world_size)
+        yield_gil()
         self._fold_evidence(result)
+        yield_gil()
         self.duty.request([d.step for d in decisions if d.kind == "requested"])
         if result.request is not None and self.world.rank == 0:
             self.requests.answer(self.run, result.request, decisions)

@@ -110,8 +110,9 @@ class EvidenceCollector:
 
     def next_read_at(self) -> float:
         """When (time.monotonic) the next Flight Recorder read is due; inf when nothing
-        waits for one (not reading, or no step open)."""
-        return self._next_read if self._read_fr and self._open else math.inf
+        waits for one (not reading, or no step ended since the last read)."""
+        waiting = self._open or self._marks.marks  # steps not taken in yet count too
+        return self._next_read if self._read_fr and waiting else math.inf
 
     def add_gc(self, step: int, gc_ms: float) -> None:
         """The GC time of a step, as the training thread reported it."""

@@ -323,22 +323,6 @@ def test_a_capture_readings_step_back_never_gives_a_negative_share(tmp_path: Pat
         agent.close()
 
 
-def test_a_heavy_round_longer_than_a_step_is_charged_to_the_steps_it_held(
-    tmp_path: Path,
-) -> None:
-    # a 5 ms round (GIL held) over 2 ms steps slowed three steps: 2 + 2 + 1 ms, not 5 + 0
-    agent = make_agent(tmp_path)
-    try:
-        boundaries = agent.boundaries
-        ms = 1_000_000
-        assert boundaries.self_ms_of_ended_step(100 * ms) == 0.0  # the first boundary
-        agent.health.control_busy_ns += 5 * ms
-        shares = [boundaries.self_ms_of_ended_step((100 + 2 * k) * ms) for k in (1, 2, 3, 4)]
-        assert shares == [2.0, 2.0, 1.0, 0.0]
-    finally:
-        agent.close()
-
-
 # -- step boundaries that follow the loop ----------------------------------------------
 
 

@@ -224,3 +224,13 @@ def test_journal_list_and_array_storage_write_the_same_records(tmp_path: Path, l
     records, _ = written["lists"]
     assert [r["step"] for r in records] == [14, 27]  # 14 incomplete: written at the flush
     assert records[0]["evidence"][3]["arrive_ms"] is None
+
+
+def test_a_read_is_due_for_steps_not_yet_taken_in(fr: FakeFr) -> None:
+    marks = marks_at(1000.0, 1100.0)
+    collector = EvidenceCollector(marks, read_fr=True)
+    collector.poll(force=True)  # reads, and closes every step that ended before it
+    assert collector.next_read_at() == math.inf  # nothing ended since
+    marks.marks.append((2, int(1200.0 * MS), int(4 * MS)))  # a step the thread ended
+    assert collector.next_read_at() < math.inf  # due: the round loop must wake for it
+    assert not EvidenceCollector(marks, read_fr=False).next_read_at() < math.inf

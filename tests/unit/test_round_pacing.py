@@ -119,11 +119,8 @@ def test_a_heavy_round_is_charged_to_the_steps_it_overlapped(
     assert agent.control.rounds_charged >= 3
     assert agent.run is not None
     with open(agent.run.steps_csv(0)) as handle:
-        rows = list(csv.DictReader(handle))
-    assert sum(float(row["self_ms"]) for row in rows) >= 3 * 25.0  # the rounds' CPU time
-    # spread over the steps each round held: a step gets at most its own time of it
-    assert all(float(row["self_ms"]) <= float(row["duration_ms"]) + 1.0 for row in rows)
-    assert sum(1 for row in rows if float(row["self_ms"]) > 0) >= 6
+        charged = [float(row["self_ms"]) for row in csv.DictReader(handle)]
+    assert sum(1 for ms in charged if ms >= 25.0) >= 3
 
 
 def test_the_agent_measures_its_own_time_per_step(tmp_path: Path) -> None:
@@ -236,7 +233,7 @@ def test_the_round_loop_sleeps_until_the_next_periodic_task(
     ("overrides", "expected"),
     [
         ([], "tracing duty-cycled to 1% of step time (tracer.overhead_budget_pct)"),
-        (["tracer.overhead_budget_pct=null"], "tracing every step"),
+        (["tracer.overhead_budget_pct=null"], "tracing nearly every step"),
     ],
 )
 def test_the_start_line_says_how_much_is_traced(
@@ -246,3 +243,15 @@ def test_the_start_line_says_how_much_is_traced(
     assert "tracing" not in agent.boundaries._start_notes()  # no tracer (yet): nothing said
     agent.boundaries.tracer = object()  # type: ignore[assignment]  # any tracer
     assert expected in agent.boundaries._start_notes()
+
+
+def test_a_round_yields_the_gil_between_its_phases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a round of many steps is milliseconds of Python: in one piece it would stall one
+    # training step by all of it
+    yields: list[float] = []
+    monkeypatch.setattr(control_loop, "yield_gil", lambda: yields.append(time.monotonic()))
+    agent = run_agent(tmp_path, 60, 0.002)
+    assert agent.control.rounds >= 2
+    assert len(yields) >= 3 * agent.control.rounds
