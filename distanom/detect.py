@@ -49,6 +49,7 @@ Rules (all thresholds come from `DetectConfig` / `CaptureConfig`):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import statistics
@@ -222,13 +223,15 @@ class Detector:
     _last_reference_at: int | None = None
     _fast_while_due: int = 0  # due steps passed over as too fast since the last reference
     _max_episodes_kept: int = 1000
-    _all_steps: RollingWindow = field(init=False)  # warm-up, disturbed included
+    # every finite step time, warm-up and disturbed included: read only by the widest
+    # fallback baseline (rare), so not kept sorted
+    _all_steps: collections.deque[float] = field(init=False)
     _main: tuple[bool, bool] = (True, False)  # the condition with the most steps
     _judged: list[AnomalyJudgment] = field(default_factory=list)
     _max_judged_kept: int = 4096
 
     def __post_init__(self) -> None:
-        self._all_steps = RollingWindow(self.detect.window_steps)
+        self._all_steps = collections.deque(maxlen=self.detect.window_steps)
         self._windows = {
             condition: RollingWindow(self.detect.window_steps) for condition in CONDITIONS
         }
@@ -261,7 +264,7 @@ class Detector:
         if len(pooled) >= RARE_CONDITION_MIN_STEPS:
             return statistics.median(pooled), "all_conditions"
         if len(self._all_steps) >= RARE_CONDITION_MIN_STEPS:
-            return self._all_steps.median(), "all_steps"
+            return statistics.median(self._all_steps), "all_steps"
         others = sorted(t for t in sample.times_ms if math.isfinite(t))[:-1]
         if others:
             return statistics.median(others), "ranks"
@@ -304,7 +307,8 @@ class Detector:
         if sample.disturbed:
             self.counts.disturbed += 1
         decisions: list[CaptureDecision] = []
-        median = self._baseline(sample.condition)
+        condition = sample.condition
+        median = self._baseline(condition)
         judged_by, multiplier = "condition", self.detect.multiplier
         if median is None:
             median, judged_by = self._fallback(sample)
@@ -317,7 +321,7 @@ class Detector:
             threshold = multiplier * median
             if judged_by != "condition":
                 self.counts.judged_fallback += 1
-            elif sample.condition == self._main_condition():
+            elif condition == self._main:
                 self.median_ms, self.threshold_ms = median, threshold
             judged = max(0.0, step_ms - min(sample.self_ms, SELF_DISCOUNT_CAP * median))
             if judged > threshold:
@@ -326,16 +330,17 @@ class Detector:
             elif judged_by == "condition":
                 decisions.extend(self._maybe_reference(sample, judged, median, threshold))
         if not sample.disturbed:
-            self._windows[sample.condition].append(step_ms)
-            if self._grows_main(sample.condition):
-                self._main = sample.condition
+            self._windows[condition].append(step_ms)
+            if self._grows_main(condition):
+                self._main = condition
         self._all_steps.append(step_ms)
         return decisions
 
     def observe_warmup(self, sample: StepSample) -> None:
         """Keep a warm-up step's time for the widest fallback baseline (never judged)."""
-        if math.isfinite(sample.step_ms):
-            self._all_steps.append(sample.step_ms)
+        step_ms = sample.step_ms
+        if math.isfinite(step_ms):
+            self._all_steps.append(step_ms)
 
     def _keep_judgment(
         self, sample: StepSample, judged: float, median: float, threshold: float, by: str
