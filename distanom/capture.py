@@ -28,12 +28,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from distanom.config import Config
 from distanom.detect import CaptureDecision
 from distanom.records.index import IndexDropped, IndexWritten, append_record
-from distanom.rundir import CaptureFolderContendedError, RunDir, json_number
+from distanom.rundir import CaptureFolderContendedError, RunDir, json_bytes, json_number
 from distanom.tracers.base import Availability, StepTrace, Tracer
 from distanom.world import WorldInfo
 
@@ -46,9 +44,9 @@ HEAVY_LOOKUP_NS = 1_000_000
 
 
 def encode_document(document: dict[str, Any]) -> bytes:
-    """A trace document as JSON bytes. orjson first: it holds the GIL far shorter than
-    json.dumps, time the training thread would wait (docs/agent.md); json.dumps takes what
-    orjson refuses (an integer wider than 64 bits, a key that is not a string).
+    """A trace document as JSON bytes (`rundir.json_bytes`: orjson first, which holds the
+    GIL far shorter than json.dumps, time the training thread would wait, docs/agent.md;
+    NaN and infinities as null, so a trace with one is still written).
 
     `distributedInfo` comes first, written `"rank": N` with a space: HolisticTraceAnalysis
     takes a file's rank from the first match of that pattern in it."""
@@ -58,17 +56,9 @@ def encode_document(document: dict[str, Any]) -> bytes:
         try:
             head = json.dumps({"distributedInfo": info}, allow_nan=False).encode()
         except (TypeError, ValueError):  # not plain JSON: the compact form still writes it
-            return _encode_compact(document)
-        return head[:-1] + b"," + _encode_compact(rest)[1:]
-    return _encode_compact(document)
-
-
-def _encode_compact(document: dict[str, Any]) -> bytes:
-    try:
-        # NaN and infinities become null: a trace with one must still be written
-        return orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
-    except TypeError:  # orjson.JSONEncodeError is one
-        return json.dumps(document, allow_nan=False).encode()
+            return json_bytes(document)
+        return head[:-1] + b"," + json_bytes(rest)[1:]
+    return json_bytes(document)
 
 
 @dataclass

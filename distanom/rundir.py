@@ -60,7 +60,7 @@ from distanom.safe_io import (
     write_atomic_at,
 )
 
-_JSON_OPTIONS = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
+_INDENTED = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
 
 INDEX_NAME = "index.jsonl"
 RUN_JSON = "run.json"
@@ -145,9 +145,10 @@ def json_number(value: float | None, digits: int = 4) -> float | None:
 
 def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
     """Write `data` to `path` through a temporary file renamed into place, fsynced first
-    unless `durable` is False (live files rewritten every few seconds: a crash loses
-    nothing a reader needs, and the fsync would cost the control thread a disk flush per
-    write); the folder's last component must not be a symlink (UnsafePathError)."""
+    unless `durable` is False (live files rewritten every few seconds: a process crash
+    leaves the previous complete file, and the fsync would cost the control thread a
+    disk flush per write); the folder's last component must not be a symlink
+    (UnsafePathError)."""
     write_atomic(path, data, FILE_MODE, durable=durable)
 
 
@@ -156,16 +157,25 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode())
 
 
+def json_bytes(obj: Any, *, indent: bool = False) -> bytes:
+    """`obj` as JSON bytes, by orjson first: it holds the GIL far shorter than
+    `json.dumps` (a trace document; ~10 vs ~230 us for an indented status body, whose
+    indent `json` runs in Python), and writes NaN and infinities as null. `json.dumps`
+    takes what orjson refuses (an integer wider than 64 bits; compact: a key that is not
+    a string), with no NaN (ValueError). Compact (numpy values allowed) for traces;
+    `indent`: indented, newline-terminated, for files people read."""
+    try:
+        return orjson.dumps(obj, option=_INDENTED if indent else orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError:  # orjson.JSONEncodeError is one
+        if indent:
+            return (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode()
+        return json.dumps(obj, allow_nan=False).encode()
+
+
 def write_live_json(path: Path, obj: Any, *, final: bool = False) -> None:
     """A live file (status.json, stragglers.json), rewritten every few seconds on the
-    control thread: indented by orjson (~10 us for a status body; `json.dumps` with an
-    indent runs in Python, ~230 us), NaN and infinities as null, fsynced only when
-    `final`. What orjson refuses (an int over 64 bits) goes through `json`."""
-    try:
-        data = orjson.dumps(obj, option=_JSON_OPTIONS)
-    except TypeError:  # orjson.JSONEncodeError is one
-        data = (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode()
-    write_bytes_atomic(path, data, durable=final)
+    control thread: `json_bytes(indent=True)`, fsynced only when `final`."""
+    write_bytes_atomic(path, json_bytes(obj, indent=True), durable=final)
 
 
 def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
