@@ -9,6 +9,9 @@ right after a step, but c60ff5f's `StepClock.mark`, which does little more, 64-8
 block times one way of marking a step (thread CPU time per call, median):
 
 - `bare_pool8`: `Event.record(stream)` on 8 pooled events, stream cached;
+- `bare_fresh`: the same on a new Event each step;
+- `bare_pool_read`: on 8 pooled events, each read with `elapsed_time` before its reuse
+  (untimed), as the step clock's events are;
 - `bare_in_function`: the same through one Python function call;
 - `c_record`: `torch._C._CudaEventBase.record(event, stream)`, no Python wrapper;
 - `c60ff5f_mark`: c60ff5f's record-only mark (bench/probes/_clock_c60ff5f.py), its
@@ -37,6 +40,8 @@ from distanom.clock import StepClock
 
 KINDS = [
     "bare_pool8",
+    "bare_fresh",
+    "bare_pool_read",
     "bare_in_function",
     "c_record",
     "c60ff5f_mark",
@@ -67,8 +72,12 @@ def main() -> int:
             for i in range(args.steps):
                 loop.step()
                 event = pool[i % 8]
+                if kind == "bare_fresh":
+                    event = torch.cuda.Event(enable_timing=True)
+                elif kind == "bare_pool_read" and i >= 9 and pool[(i + 1) % 8].query():
+                    event.elapsed_time(pool[(i + 1) % 8])  # both recorded 7-8 steps ago
                 cpu = time.thread_time_ns()
-                if kind == "bare_pool8":
+                if kind in ("bare_pool8", "bare_fresh", "bare_pool_read"):
                     event.record(stream)
                 elif kind == "bare_in_function":
                     in_function(event)
