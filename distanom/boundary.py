@@ -31,6 +31,7 @@ import functools
 import logging
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -260,7 +261,7 @@ class StepBoundaries:
         if not self._first_boundary_done:
             self._first_boundary_done = True  # once: a later clock failure re-creates nothing
             self._first_boundary()
-        resolved: list[tuple[int, float]] = []
+        resolved: Sequence[tuple[int, float]] = ()
         if self.clock is not None:
             try:
                 resolved = self.clock.mark(step)

@@ -3,22 +3,25 @@
     python3 bench/probes/clock_mark_probe.py [--steps 300] [--repeats 2]
 
 On the H200 VM a bare `Event.record(stream)` on a cached stream cost 11-30 us of CPU
-right after a step, but c60ff5f's `StepClock.mark`, which does little more, 64-83 us
-(bench/results/clock_mark_probe_h200.json), and the clock in use (distanom/clock.py:
-`record()` with `current_stream()`, then `query()` and `elapsed_time()`) 63-96 us. Each
-block times one way of marking a step (thread CPU time per call, median):
+right after a step, c60ff5f's record-only `StepClock.mark` 64-83 us
+(bench/results/clock_mark_probe_h200.json), and the clock of cfb7e3e (`record()` with
+`current_stream()`, then `query()` and `elapsed_time()` every step) 63-96 us. Each block
+times one way of marking a step right after it (thread CPU time and wall time per call,
+medians):
 
+- `noop`: nothing (the floor of the two clock reads);
 - `bare_pool8`: `Event.record(stream)` on 8 pooled events, stream cached;
-- `bare_fresh`: the same on a new Event each step;
-- `bare_pool_read`: on 8 pooled events, each read with `elapsed_time` before its reuse
-  (untimed), as the step clock's events are;
-- `bare_in_function`: the same through one Python function call;
 - `c_record`: `torch._C._CudaEventBase.record(event, stream)`, no Python wrapper;
+- `stream_key`: `torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice())`;
+- `current_stream`: `torch.cuda.current_stream()`;
+- `query_old`: `query()` of an event recorded 4 steps before;
+- `elapsed_old`: `elapsed_time()` between two events recorded 5 and 4 steps before;
 - `c60ff5f_mark`: c60ff5f's record-only mark (bench/probes/_clock_c60ff5f.py), its
   `poll()` every 32 steps (untimed);
-- `clock_mark`: distanom.clock.StepClock.mark as it is;
-- `clock_record_only`: the current clock's `_new_event()` + `record()` alone.
-Prints one JSON line per block.
+- `cfb7e3e_mark`: the clock of cfb7e3e (bench/probes/_clock_cfb7e3e.py);
+- `clock_mark`: distanom.clock.StepClock.mark as it is (C-level calls, stream read as a
+  tuple, one poll every 4 steps).
+Prints one JSON line per block; `--out FILE` also writes them as a JSON list.
 """
 
 import argparse
@@ -34,19 +37,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "workload
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _clock_c60ff5f import StepClock as C60Clock
+from _clock_cfb7e3e import StepClock as CfbClock
 from loops import build_loop
 
 from distanom.clock import StepClock
 
 KINDS = [
+    "noop",
     "bare_pool8",
-    "bare_fresh",
-    "bare_pool_read",
-    "bare_in_function",
     "c_record",
+    "stream_key",
+    "current_stream",
+    "query_old",
+    "elapsed_old",
     "c60ff5f_mark",
+    "cfb7e3e_mark",
     "clock_mark",
-    "clock_record_only",
 ]
 
 
@@ -54,47 +60,64 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     loop = build_loop("resnet18", "cuda:0", small=False)
     for _ in range(30):
         loop.step()
     stream = torch.cuda.current_stream()
     c_record = torch._C._CudaEventBase.record
-
-    def in_function(event: torch.cuda.Event) -> None:
-        event.record(stream)
-
+    get_stream, get_device = torch._C._cuda_getCurrentStream, torch._C._cuda_getDevice
+    lines = []
     for _ in range(args.repeats):
         for kind in KINDS:
             pool = [torch.cuda.Event(enable_timing=True) for _ in range(8)]
-            c60, clock = C60Clock("cuda_event"), StepClock("cuda_event")
-            cpus = []
+            c60, cfb = C60Clock("cuda_event"), CfbClock("cuda_event")
+            clock = StepClock("cuda_event")
+            cpus, walls = [], []
             for i in range(args.steps):
                 loop.step()
-                event = pool[i % 8]
-                if kind == "bare_fresh":
-                    event = torch.cuda.Event(enable_timing=True)
-                elif kind == "bare_pool_read" and i >= 9 and pool[(i + 1) % 8].query():
-                    event.elapsed_time(pool[(i + 1) % 8])  # both recorded 7-8 steps ago
-                cpu = time.thread_time_ns()
-                if kind in ("bare_pool8", "bare_fresh", "bare_pool_read"):
+                event, old, older = pool[i % 8], pool[(i + 4) % 8], pool[(i + 3) % 8]
+                if kind in ("query_old", "elapsed_old"):
+                    event.record(stream)  # untimed: these kinds time reading old events
+                ready = i >= 8 and kind == "elapsed_old" and old.query()
+                cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
+                if kind == "bare_pool8":
                     event.record(stream)
-                elif kind == "bare_in_function":
-                    in_function(event)
                 elif kind == "c_record":
                     c_record(event, stream)
+                elif kind == "stream_key":
+                    get_stream(get_device())
+                elif kind == "current_stream":
+                    torch.cuda.current_stream()
+                elif kind == "query_old" and i >= 8:
+                    old.query()
+                elif kind == "elapsed_old" and ready:
+                    older.elapsed_time(old)
                 elif kind == "c60ff5f_mark":
                     c60.mark(i)
+                elif kind == "cfb7e3e_mark":
+                    cfb.mark(i)
                 elif kind == "clock_mark":
                     clock.mark(i)
-                else:
-                    clock._new_event().record()
+                walls.append(time.perf_counter_ns() - wall)
                 cpus.append(time.thread_time_ns() - cpu)
                 if kind == "c60ff5f_mark" and i % 32 == 0:
                     c60.poll()
             torch.cuda.synchronize()
-            line = {"kind": kind, "cpu_us_median": round(statistics.median(cpus) / 1e3, 2)}
+            line = {
+                "kind": kind,
+                "cpu_us_median": round(statistics.median(cpus) / 1e3, 2),
+                "wall_us_median": round(statistics.median(walls) / 1e3, 2),
+                "cpu_us_mean": round(statistics.fmean(cpus) / 1e3, 2),
+            }
+            if kind == "clock_mark":
+                line["fast_path"] = clock._calls.fast if clock._calls is not None else None
+            lines.append(line)
             print(json.dumps(line), flush=True)
+    if args.out:
+        facts = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        Path(args.out).write_text(json.dumps({"facts": facts, "blocks": lines}, indent=1))
     return 0
 
 
