@@ -15,8 +15,10 @@ steps and the seed's extra matmuls on others, then reads the run back through
 
 and records the verdict and top kernel change the report gives. With `--budget` the job
 runs at the default `tracer.overhead_budget_pct` (a one-off delay is traced only when it
-falls in a traced window) and the check is that every injected step is judged anomalous
-and gets a verdict (traced or from the per-step evidence). Writes
+falls in a traced window), two host stalls (`time.sleep`) are added, and the check is
+that every injected step is judged anomalous and gets a verdict with the right cause
+(traced, or from the per-step evidence: `gpu_work` for a GPU delay, `host_stall` for a
+stall). Writes
 `<out>/device_e2e.json` (device, torch, per-backend per-step results) and tars the run
 directories into `<out>/runs.tar.gz` for offline inspection.
 """
@@ -40,12 +42,16 @@ SLEEP_STEPS = [100, 160, 220, 280]
 # not 129-144: without a budget that is the governor's first untraced (probe) window,
 # where nothing can be captured (the 16-step windows counted from step 1)
 MATMUL_STEPS = [190, 250]
+# --budget only: host stalls (time.sleep before the forward pass), off the GPU delays' period
+STALL_STEPS = [75, 205]
+STALL_S = 0.012
 STEPS = 320
 
 
 def run_job(backend: str, nproc: int, runs: Path, *, budget: bool = False) -> dict[str, Any]:
     # every step traced (one-off delays captured), unless the default budget is checked
     trace_all = [] if budget else ["--set", "tracer.overhead_budget_pct=null"]
+    stalls = ["--stall-steps", ",".join(map(str, STALL_STEPS)), "--stall-s", str(STALL_S)]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", "-m", "distanom.launch", "--run-dir", str(runs),
@@ -55,6 +61,7 @@ def run_job(backend: str, nproc: int, runs: Path, *, budget: bool = False) -> di
         str(REPO / "examples" / "seed_resnet.py"), "--steps", str(STEPS),
         "--sleep-steps", ",".join(map(str, SLEEP_STEPS)), "--sleep-cycles", "20000000",
         "--matmul-steps", ",".join(map(str, MATMUL_STEPS)), "--matmul-count", "6",
+        *(stalls if budget else []),
     ]  # fmt: skip
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
@@ -152,7 +159,9 @@ def check(backend: str, runs: Path) -> dict[str, Any]:
 
 def check_budget(runs: Path) -> dict[str, Any]:
     """At the default budget a one-off delay is traced only if it falls in a traced
-    window; every injected step must still be judged anomalous and get a verdict."""
+    window; every injected step must still be judged anomalous and get a verdict, and
+    its cause must be right: an untraced GPU delay `gpu_work` (a traced one `compute`),
+    a host stall `host_stall`."""
     sys.path.insert(0, str(REPO))
     from distanom.analysis.report import build_report, report_json
     from distanom.analysis.run import load_run
@@ -160,7 +169,8 @@ def check_budget(runs: Path) -> dict[str, Any]:
     report = report_json(build_report(load_run(str(runs))))
     anomalies = {a["step"]: a for a in report.get("anomalies", [])}
     steps = {}
-    for step in SLEEP_STEPS + MATMUL_STEPS:
+    injected = SLEEP_STEPS + MATMUL_STEPS + STALL_STEPS
+    for step in injected:
         found = anomalies.get(step)
         steps[str(step)] = None if found is None else {
             "traced": found["traced"],
@@ -169,12 +179,20 @@ def check_budget(runs: Path) -> dict[str, Any]:
             "culprit_rank": found["verdict"]["culprit_rank"],
             "ratio": found["ratio"],
         }  # fmt: skip
+    wrong = []
+    for key, found in steps.items():
+        if found is None:
+            continue
+        wanted = {"host_stall"} if int(key) in STALL_STEPS else {"gpu_work", "compute"}
+        if found["cause"] not in wanted:
+            wrong.append(f"step {key}: {found['cause']} (wanted {' or '.join(sorted(wanted))})")
     return {
         "steps": steps,
         "every_injected_step_judged": all(v is not None for v in steps.values()),
+        "wrong_causes": wrong,
         "anomaly_classes": report.get("anomaly_classes"),
         "tracer": report.get("tracer"),
-        "other_anomalies": sorted(s for s in anomalies if s not in SLEEP_STEPS + MATMUL_STEPS),
+        "other_anomalies": sorted(s for s in anomalies if s not in injected),
     }
 
 
@@ -223,8 +241,11 @@ def main() -> int:
     with tarfile.open(args.out / "runs.tar.gz", "w:gz") as tar:
         tar.add(work, arcname="runs")
     if args.budget:
-        ok = all(b.get("every_injected_step_judged") for b in summary["backends"].values())
-        print("EVERY INJECTED STEP JUDGED" if ok else "SOME CHECK FAILED", flush=True)
+        ok = all(
+            b.get("every_injected_step_judged") and not b.get("wrong_causes", ["unchecked"])
+            for b in summary["backends"].values()
+        )
+        print("EVERY INJECTED STEP JUDGED, CAUSES RIGHT" if ok else "SOME CHECK FAILED", flush=True)
         return 0 if ok else 1
     ok = all(b.get("all_sleep_steps_captured_and_clean") for b in summary["backends"].values())
     print("ALL SLEEP STEPS CAPTURED AND CLEAN" if ok else "SOME CHECK FAILED", flush=True)

@@ -36,12 +36,12 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING_STEPS = 4096  # steps whose evidence or times are still incomplete
 MEDIAN_STEPS = 64  # per-rank recent arrivals and CPU times the journal keeps
-FIELDS = 4  # arrive ms, collectives, cpu ms, gc ms
+FIELDS = StepEvidence.FIELDS  # per step and rank: `StepEvidence.as_fields`
 
 
 @dataclass
 class _StepRow:
-    values: Any  # small worlds: list (world) of [4 fields]; large: (world, 4) float64 tensor
+    values: Any  # small worlds: a list (world) of FIELDS floats; large: a (world, FIELDS) tensor
     filled: int = 0
 
 
@@ -213,10 +213,7 @@ class AnomalyJournal:
         evidence = [StepEvidence()] * self.world_size
         if row is not None:
             values = row.values if self.small else row.values.tolist()
-            evidence = [
-                StepEvidence(a, int(n) if math.isfinite(n) else -1, cpu, gc_ms)
-                for a, n, cpu, gc_ms in values
-            ]
+            evidence = [StepEvidence.from_fields(fields) for fields in values]
         arrive_medians, cpu_medians = self._medians()
         record = AnomalyRecord(
             step=step,

@@ -63,7 +63,7 @@ REQUEST_LEAD_STEPS = 4
 # ... and at least this long at the median step: on short steps a round's own work and the
 # gather's skew last more than 4 steps, and a rank must not pass them before it learns
 REQUEST_LEAD_MS = 50.0
-EVIDENCE_FIELDS = 4
+EVIDENCE_FIELDS = StepEvidence.FIELDS
 EVIDENCE_EXTRA_SLOTS = 3
 MAX_EVIDENCE_BACKLOG = 4096  # steps of evidence waiting for a round; the oldest go first
 
@@ -101,7 +101,7 @@ class LocalRound:
 @dataclass(frozen=True)
 class EvidenceBlock:
     """Every rank's evidence of one round: rank r sent steps first[r] .. first[r] +
-    count[r] - 1, their fields (arrive ms, collectives, cpu ms, gc ms) at slot offset,
+    count[r] - 1, their fields (`StepEvidence.as_fields`) at slot offset,
     as plain lists in `lists` (small worlds: no tensor work per round) or as a
     (world, slots, EVIDENCE_FIELDS) float64 tensor in `values` (large worlds)."""
 
@@ -122,9 +122,8 @@ class EvidenceBlock:
         """(rank, step, evidence) for every step sent (O(world x slots) objects)."""
         out = []
         for rank, first in enumerate(self.first):
-            for offset, (arrive, n, cpu, gc_ms) in enumerate(self.fields(rank)):
-                n_int = int(n) if math.isfinite(n) else -1
-                out.append((rank, first + offset, StepEvidence(arrive, n_int, cpu, gc_ms)))
+            for offset, values in enumerate(self.fields(rank)):
+                out.append((rank, first + offset, StepEvidence.from_fields(values)))
         return out
 
     @classmethod
@@ -145,7 +144,7 @@ class EvidenceBlock:
             steps.sort(key=lambda item: item[0])
             first[rank], count[rank] = steps[0][0], len(steps)
             for offset, (_, ev) in enumerate(steps):
-                rows[rank][offset] = [ev.arrive_ms, float(ev.collectives), ev.cpu_ms, ev.gc_ms]
+                rows[rank][offset] = ev.as_fields()
         if lists:
             return cls(tuple(first), tuple(count), lists=tuple(rows))
         values = torch.tensor(rows, dtype=torch.float64)
@@ -194,7 +193,7 @@ def _encode_evidence(row: list[float], local: LocalRound, batch_steps: int) -> N
     if items:
         values = []
         for _, ev in items:
-            values += [ev.arrive_ms, float(ev.collectives), ev.cpu_ms, ev.gc_ms]
+            values += ev.as_fields()
         start = base + 2
         row[start : start + len(values)] = [float(v) for v in values]
 

@@ -228,9 +228,10 @@ class EvidenceCollector:
 
     def _evidence(self, step: int, entry: _Open) -> StepEvidence:
         gc_ms = self._gc.pop(step, 0.0)
+        host_ms = (entry.end_ns - entry.start_ns) / 1e6
         summary = entry.collectives
         if not summary.count and not self._read_fr:
-            return StepEvidence(cpu_ms=entry.cpu_ms, gc_ms=gc_ms)
+            return StepEvidence(cpu_ms=entry.cpu_ms, gc_ms=gc_ms, host_ms=host_ms)
         lost_until = self._lost_until(entry)
         if lost_until is not None:
             # entries of the step were overwritten unseen: its count is short, and its
@@ -238,11 +239,11 @@ class EvidenceCollector:
             arrive = math.nan
             if summary.count and summary.last_created_ns >= lost_until:
                 arrive = (summary.last_created_ns - entry.start_ns) / 1e6
-            return StepEvidence(arrive, -1, entry.cpu_ms, gc_ms)
+            return StepEvidence(arrive, -1, entry.cpu_ms, gc_ms, host_ms)
         arrive = math.nan
         if summary.count:
             arrive = (summary.last_created_ns - entry.start_ns) / 1e6
-        return StepEvidence(arrive, summary.count, entry.cpu_ms, gc_ms)
+        return StepEvidence(arrive, summary.count, entry.cpu_ms, gc_ms, host_ms)
 
 
 class EvidenceTier:

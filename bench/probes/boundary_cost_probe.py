@@ -13,6 +13,11 @@ includes `poll`) and how many `threading.Event.set` calls there were (the traini
 thread waking the control thread, mostly). A `clock` block times the CUDA-event clock
 alone (no agent: `mark` each step, `poll` every 32) in the same loop. Figures are per
 step, from the timed steps only (after `--warmup`).
+
+Spike census: every step duration the clock gives during the timed steps (the agent's
+own clock, or the bare clock of the `clock` block) is kept, and each block reports how
+many steps took over 1.25x, 1.5x and 2x the block's median, and which: whether steps
+slow down more often with the agent than without it.
 """
 
 from __future__ import annotations
@@ -82,11 +87,34 @@ class Meter:
 BOUNDARY, CLOCK, POLL = Meter(), Meter(), Meter()
 DEVICE = ["cuda:0"]
 WAKES = [0]
+DURATIONS: list[tuple[int, float]] = []  # what the clock's `mark` returned, timed steps
+
+
+def census(durations: list[tuple[int, float]]) -> dict[str, Any]:
+    """How many steps took over 1.25x, 1.5x, 2x the median, and which (over 1.5x)."""
+    if not durations:
+        return {"steps": 0}
+    median = statistics.median(ms for _, ms in durations)
+    out: dict[str, Any] = {"steps": len(durations), "median_ms": round(median, 4)}
+    for factor in (1.25, 1.5, 2.0):
+        out[f"over_{factor}x"] = sum(1 for _, ms in durations if ms > factor * median)
+    out["steps_over_1.5x"] = [
+        [step, round(ms / median, 2)] for step, ms in durations if ms > 1.5 * median
+    ][:50]
+    return out
 
 
 def install_meters() -> None:
     BOUNDARY.wrap(boundary_module.StepBoundaries, "_boundary_unguarded")
     CLOCK.wrap(clock_module.StepClock, "mark")
+    metered_mark = clock_module.StepClock.mark
+
+    def collecting_mark(self: Any, step: int) -> Any:
+        got = metered_mark(self, step)
+        DURATIONS.extend(got)
+        return got
+
+    clock_module.StepClock.mark = collecting_mark  # type: ignore[method-assign]
     POLL.wrap(clock_module.StepClock, "poll")
     original_set = threading.Event.set
 
@@ -124,6 +152,7 @@ def block(
         CLOCK.reset()
         POLL.reset()
         WAKES[0] = 0
+        DURATIONS.clear()
         own = agent.own_cost() if agent is not None else None
         cpu0, wall0 = time.thread_time_ns(), time.perf_counter_ns()
         for i in range(warmup, warmup + steps):
@@ -131,7 +160,7 @@ def block(
             if clock is not None:
                 clock.mark(i)
                 if i % 32 == 0:  # as the control thread reads it, once per round
-                    clock.poll()
+                    DURATIONS.extend(clock.poll())
         sync()
         wall = time.perf_counter_ns() - wall0
         record["ms_per_step"] = round(wall / steps / 1e6, 4)
@@ -140,6 +169,7 @@ def block(
         record["clock_mark"] = CLOCK.per_call_us()
         record["clock_poll"] = POLL.per_call_us()  # on the control thread (agent blocks)
         record["event_sets_per_100_steps"] = round(WAKES[0] * 100 / steps, 2)
+        record["spikes"] = census([d for d in DURATIONS if d[0] >= warmup])
         if agent is not None and own is not None:
             after = agent.own_cost()
             record["control_cpu_us_per_step"] = round(

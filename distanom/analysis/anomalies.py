@@ -16,8 +16,11 @@ Pure (no torch, no files). Rules, in order (slowdown = step time - median):
    No rank late while the step was slow: `slow_collective` (the time went inside the
    collective or after it, on every rank alike).
 3. Without arrival (no collectives recorded): the rank with the longest duration, if it
-   leads the next by `CULPRIT_SHARE` of the slowdown (`source: "durations"`), with the
-   same host causes; otherwise `unknown`.
+   leads the next by `CULPRIT_SHARE` of the slowdown (`source: "durations"`); otherwise
+   `unknown`. Its cause: `gpu_work` when its step took longer on its GPU clock than on
+   its host by at least `DEVICE_SHARE` of the slowdown (the host was not held up: the
+   device's work grew; with the host clock the two are the same time and this never
+   holds); else the same host causes.
 
 A captured anomaly with no record (a run from before anomalies.jsonl existed) is listed
 from its capture, `judged_by: "unrecorded"`.
@@ -41,6 +44,7 @@ from distanom.trace_planner import CLASS_LABELS, CLASSES, classify_steps, episod
 CULPRIT_SHARE = 0.5
 GC_SHARE = 0.25
 CPU_SHARE = 0.5
+DEVICE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -273,9 +277,29 @@ def _by_durations(
             "none",
             details,
         )
-    cause, why = _host_cause(record, evidence, culprit, lead, slowdown)
+    cause, why = _device_cause(record, evidence, culprit, slowdown) or _host_cause(
+        record, evidence, culprit, lead, slowdown
+    )
     text = f"rank {culprit}'s step took {lead:.1f} ms longer than the next rank's; {why}"
     return AnomalyVerdict(culprit, cause, text, "durations", details)
+
+
+def _device_cause(
+    record: AnomalyRecord, evidence: list[StepEvidence], rank: int, slowdown: float
+) -> tuple[str, str] | None:
+    """`gpu_work` when the rank's step outlasted its host's step by `DEVICE_SHARE` of
+    the slowdown: the step's time (CUDA events) grew on the device while the training
+    thread went on. Without a GPU clock, or with the host just as late, None."""
+    step_ms = record.durations_ms[rank] if rank < len(record.durations_ms) else math.nan
+    host_ms = evidence[rank].host_ms if rank < len(evidence) else math.nan
+    if not (math.isfinite(step_ms) and math.isfinite(host_ms)):
+        return None
+    if step_ms - host_ms < DEVICE_SHARE * slowdown:
+        return None
+    return "gpu_work", (
+        f"its GPU took {step_ms:.1f} ms for the step while its host went through it in "
+        f"{host_ms:.1f} ms: the device's work grew (a traced occurrence names the kernels)"
+    )
 
 
 def _host_cause(

@@ -41,6 +41,20 @@ class StepEvidence:
     collectives: int = -1  # collectives the rank enqueued in the step (-1: not recorded)
     cpu_ms: float = math.nan  # the training thread's CPU time during the step
     gc_ms: float = math.nan  # Python garbage collection during the step
+    host_ms: float = math.nan  # the step's host wall time, from boundary to boundary
+
+    FIELDS = 5  # floats per step in a consensus row (`as_fields`)
+
+    def as_fields(self) -> list[float]:
+        """The evidence as the floats a consensus row carries (`from_fields` reads them)."""
+        return [self.arrive_ms, float(self.collectives), self.cpu_ms, self.gc_ms, self.host_ms]
+
+    @classmethod
+    def from_fields(cls, values: Any) -> StepEvidence:
+        """Read back `as_fields` (any sequence of `FIELDS` floats)."""
+        arrive, collectives, cpu, gc_ms, host = (float(v) for v in values)
+        count = int(collectives) if math.isfinite(collectives) else -1
+        return cls(arrive, count, cpu, gc_ms, host)
 
     def to_json(self) -> dict[str, float | int | None]:
         """JSON-ready (NaN as null)."""
@@ -49,6 +63,7 @@ class StepEvidence:
             "collectives": self.collectives,
             "cpu_ms": _num(self.cpu_ms),
             "gc_ms": _num(self.gc_ms),
+            "host_ms": _num(self.host_ms),
         }
 
     @classmethod
@@ -61,6 +76,7 @@ class StepEvidence:
             int(_float(data.get("collectives"), -1.0)),
             _float(data.get("cpu_ms")),
             _float(data.get("gc_ms")),
+            _float(data.get("host_ms")),
         )
 
 

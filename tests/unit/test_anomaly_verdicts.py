@@ -57,6 +57,34 @@ def test_without_arrival_the_longest_duration_leads() -> None:
     assert judge(record(ev)).cause == "unknown"
 
 
+def test_a_step_longer_on_the_gpu_than_on_the_host_is_gpu_work() -> None:
+    # one GPU rank, no collectives: 315 ms by its CUDA events, its host through the step
+    # in 16 ms (the launches went on; the device ran long): the device's work grew
+    device = [StepEvidence(NAN, 0, 1.0, 0.0, 16.0)]
+    verdict = judge(record(device, durations=(315.0,)))
+    assert (verdict.culprit_rank, verdict.cause, verdict.source) == (0, "gpu_work", "durations")
+    assert "315.0 ms" in verdict.evidence and "16.0 ms" in verdict.evidence
+    # the host as late as the GPU (a sleep, or a wait on the device): a host cause
+    assert judge(record([StepEvidence(NAN, 0, 1.0, 0.0, 312.0)])).cause == "host_stall"
+    # the host clock measures the host itself: never gpu_work
+    assert judge(record([StepEvidence(NAN, 0, 290.0, 0.0, 315.0)])).cause == "host_busy"
+    # the host's time unknown (a record from before host_ms): as before
+    assert judge(record([StepEvidence(NAN, 0, 1.0, 0.0)])).cause == "host_stall"
+
+
+def test_host_time_travels_through_the_round_and_the_record() -> None:
+    from distanom.consensus import EvidenceBlock
+
+    ev = StepEvidence(3.0, 2, 1.5, 0.25, 17.5)
+    assert StepEvidence.from_fields(ev.as_fields()) == ev
+    assert StepEvidence.from_json(ev.to_json()) == ev
+    for lists in (True, False):
+        block = EvidenceBlock.from_items(2, [(1, 7, ev), (1, 8, StepEvidence())], lists=lists)
+        items = block.items()
+        assert items[0] == (1, 7, ev)
+        assert items[1][:2] == (1, 8) and math.isnan(items[1][2].host_ms)
+
+
 def test_a_trace_verdict_wins_and_old_runs_list_captured_anomalies(tmp_path: Path) -> None:
     run = RunDir(tmp_path)
     writer = AnomalyWriter(run)

@@ -117,12 +117,13 @@ def test_evidence_rides_in_the_round_per_rank_and_lagging() -> None:
     builder.add(2, 10.0, 0)
     first = builder.take()
     assert [s for s, _ in first.evidence] == list(range(1, 1 + evidence_slots(2)))
-    other = LocalRound(1, (10.0, 11.0), (0, 0), evidence=((3, StepEvidence(7.0, 2, 1.0, 0.25)),))
+    sent = StepEvidence(7.0, 2, 1.0, 0.25, 9.0)
+    other = LocalRound(1, (10.0, 11.0), (0, 0), evidence=((3, sent),))
     result = decode_round(gathered([first, other], 2), 2)
     assert result.evidence is not None
     items = result.evidence.items()
     by_rank = {(rank, step): ev for rank, step, ev in items}
-    assert by_rank[(0, 5)].arrive_ms == 5.0 and by_rank[(1, 3)] == StepEvidence(7.0, 2, 1.0, 0.25)
+    assert by_rank[(0, 5)].arrive_ms == 5.0 and by_rank[(1, 3)] == sent
     assert len(items) == evidence_slots(2) + 1
     assert [s for s, _ in builder.take().evidence] == [6, 7, 8]
     with pytest.raises(ValueError):
