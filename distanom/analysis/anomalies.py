@@ -5,7 +5,9 @@ captured, the trace-based verdict the report computed; returns one `Anomaly` per
 Pure (no torch, no files). Rules, in order (slowdown = step time - median):
 
 1. A captured step keeps its trace verdict (`source: "trace"`); the evidence verdict
-   goes into its details.
+   goes into its details. When the trace explains nothing (`unknown`: e.g. the step
+   was traced from its middle, right after tracing was switched on) and the evidence
+   names a cause, the evidence verdict stands, the trace's in its details.
 2. Collective arrival (`source: "arrival"`): each rank's arrival at the step's last
    collective against its own recent median. The rank whose arrival grew most is the
    culprit when that growth is at least `CULPRIT_SHARE` of the slowdown. Its cause is
@@ -134,7 +136,14 @@ def anomalies_of(
     for record in records:
         verdict = judge(record)
         trace = traced.get(record.step)
-        if trace is not None:
+        if trace is not None and trace.cause == "unknown" and verdict.cause != "unknown":
+            trace_json = {"culprit_rank": trace.culprit_rank, "cause": trace.cause}
+            trace_json["evidence"] = trace.evidence
+            details = {**verdict.details, "trace_verdict": trace_json}
+            verdict = AnomalyVerdict(
+                verdict.culprit_rank, verdict.cause, verdict.evidence, verdict.source, details
+            )
+        elif trace is not None:
             verdict = AnomalyVerdict(
                 trace.culprit_rank,
                 trace.cause,

@@ -85,6 +85,19 @@ def test_host_time_travels_through_the_round_and_the_record() -> None:
         assert items[1][:2] == (1, 8) and math.isnan(items[1][2].host_ms)
 
 
+def test_a_trace_that_explains_nothing_yields_to_evidence_that_does() -> None:
+    stalled = record([StepEvidence(NAN, 0, 1.0, 0.0, 312.0)], step=205, traced=True)
+    unknown = {205: TraceVerdict(None, "unknown", "no part of rank 0's time grew")}
+    (anomaly,) = anomalies_of([stalled], unknown)
+    verdict = anomaly.verdict
+    assert (verdict.cause, verdict.source, verdict.culprit_rank) == ("host_stall", "durations", 0)
+    assert verdict.details["trace_verdict"]["cause"] == "unknown" and anomaly.traced
+    # neither explains it: the trace's verdict stands
+    blind = record([StepEvidence(NAN, 0, 1.0, 0.0, 312.0)] * 2, step=205, traced=True)
+    (anomaly,) = anomalies_of([blind], unknown)
+    assert (anomaly.verdict.cause, anomaly.verdict.source) == ("unknown", "trace")
+
+
 def test_a_trace_verdict_wins_and_old_runs_list_captured_anomalies(tmp_path: Path) -> None:
     run = RunDir(tmp_path)
     writer = AnomalyWriter(run)
