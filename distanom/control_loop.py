@@ -49,6 +49,7 @@ from distanom.hang import HangWatch
 from distanom.health import Health
 from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
+from distanom.pacing import PACE_MIN_S, pace_s, yield_gil
 from distanom.records.run_info import build_run_info, write_run_info
 from distanom.records.status import CaptureCounts, Status, TracerReport, write_status
 from distanom.records.steps import StepRow, StepsWriter
@@ -75,15 +76,6 @@ FINAL_ROUND_TIMEOUT_S = 10.0
 # After the final round, rounds that carry only the evidence left (every rank runs one
 # more while any rank said it has more): at most this many.
 MAX_EVIDENCE_ROUNDS = 64
-
-
-def yield_gil() -> None:
-    """Let a thread waiting for the GIL (a launch-bound training thread) run now. A round
-    of up to 128 steps is a few ms of Python on this thread; held in one piece it would
-    stall one training step by all of it (CPython hands the GIL over only every 5 ms
-    otherwise). Yielding between its phases splits that into pieces of a fraction of a
-    millisecond; the round takes longer in wall time, which costs training nothing."""
-    time.sleep(0)
 
 
 class ControlLoop:
@@ -124,6 +116,7 @@ class ControlLoop:
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
         self.hang_watch: HangWatch | None = None  # told when a round fails
         self.rounds = 0  # rounds run
+        self._pace_s = PACE_MIN_S  # pause between a round's phases; 0 once training ended
         self._cpu_ns = 0  # this (control) thread's CPU time, as last read on it
         self._cpu_setup_ns = 0  # of which forming the group and the run directory
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
@@ -296,7 +289,8 @@ class ControlLoop:
                 builder.add(item.step, item.duration_ms, item.flags, item.self_ms)
                 self.evidence.add_gc(item.step, item.gc_ms)
             self._log_steps(records)
-            yield_gil()
+            self._pace_s = 0.0 if final else pace_s(self.detector.median_ms)
+            yield_gil(self._pace_s)
             builder.add_evidence(self.evidence.poll(final))
             now = time.monotonic()
             if now >= next_flush or final:  # a write per second, not per round
@@ -440,9 +434,9 @@ class ControlLoop:
         self._feed_governor(result)
         self._gathered_step = max(self._gathered_step, result.last_step)
         decisions = decide(result, self.detector, self.world.world_size)
-        yield_gil()
+        yield_gil(self._pace_s)
         self._fold_evidence(result)
-        yield_gil()
+        yield_gil(self._pace_s)
         self.duty.request([d.step for d in decisions if d.kind == "requested"])
         if result.request is not None and self.world.rank == 0:
             self.requests.answer(self.run, result.request, decisions)

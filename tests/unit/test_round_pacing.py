@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distanom import control_loop
+from distanom import control_loop, pacing
 from distanom.agent import Agent
 from distanom.config import load_config
 from distanom.consensus import RoundBuilder, steps_per_round
@@ -245,13 +245,24 @@ def test_the_start_line_says_how_much_is_traced(
     assert expected in agent.boundaries._start_notes()
 
 
-def test_a_round_yields_the_gil_between_its_phases(
+def test_a_round_pauses_about_a_step_between_its_phases(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # a round of many steps is milliseconds of Python: in one piece it would stall one
-    # training step by all of it
-    yields: list[float] = []
-    monkeypatch.setattr(control_loop, "yield_gil", lambda: yields.append(time.monotonic()))
-    agent = run_agent(tmp_path, 60, 0.002)
-    assert agent.control.rounds >= 2
-    assert len(yields) >= 3 * agent.control.rounds
+    # a round of many steps is milliseconds of Python: in one piece it would stretch one
+    # training step by all of it; a pause of about a step puts each phase in another
+    pauses: list[float] = []
+    monkeypatch.setattr(control_loop, "yield_gil", lambda s=0.0: pauses.append(s))
+    agent = run_agent(tmp_path, 400, 0.004)  # rounds of 128 steps: the median known by the 2nd
+    assert agent.control.rounds >= 3
+    assert len(pauses) >= 3 * agent.control.rounds
+    paced = [s for s in pauses if s > 0]
+    assert len(paced) >= 2 * (agent.control.rounds - 1)  # the final round does not pause
+    assert all(pacing.PACE_MIN_S <= s <= pacing.PACE_MAX_S for s in paced)
+    assert max(paced) == pytest.approx(0.004, rel=0.5)  # ~ the median step, once known
+
+
+def test_the_pause_follows_the_median_step_within_bounds() -> None:
+    assert pacing.pace_s(None) == pacing.pace_s(math.nan) == pacing.PACE_MIN_S
+    assert pacing.pace_s(0.2) == pacing.PACE_MIN_S
+    assert pacing.pace_s(4.5) == pytest.approx(0.0045)
+    assert pacing.pace_s(400.0) == pacing.PACE_MAX_S
