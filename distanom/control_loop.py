@@ -41,7 +41,7 @@ from distanom.consensus import (
     recent_times,
     steps_per_round,
 )
-from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, Detector, StepSample
+from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, CaptureDecision, Detector, StepSample
 from distanom.duty_cycle import DutyCycle
 from distanom.errors import RunDirError
 from distanom.evidence import EvidenceTier
@@ -49,7 +49,7 @@ from distanom.hang import HangWatch
 from distanom.health import Health
 from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
-from distanom.pacing import PACE_MIN_S, pace_s, yield_gil
+from distanom.pacing import pace_s, yield_gil
 from distanom.records.run_info import build_run_info, write_run_info
 from distanom.records.status import CaptureCounts, Status, TracerReport, write_status
 from distanom.records.steps import StepRow, StepsWriter
@@ -116,7 +116,7 @@ class ControlLoop:
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
         self.hang_watch: HangWatch | None = None  # told when a round fails
         self.rounds = 0  # rounds run
-        self._pace_s = PACE_MIN_S  # pause between a round's phases; 0 once training ended
+        self._pace_s = 0.0  # pause between a round's phases; 0 once training ended
         self._cpu_ns = 0  # this (control) thread's CPU time, as last read on it
         self._cpu_setup_ns = 0  # of which forming the group and the run directory
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
@@ -333,6 +333,7 @@ class ControlLoop:
         """After a round some rank sent as its final one: the rounds that carry the
         evidence left, as long as any rank says it has more (every rank runs the same
         number, decided from the same gathered flags)."""
+        self._pace_s = 0.0  # training is over somewhere: nothing to pace for, exit soon
         for _ in range(MAX_EVIDENCE_ROUNDS):
             if not result.ranks_with(FLAG_MORE_EVIDENCE):
                 return
@@ -434,12 +435,17 @@ class ControlLoop:
         self._feed_governor(result)
         self._gathered_step = max(self._gathered_step, result.last_step)
         decisions = decide(result, self.detector, self.world.world_size)
-        yield_gil(self._pace_s)
-        self._fold_evidence(result)
-        yield_gil(self._pace_s)
         self.duty.request([d.step for d in decisions if d.kind == "requested"])
         if result.request is not None and self.world.rank == 0:
             self.requests.answer(self.run, result.request, decisions)
+        self._submit_captures(decisions)
+        # paused only after the decisions are out: a captured step must still be in the
+        # tracer's history when the capture worker looks for it
+        yield_gil(self._pace_s)
+        self._fold_evidence(result)
+        yield_gil(self._pace_s)
+
+    def _submit_captures(self, decisions: list[CaptureDecision]) -> None:
         if not decisions or self.run is None or self.health.capture_off_reason is not None:
             return
         capture = self.health.capture

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 
-PACE_MIN_S = 0.001
 PACE_MAX_S = 0.01
 
 
@@ -24,8 +23,10 @@ def yield_gil(pause_s: float = 0.0) -> None:
 
 
 def pace_s(median_ms: float | None) -> float:
-    """The pause between a round's phases: about one step at the median step time,
-    within PACE_MIN_S..PACE_MAX_S (longer steps hide a phase anyway)."""
-    if median_ms is None or not math.isfinite(median_ms):
-        return PACE_MIN_S
-    return min(PACE_MAX_S, max(PACE_MIN_S, median_ms / 1e3))
+    """The pause between a round's phases: one step at the median step time, at most
+    PACE_MAX_S (longer steps hide a phase anyway); 0 before a median is known. Never
+    more than a step: each pause delays the round's evidence by one step, and a round
+    with a tracer covers half of the steps the tracer keeps."""
+    if median_ms is None or not math.isfinite(median_ms) or median_ms <= 0:
+        return 0.0
+    return min(PACE_MAX_S, median_ms / 1e3)

@@ -298,10 +298,14 @@ def _device_cause(
 ) -> tuple[str, str] | None:
     """`gpu_work` when the rank's step outlasted its host's step by `DEVICE_SHARE` of
     the slowdown: the step's time (CUDA events) grew on the device while the training
-    thread went on. Without a GPU clock, or with the host just as late, None."""
+    thread went on. Without a GPU clock, with the host just as late, or with a GC pause
+    that explains it (with the host clock the two readings are a GC apart at most), None."""
     step_ms = record.durations_ms[rank] if rank < len(record.durations_ms) else math.nan
-    host_ms = evidence[rank].host_ms if rank < len(evidence) else math.nan
-    if not (math.isfinite(step_ms) and math.isfinite(host_ms)):
+    mine = evidence[rank] if rank < len(evidence) else StepEvidence()
+    host_ms = mine.host_ms
+    if not (math.isfinite(step_ms) and math.isfinite(host_ms)) or host_ms <= 0:
+        return None  # unknown, or a wall clock stepped back
+    if math.isfinite(mine.gc_ms) and mine.gc_ms >= GC_SHARE * slowdown:
         return None
     if step_ms - host_ms < DEVICE_SHARE * slowdown:
         return None
@@ -333,7 +337,9 @@ def _host_cause(
             f"its training thread used {mine.cpu_ms:.1f} ms of CPU (usually {usual:.1f}): it "
             "was off the CPU (sleeping, I/O, a lock, or waiting on the device)"
         )
-    return "host_stall", "its training thread's CPU time is unknown"
+    if math.isfinite(mine.arrive_ms):  # late at the collective: the host, cause unseen
+        return "host_stall", "its training thread's CPU time is unknown"
+    return "unknown", "its training thread's CPU time is unknown"
 
 
 def _round(value: float, digits: int = 3) -> float | None:

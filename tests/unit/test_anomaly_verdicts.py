@@ -70,6 +70,23 @@ def test_a_step_longer_on_the_gpu_than_on_the_host_is_gpu_work() -> None:
     assert judge(record([StepEvidence(NAN, 0, 290.0, 0.0, 315.0)])).cause == "host_busy"
     # the host's time unknown (a record from before host_ms): as before
     assert judge(record([StepEvidence(NAN, 0, 1.0, 0.0)])).cause == "host_stall"
+    # host clock: a GC pause between the boundary's two clock reads is in the step's
+    # duration, not in host_ms; the GC explains it, not the device
+    gc_between = [StepEvidence(NAN, 0, 1.0, 250.0, 60.0)]
+    assert judge(record(gc_between, durations=(315.0,))).cause == "python_gc"
+    # a wall clock stepped back (host_ms <= 0) says nothing about the device
+    assert judge(record([StepEvidence(NAN, 0, 1.0, 0.0, -5.0)])).cause == "host_stall"
+
+
+def test_no_evidence_is_no_cause_and_does_not_override_a_trace() -> None:
+    nothing = record([StepEvidence()], durations=(315.0,), step=205, traced=True)
+    assert judge(nothing).cause == "unknown"
+    unknown = {205: TraceVerdict(None, "unknown", "no part of rank 0's time grew")}
+    (anomaly,) = anomalies_of([nothing], unknown)
+    assert (anomaly.verdict.cause, anomaly.verdict.source) == ("unknown", "trace")
+    # late at a collective with its CPU time unknown: still the host
+    late = [StepEvidence(10.0, 1, 1.0, 0.0), StepEvidence(300.0, 1, NAN, NAN)]
+    assert judge(record(late)).cause == "host_stall"
 
 
 def test_host_time_travels_through_the_round_and_the_record() -> None:

@@ -105,6 +105,19 @@ def test_polling_asks_far_fewer_queries_than_steps(gpu: FakeGpu) -> None:
         assert gpu.queries / 400 <= 0.75, (lag, gpu.queries)  # one query per step before
 
 
+def test_a_gpu_falling_behind_and_catching_up_keeps_every_duration_in_order(
+    gpu: FakeGpu,
+) -> None:
+    clock = make_clock(gpu)
+    got: list[tuple[int, float]] = []
+    for step in range(300):
+        gpu.lag = step // 10 if step < 150 else max(0, 30 - (step - 150) // 3)  # 0 -> 15 -> 0
+        got += clock.mark(step)
+    assert [s for s, _ in got] == list(range(1, len(got) + 1))
+    assert len(got) >= 300 - POLL_EVERY - 2 and all(ms == 10.0 for _, ms in got)
+    assert gpu.queries / 300 <= 0.75
+
+
 def test_events_are_reused_not_created_per_step(gpu: FakeGpu) -> None:
     gpu.lag = 2
     run(make_clock(gpu), range(300))
