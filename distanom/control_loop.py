@@ -289,7 +289,7 @@ class ControlLoop:
                 builder.add(item.step, item.duration_ms, item.flags, item.self_ms)
                 self.evidence.add_gc(item.step, item.gc_ms)
             self._log_steps(records)
-            self._pace_s = 0.0 if final else pace_s(self.detector.median_ms)
+            self._pace_s = 0.0 if final else pace_s(self.detector.median_ms, self._round_steps())
             yield_gil(self._pace_s)
             builder.add_evidence(self.evidence.poll(final))
             now = time.monotonic()

@@ -22,11 +22,18 @@ def yield_gil(pause_s: float = 0.0) -> None:
     time.sleep(pause_s)
 
 
-def pace_s(median_ms: float | None) -> float:
+# A round's pauses (three) take at most this share of the time its steps take, so the
+# control thread keeps up with rounds of a few steps (`consensus.batch_steps: 1`).
+ROUND_SHARE = 0.375
+
+
+def pace_s(median_ms: float | None, round_steps: int) -> float:
     """The pause between a round's phases: one step at the median step time, at most
-    PACE_MAX_S (longer steps hide a phase anyway); 0 before a median is known. Never
-    more than a step: each pause delays the round's evidence by one step, and a round
-    with a tracer covers half of the steps the tracer keeps."""
+    PACE_MAX_S (longer steps hide a phase anyway) and at most an eighth of the round's
+    steps; 0 before a median is known. Never more than a step: each pause delays the
+    round's evidence by one step, and a round with a tracer covers half of the steps
+    the tracer keeps."""
     if median_ms is None or not math.isfinite(median_ms) or median_ms <= 0:
         return 0.0
-    return min(PACE_MAX_S, median_ms / 1e3)
+    step_s = median_ms / 1e3
+    return min(PACE_MAX_S, step_s, ROUND_SHARE / 3 * round_steps * step_s)
