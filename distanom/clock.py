@@ -87,6 +87,11 @@ class CudaEventCalls:
             )
         return key
 
+    @staticmethod
+    def device_of(key: Any) -> Any:
+        """The device index a stream key is on."""
+        return key[1] if isinstance(key, tuple) else getattr(key, "device_index", None)
+
 
 class StepClock:
     """Times consecutive step boundaries; see the module docstring for the modes."""
@@ -97,14 +102,17 @@ class StepClock:
         self.mode = mode
         self._last_host_ns: int | None = None
         self._last_step: int | None = None
-        # (step, event, stream generation) in record order
-        self._pending: collections.deque[tuple[int, Any, int]] = collections.deque()
-        self._previous_event: tuple[int, Any] | None = None
+        # (step, event, stream generation, device epoch) in record order
+        self._pending: collections.deque[tuple[int, Any, int, int]] = collections.deque()
+        # (step, event, device epoch) of the newest boundary the GPU has passed
+        self._previous_event: tuple[int, Any, int] | None = None
         self._spare_events: list[Any] = []
         self._calls = calls if calls is not None or mode != "cuda_event" else CudaEventCalls()
         self._stream_key: Any = None
         self._stream: Any = None
         self._generation = 0  # counts the streams events were recorded on
+        self._device: Any = None
+        self._device_epoch = 0  # counts the devices: events of two are never paired
         self._behind = 1  # how many boundaries the GPU had not passed at the last poll
         self._until_poll = POLL_EVERY
         self.lost_boundaries = 0
@@ -129,11 +137,16 @@ class StepClock:
         if key != self._stream_key:
             self._stream_key, self._stream = key, calls.stream_of(key)
             self._generation += 1
+            device = calls.device_of(key)
+            if device != self._device:  # the script moved to another GPU
+                self._device = device
+                self._device_epoch += 1
+                self._spare_events.clear()  # an event records on its own device only
         spare = self._spare_events
         event = spare.pop() if spare else calls.new_event()
         calls.record(event, self._stream)
         pending = self._pending
-        pending.append((step, event, self._generation))
+        pending.append((step, event, self._generation, self._device_epoch))
         if len(pending) > MAX_PENDING_EVENTS:
             pending.popleft()
             self.lost_boundaries += 1
@@ -178,13 +191,15 @@ class StepClock:
         self._behind = max(1, len(pending) - passed)
         elapsed_ms, spare = self._calls.elapsed_ms, self._spare_events  # type: ignore[union-attr]
         previous = self._previous_event
+        epoch_now = self._device_epoch
         for _ in range(passed):
-            step, event, _generation = pending.popleft()
+            step, event, _generation, epoch = pending.popleft()
             if previous is not None:
-                if previous[0] == step - 1:
+                if previous[0] == step - 1 and previous[2] == epoch:
                     out.append((step, float(elapsed_ms(previous[1], event))))
-                spare.append(previous[1])
-            previous = (step, event)
+                if previous[2] == epoch_now:
+                    spare.append(previous[1])
+            previous = (step, event, epoch)
         self._previous_event = previous
         return out
 

@@ -42,7 +42,13 @@ class FakeGpu:
     def stream_of(key: Any) -> Any:
         return key
 
+    @staticmethod
+    def device_of(key: Any) -> Any:
+        return key[1] if isinstance(key, tuple) else 0
+
     def record(self, event: FakeEvent, stream: Any) -> None:
+        device = self.device_of(stream)
+        assert event.stream is None or self.device_of(event.stream) == device, "wrong device"
         event.seq, event.at_ms, event.stream = self.recorded, 10.0 * self.recorded, stream
         self.recorded += 1
         if self.follow:
@@ -57,6 +63,7 @@ class FakeGpu:
         assert start.at_ms is not None and end.at_ms is not None
         assert start.seq is not None and end.seq is not None
         assert start.seq < self.passed and end.seq < self.passed, "read before done"
+        assert self.device_of(start.stream) == self.device_of(end.stream), "two devices"
         return end.at_ms - start.at_ms
 
 
@@ -133,6 +140,18 @@ def test_a_stream_change_keeps_every_duration(gpu: FakeGpu) -> None:
     gpu.passed = 20
     got += clock.drain(1.0)[0]
     assert [s for s, _ in got] == list(range(1, 20))
+
+
+def test_a_move_to_another_gpu_pairs_no_events_across_devices(gpu: FakeGpu) -> None:
+    gpu.lag = 1
+    gpu.stream = ("s", 0, 1)
+    clock = make_clock(gpu)
+    got = run(clock, range(20))
+    gpu.stream = ("s", 1, 1)  # the script moved to cuda:1: pooled events stay behind
+    got += run(clock, range(20, 40))
+    gpu.passed = 40
+    got += clock.drain(1.0)[0]
+    assert [s for s, _ in got] == [s for s in range(1, 40) if s != 20]
 
 
 def test_drain_returns_what_the_gpu_passes(gpu: FakeGpu) -> None:
