@@ -88,7 +88,14 @@ def test_killed_writer_never_leaves_a_listed_partial_trace(tmp_path: Path) -> No
         assert writer.stdout is not None and writer.stdout.readline().strip() == b"ready"
         time.sleep(0.15 + 0.07 * attempt)
         writer.send_signal(sig)
-        writer.wait(30)
+        try:
+            writer.wait(30)
+        except subprocess.TimeoutExpired:
+            # seen twice on a loaded 2-core VM, never alone: a writer inside fsync is not
+            # woken by a signal until the disk answers; what is tested is what a kill
+            # leaves behind, so finish it off
+            writer.kill()
+            writer.wait(120)
     records, _problems = read_index(run)
     assert records, "the writer never finished a file"
     for record in records:
