@@ -410,7 +410,6 @@ class ControlLoop:
         self._round_began = time.monotonic()
         matrix = self.group.all_gather(row, timeout_s=timeout)
         result = decode_round(matrix, batch, with_evidence=self.world.rank == 0)
-        yield_gil()
         if offered is not None:
             self.requests.carried()
         self._after_round(result)

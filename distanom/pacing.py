@@ -18,7 +18,7 @@ PACE_MAX_S = 0.01
 
 
 def yield_gil(pause_s: float = 0.0) -> None:
-    """Drop the GIL for `pause_s` (0: only let a thread already waiting go first)."""
+    """Drop the GIL for `pause_s` (with 0 it is taken straight back: see above)."""
     time.sleep(pause_s)
 
 
