@@ -74,6 +74,12 @@ def test_a_rank_that_stops_ending_steps_writes_one_record_per_hang(
             assert not record_path(run, 2, 0).exists()
             steps.advance(3)  # recovers, then hangs again
             _wait_file(record_path(run, 2, 0))
+            # the verdict line follows the record from the watch thread: wait for it too
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                if sum("hang verdict" in r.message for r in caplog.records) >= 2:
+                    break
+                time.sleep(0.01)
         assert record["cause"] == "no_step"
         assert record["last_step"] == 39
         assert 0.3 <= record["silent_s"] <= 0.3 + 5 * POLL_S  # type: ignore[operator]
