@@ -1,4 +1,8 @@
-"""Step timing: CUDA events (default on GPU) or the host clock.
+"""Frozen copy of the reverted step clock of c60ff5f, for bench/probes/clock_mark_probe.py
+to measure (the device machine has no git history); only what the probe times is kept
+(`mark` and `poll`; no end-of-training `wait_for_gpu`/`abandon`).
+
+Step timing: CUDA events (default on GPU) or the host clock.
 
 `StepClock.mark(step)` is called on the training thread at the end of every step:
 
@@ -35,15 +39,6 @@ MAX_PENDING_EVENTS = 8192
 # The stream an event is recorded on is looked up again every this many steps: a script
 # that changes the stream its steps end on is timed on the new one from then on.
 STREAM_RECHECK = 64
-
-
-def resolve_mode(mode: str) -> str:
-    """Turn `auto` into a concrete mode for this process (called at the first step end)."""
-    if mode != "auto":
-        return mode
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return "cuda_event"
-    return "host"
 
 
 class StepClock:
@@ -125,33 +120,3 @@ class StepClock:
                     self._spare_events.append(previous[1])
                 self._previous_event = (step, event)
         return out
-
-    def wait_for_gpu(self, timeout_s: float) -> bool:
-        """At the end of training: poll (never synchronize: a hung GPU must not hang the
-        exit) until the GPU has passed the last boundary marked, or `timeout_s` passes;
-        returns whether it did. The durations stay for `poll`."""
-        if self.mode != "cuda_event":
-            return True
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                newest = self._pending[-1]
-            except IndexError:
-                return True
-            if newest[1].query():  # the last step's stream passed it (others: in `poll`)
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.001)
-
-    def abandon(self) -> None:
-        """After `wait_for_gpu` timed out: give up the boundaries the GPU has not passed
-        (counted in `lost_boundaries`); `poll` still gives those it passed before them."""
-        with self._poll_lock:
-            pending = self._pending
-            passed = 0
-            while passed < len(pending) and pending[passed][1].query():
-                passed += 1
-            while len(pending) > passed:
-                pending.pop()
-                self.lost_boundaries += 1

@@ -1,5 +1,6 @@
 """Frozen copy of distanom/clock.py at cfb7e3e, for bench/probes/clock_mark_probe.py to
-measure beside the clock that replaced it (the device machine has no git history).
+measure beside the clock that replaced it (the device machine has no git history);
+only what the probe times is kept (`mark` and the `poll` it makes; no `drain`).
 
 Step timing on the training thread: CUDA events (default on GPU) or the host clock.
 
@@ -30,15 +31,6 @@ import torch
 # Pending CUDA events are bounded: if the GPU falls this far behind, the oldest
 # boundaries are given up (their steps get no duration) rather than growing memory.
 MAX_PENDING_EVENTS = 256
-
-
-def resolve_mode(mode: str) -> str:
-    """Turn `auto` into a concrete mode for this process (called at the first step end)."""
-    if mode != "auto":
-        return mode
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return "cuda_event"
-    return "host"
 
 
 class StepClock:
@@ -94,22 +86,3 @@ class StepClock:
                 self._spare_events.append(previous[1])
             self._previous_event = (step, event)
         return out
-
-    def drain(self, timeout_s: float = 10.0) -> tuple[list[tuple[int, float]], bool]:
-        """At the end of training: the outstanding boundaries, polled until the GPU has
-        passed them all or `timeout_s` passes (a hung GPU must not hang the exit).
-        Returns the durations and whether the GPU got through; boundaries it never
-        reached are dropped and counted in `lost_boundaries`."""
-        out: list[tuple[int, float]] = []
-        if self.mode != "cuda_event":
-            return out, True
-        deadline = time.monotonic() + timeout_s
-        while True:
-            out += self.poll()
-            if not self._pending:
-                return out, True
-            if time.monotonic() >= deadline:
-                self.lost_boundaries += len(self._pending)
-                self._pending.clear()
-                return out, False
-            time.sleep(0.001)
