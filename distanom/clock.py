@@ -102,17 +102,17 @@ class StepClock:
         self.mode = mode
         self._last_host_ns: int | None = None
         self._last_step: int | None = None
-        # (step, event, stream generation, device epoch) in record order
-        self._pending: collections.deque[tuple[int, Any, int, int]] = collections.deque()
-        # (step, event, device epoch) of the newest boundary the GPU has passed
-        self._previous_event: tuple[int, Any, int] | None = None
+        # (step, event, stream generation, device) in record order; events of two devices
+        # are never paired
+        self._pending: collections.deque[tuple[int, Any, int, Any]] = collections.deque()
+        # (step, event, device) of the newest boundary the GPU has passed
+        self._previous_event: tuple[int, Any, Any] | None = None
         self._spare_events: list[Any] = []
         self._calls = calls if calls is not None or mode != "cuda_event" else CudaEventCalls()
         self._stream_key: Any = None
         self._stream: Any = None
         self._generation = 0  # counts the streams events were recorded on
-        self._device: Any = None
-        self._device_epoch = 0  # counts the devices: events of two are never paired
+        self._device: Any = None  # the device of the current stream
         self._behind = 1  # how many boundaries the GPU had not passed at the last poll
         self._until_poll = POLL_EVERY
         self.lost_boundaries = 0
@@ -140,13 +140,12 @@ class StepClock:
             device = calls.device_of(key)
             if device != self._device:  # the script moved to another GPU
                 self._device = device
-                self._device_epoch += 1
                 self._spare_events.clear()  # an event records on its own device only
         spare = self._spare_events
         event = spare.pop() if spare else calls.new_event()
         calls.record(event, self._stream)
         pending = self._pending
-        pending.append((step, event, self._generation, self._device_epoch))
+        pending.append((step, event, self._generation, self._device))
         if len(pending) > MAX_PENDING_EVENTS:
             pending.popleft()
             self.lost_boundaries += 1
@@ -191,15 +190,15 @@ class StepClock:
         self._behind = max(1, len(pending) - passed)
         elapsed_ms, spare = self._calls.elapsed_ms, self._spare_events  # type: ignore[union-attr]
         previous = self._previous_event
-        epoch_now = self._device_epoch
+        device_now = self._device
         for _ in range(passed):
-            step, event, _generation, epoch = pending.popleft()
+            step, event, _generation, device = pending.popleft()
             if previous is not None:
-                if previous[0] == step - 1 and previous[2] == epoch:
+                if previous[0] == step - 1 and previous[2] == device:
                     out.append((step, float(elapsed_ms(previous[1], event))))
-                if previous[2] == epoch_now:
+                if previous[2] == device_now:
                     spare.append(previous[1])
-            previous = (step, event, epoch)
+            previous = (step, event, device)
         self._previous_event = previous
         return out
 
