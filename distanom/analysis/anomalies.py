@@ -137,8 +137,11 @@ def anomalies_of(
         verdict = judge(record)
         trace = traced.get(record.step)
         if trace is not None and trace.cause == "unknown" and verdict.cause != "unknown":
-            trace_json = {"culprit_rank": trace.culprit_rank, "cause": trace.cause}
-            trace_json["evidence"] = trace.evidence
+            trace_json = {
+                "culprit_rank": trace.culprit_rank,
+                "cause": trace.cause,
+                "evidence": trace.evidence,
+            }
             details = {**verdict.details, "trace_verdict": trace_json}
             verdict = AnomalyVerdict(
                 verdict.culprit_rank, verdict.cause, verdict.evidence, verdict.source, details
