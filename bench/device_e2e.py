@@ -18,7 +18,10 @@ runs at the default `tracer.overhead_budget_pct` (a one-off delay is traced only
 falls in a traced window), two host stalls (`time.sleep`) are added, and the check is
 that every injected step is judged anomalous and gets a verdict with the right cause
 (traced, or from the per-step evidence: `gpu_work` for a GPU delay, `host_stall` for a
-stall). Writes
+stall). With `--periodic`: 3,000 steps at the defaults, a GPU delay every 200 steps from
+step 150 and the same delay on steps 1800-1899 (a lasting slowdown); the check is that
+the 1% budget traces the periodic delay from its 4th occurrence on (>= 90%) and traces
+the slowdown (the offset of its first traced step is recorded). Writes
 `<out>/device_e2e.json` (device, torch, per-backend per-step results) and tars the run
 directories into `<out>/runs.tar.gz` for offline inspection.
 """
@@ -46,9 +49,28 @@ MATMUL_STEPS = [190, 250]
 STALL_STEPS = [75, 205]
 STALL_S = 0.012
 STEPS = 320
+# --periodic only: a GPU delay every 200 steps, a lasting slowdown (the same delay on
+# 100 consecutive steps between two occurrences), at the defaults
+PERIODIC_STEPS = list(range(150, 3000, 200))
+LASTING = range(1800, 1900)
+PERIODIC_RUN_STEPS = 3000
 
 
-def run_job(backend: str, nproc: int, runs: Path, *, budget: bool = False) -> dict[str, Any]:
+def periodic_command(backend: str, nproc: int, runs: Path) -> list[str]:
+    """The --periodic job: the defaults (1% budget), a periodic delay and a slowdown."""
+    sleeps = ",".join(str(s) for s in [*PERIODIC_STEPS, *LASTING])
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", "-m", "distanom.launch", "--run-dir", str(runs),
+        "--set", f"tracer.backend={backend}",
+        str(REPO / "examples" / "seed_resnet.py"), "--steps", str(PERIODIC_RUN_STEPS),
+        "--sleep-steps", sleeps, "--sleep-cycles", "20000000",
+    ]  # fmt: skip
+
+
+def run_job(
+    backend: str, nproc: int, runs: Path, *, budget: bool = False, periodic: bool = False
+) -> dict[str, Any]:
     # every step traced (one-off delays captured), unless the default budget is checked
     trace_all = [] if budget else ["--set", "tracer.overhead_budget_pct=null"]
     stalls = ["--stall-steps", ",".join(map(str, STALL_STEPS)), "--stall-s", str(STALL_S)]
@@ -63,6 +85,8 @@ def run_job(backend: str, nproc: int, runs: Path, *, budget: bool = False) -> di
         "--matmul-steps", ",".join(map(str, MATMUL_STEPS)), "--matmul-count", "6",
         *(stalls if budget else []),
     ]  # fmt: skip
+    if periodic:
+        command = periodic_command(backend, nproc, runs)
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
@@ -196,6 +220,51 @@ def check_budget(runs: Path) -> dict[str, Any]:
     }
 
 
+def check_periodic(runs: Path) -> dict[str, Any]:
+    """At the default budget: the periodic delay's occurrences from the 4th on traced
+    (>= 90% is the bar), the lasting slowdown traced within its first two windows
+    (the first traced step's offset into it), every injected anomaly with a verdict."""
+    sys.path.insert(0, str(REPO))
+    from distanom.analysis.report import build_report, report_json
+    from distanom.analysis.run import load_run
+
+    report = report_json(build_report(load_run(str(runs))))
+    anomalies = {a["step"]: a for a in report.get("anomalies", [])}
+    occurrences = {}
+    for step in PERIODIC_STEPS:
+        found = anomalies.get(step)
+        occurrences[str(step)] = None if found is None else {
+            "traced": found["traced"], "cause": found["verdict"]["cause"],
+            "judged_by": found["judged_by"],
+        }  # fmt: skip
+    later = [occurrences[str(s)] for s in PERIODIC_STEPS[3:]]
+    traced_later = sum(1 for o in later if o is not None and o["traced"])
+    lasting = [anomalies[s] for s in LASTING if s in anomalies]
+    first_traced = next((a["step"] for a in lasting if a["traced"]), None)
+    return {
+        "periodic_steps": PERIODIC_STEPS,
+        "occurrences": occurrences,
+        "detected": sum(1 for o in occurrences.values() if o is not None),
+        "traced_from_4th": f"{traced_later}/{len(later)}",
+        "traced_from_4th_share": round(traced_later / len(later), 3),
+        "lasting": {
+            "steps": [LASTING.start, LASTING.stop - 1],
+            "judged": len(lasting),
+            "traced": sum(1 for a in lasting if a["traced"]),
+            "first_traced_offset": None if first_traced is None else first_traced - LASTING.start,
+            "causes": sorted({a["verdict"]["cause"] for a in lasting}),
+        },
+        "unexplained": sorted(
+            s for s, a in anomalies.items() if a["verdict"]["cause"] == "unknown"
+        ),
+        "anomaly_classes": report.get("anomaly_classes"),
+        "tracer": report.get("tracer"),
+        "other_anomalies": sorted(
+            s for s in anomalies if s not in PERIODIC_STEPS and s not in LASTING
+        ),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "device_out")))
@@ -206,6 +275,12 @@ def main() -> int:
         action="store_true",
         help="run at the default tracer.overhead_budget_pct instead of tracing every step, "
         "and check that every injected step is judged and gets a verdict",
+    )
+    parser.add_argument(
+        "--periodic",
+        action="store_true",
+        help="a 3,000-step run at the defaults with a GPU delay every 200 steps and a "
+        "100-step slowdown: check what the 1%% budget traces of them",
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -225,12 +300,15 @@ def main() -> int:
     work = Path(tempfile.gettempdir()) / "distanom_device_e2e"
     for backend in args.backends.split(","):
         runs = work / f"runs_{backend}"
-        job = run_job(backend, args.nproc, runs, budget=args.budget)
+        job = run_job(backend, args.nproc, runs, budget=args.budget, periodic=args.periodic)
         entry: dict[str, Any] = {"job": job}
         print(f"[{backend}] rc={job['returncode']} in {job['seconds']} s", flush=True)
         if job["returncode"] == 0:
             try:
-                entry.update(check_budget(runs) if args.budget else check(backend, runs))
+                if args.periodic:
+                    entry.update(check_periodic(runs))
+                else:
+                    entry.update(check_budget(runs) if args.budget else check(backend, runs))
             except Exception as err:  # keep the other backend's results
                 entry["check_error"] = repr(err)
         else:
@@ -240,6 +318,14 @@ def main() -> int:
     (args.out / "device_e2e.json").write_text(json.dumps(summary, indent=1, default=str))
     with tarfile.open(args.out / "runs.tar.gz", "w:gz") as tar:
         tar.add(work, arcname="runs")
+    if args.periodic:
+        ok = all(
+            b.get("traced_from_4th_share", 0) >= 0.9
+            and b.get("lasting", {}).get("first_traced_offset") is not None
+            for b in summary["backends"].values()
+        )
+        print("PERIODIC TRACED FROM ITS 4TH, SLOWDOWN TRACED" if ok else "SOME CHECK FAILED")
+        return 0 if ok else 1
     if args.budget:
         ok = all(
             b.get("every_injected_step_judged") and not b.get("wrong_causes", ["unchecked"])

@@ -1,0 +1,171 @@
+"""What distanom costs a whole job, resolved to a fraction of a percent: one job per
+workload and variant under `torchrun -m distanom.launch`, its agent switched between
+watching and inert every ~0.5 s (bench/workloads/ab_switch.py), in the job's own loop.
+
+    python3 bench/whole_job_ab.py --out $OUT [--workloads resnet18,amp,hf,lightning]
+        [--variants none,default] [--segments 80] [--budget-s 540]
+
+bench/whole_job.py compares whole processes (plain `torchrun` against
+`-m distanom.launch`), which is what users pay but spreads by +-15-25% on the H200
+machine. Here the same job holds both halves: segments of ~0.5 s, on, off, off, on, ...
+Each adjacent (on, off) pair gives a ratio; the figure is their mean, with a bootstrap
+95% interval (fixed seed), and the median. `spill_added`: the CPU time of distanom's
+threads during off segments (rounds that ran over into them, periodic writes) added back
+to the on side as if it had all taken the training thread's time: an upper bound.
+What the inert half still has (the agent installed: optimizer wrapper, GC callback,
+idle threads) and the launcher's start-up are not in the ratio; whole_job.py covers them.
+
+Per segment the job records ms/step, distanom's boundary time and its threads' CPU time
+(`<out>/whole_job_ab.json`, with device, torch version and each job's segments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from whole_job import REPO, VARIANTS, WORKLOADS, command, device_facts
+
+# steps per segment (~0.5 s each on the H200) and warm-up steps per workload
+SEGMENT: dict[str, tuple[int, int]] = {
+    "resnet18": (48, 300),
+    "amp": (24, 200),
+    "compile": (32, 200),
+    "compile_ro": (48, 300),
+    "hf": (24, 200),
+    "lightning": (64, 400),
+}
+
+
+def run_job(workload: str, variant: str, segments: int, scratch: Path) -> dict[str, Any]:
+    """One job with the A/B switch; its segments, wall time and exit status."""
+    segment, warmup = SEGMENT[workload]
+    steps = warmup + segments * segment
+    result_path = scratch / f"{workload}-{variant}-{time.monotonic_ns()}.json"
+    env = dict(os.environ, WHOLE_JOB_RESULT=str(result_path), PYTHONUNBUFFERED="1")
+    env["WHOLE_JOB_AB_SEGMENT"] = str(segment)
+    env["WHOLE_JOB_AB_WARMUP"] = str(warmup)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    started = time.monotonic()
+    done = subprocess.run(
+        command(workload, variant, steps, scratch / "runs"),
+        cwd=scratch, env=env, capture_output=True, text=True, timeout=590,
+    )  # fmt: skip
+    record: dict[str, Any] = {"variant": variant, "rc": done.returncode, "steps": steps}
+    record["wall_s"] = round(time.monotonic() - started, 2)
+    if done.returncode != 0 or not result_path.exists():
+        record["stderr_tail"] = done.stderr[-2000:]
+        return record
+    record.update(json.loads(result_path.read_text()))
+    record["summary"] = summarize(record.get("ab_segments", []))
+    return record
+
+
+def _pairs(segments: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Adjacent (on, off) segment pairs: segments 2k and 2k+1 hold one of each."""
+    out = []
+    for first, second in zip(segments[0::2], segments[1::2], strict=False):
+        if first["on"] != second["on"]:
+            out.append((first, second) if first["on"] else (second, first))
+    return out
+
+
+def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean and median on/off ratio over pairs, bootstrap interval, and the spill bound."""
+    pairs = _pairs(segments)
+    if not pairs:
+        return {"pairs": 0}
+    ratios = [on["ms_per_step"] / off["ms_per_step"] for on, off in pairs]
+    spill = [
+        (on["ms_per_step"] + off["threads_cpu_us_per_step"] / 1e3) / off["ms_per_step"]
+        for on, off in pairs
+    ]
+    rng = random.Random(0)
+    means = sorted(
+        statistics.fmean(rng.choices(ratios, k=len(ratios))) for _ in range(2000)
+    )  # fmt: skip
+    on_segments = [on for on, _ in pairs]
+    off_segments = [off for _, off in pairs]
+    return {
+        "pairs": len(pairs),
+        "mean_ratio": round(statistics.fmean(ratios), 5),
+        "ci95": [round(means[49], 5), round(means[1949], 5)],
+        "median_ratio": round(statistics.median(ratios), 5),
+        "spill_added_mean_ratio": round(statistics.fmean(spill), 5),
+        "pair_ratio_stdev": round(statistics.stdev(ratios), 5) if len(ratios) > 1 else None,
+        "on_ms_per_step_median": round(statistics.median(s["ms_per_step"] for s in on_segments), 4),
+        "off_ms_per_step_median": round(
+            statistics.median(s["ms_per_step"] for s in off_segments), 4
+        ),
+        "on_boundary_us_per_step": round(
+            statistics.fmean(s["boundary_us_per_step"] for s in on_segments), 2
+        ),
+        "on_threads_cpu_us_per_step": round(
+            statistics.fmean(s["threads_cpu_us_per_step"] for s in on_segments), 2
+        ),
+        "off_threads_cpu_us_per_step": round(
+            statistics.fmean(s["threads_cpu_us_per_step"] for s in off_segments), 2
+        ),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "whole_job_ab")))
+    parser.add_argument("--workloads", default="resnet18,amp,hf,lightning")
+    parser.add_argument("--variants", default="none,default")
+    parser.add_argument("--segments", type=int, default=80)
+    parser.add_argument("--budget-s", type=float, default=540.0)
+    args = parser.parse_args()
+    workloads = [w for w in args.workloads.split(",") if w]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [w for w in workloads if w not in SEGMENT] + [
+        v for v in variants if v == "plain" or v not in VARIANTS
+    ]
+    if unknown:
+        print(f"whole_job_ab: unknown workload or variant: {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    assert set(SEGMENT) <= set(WORKLOADS)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    report: dict[str, Any] = {"facts": device_facts(), "args": dict(vars(args)), "jobs": []}
+    report["args"]["out"] = str(args.out)
+    report["facts"]["distanom_commit"] = os.environ.get("DISTANOM_COMMIT") or _git_commit()
+    with tempfile.TemporaryDirectory() as scratch_name:
+        for workload in workloads:
+            for variant in variants:
+                if time.monotonic() - started > args.budget_s:
+                    break
+                job = run_job(workload, variant, args.segments, Path(scratch_name))
+                job["workload"] = workload
+                report["jobs"].append(job)
+                print(f"[{workload} {variant}] rc {job['rc']} {job.get('wall_s')} s "
+                      f"{json.dumps(job.get('summary'))}", flush=True)  # fmt: skip
+                (args.out / "whole_job_ab.json").write_text(json.dumps(report, indent=1))
+    report["elapsed_s"] = round(time.monotonic() - started, 1)
+    (args.out / "whole_job_ab.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _git_commit() -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        )
+    except OSError:
+        return None
+    return done.stdout.strip() or None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

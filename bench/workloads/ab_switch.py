@@ -1,0 +1,127 @@
+"""In-process A/B for the whole-job bench: the installed agent switched between watching
+and inert every few hundred milliseconds, so its cost is resolved inside one job.
+
+Whole-process pairs spread by +-15-25% on the H200 machine and block-to-block drift
+inside one process reached 10-15% (bench/results/agent_cost_h200_3971307.json): a 1%
+cost needs its on and off halves measured side by side. `SegmentedAB` is driven by a
+workload's `StepTimer` when WHOLE_JOB_AB_SEGMENT is set (the job runs under
+`-m distanom.launch`): after the warm-up it times segments of that many steps, the
+GPU synchronized at each segment's ends, in the order on, off, off, on, on, off, ...
+(ABBA: a linear drift cancels within every four segments), and switches the agent at
+each segment's start.
+
+Inert ("off") is the agent installed but doing nothing at a boundary: its step
+boundaries return at once (`StepBoundaries.closed`, the state of a closed agent),
+tracing is switched off, and the control thread finds no steps to work on. What stays
+in both halves: the optimizer wrapper's one check, the GC callback, the control and hang
+threads' idle wake-ups. The first step after an off segment spans it on the agent's
+clock; it is charged to distanom's own work (the boundaries' busy time) so it is flagged
+disturbed and never judged, as any step distanom itself held up.
+
+Per segment it records the state, ms per step, the agent's boundary time, and the CPU
+time of every `distanom-*` thread, so work a round started in an on segment and finished
+in an off one (which slows the off half, and would hide cost) is visible and can be
+added back (bench/whole_job_ab.py does). Reaches into the agent's internals: a bench
+tool, not an API.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+
+def _distanom_threads_cpu_ns() -> int:
+    """CPU time so far of every live thread named distanom-* (control, hang, capture)."""
+    total = 0
+    for thread in threading.enumerate():
+        if not thread.name.startswith("distanom") or thread.ident is None:
+            continue
+        try:
+            total += time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
+        except (OSError, ValueError):  # the thread ended meanwhile
+            continue
+    return total
+
+
+def _sync() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+class SegmentedAB:
+    """Times segments of `segment` steps after `warmup`, switching the agent on/off."""
+
+    def __init__(self, warmup: int, segment: int) -> None:
+        from distanom.agent import active_agent
+
+        self.agent: Any = active_agent()
+        if self.agent is None:
+            raise RuntimeError("WHOLE_JOB_AB_SEGMENT needs the job under -m distanom.launch")
+        self.warmup = warmup
+        self.segment = segment
+        self.steps = 0
+        self.index = -1  # the segment in progress
+        self.on = True
+        self.segments: list[dict[str, Any]] = []
+        self._began = 0.0
+        self._own_ns = 0
+        self._threads_ns = 0
+        self._paused_ns = 0
+
+    @staticmethod
+    def state_of(index: int) -> bool:
+        """Segment `index` watched (True) or inert: on, off, off, on, repeated."""
+        return index % 4 in (0, 3)
+
+    def step_end(self) -> None:
+        """One optimizer step ended (the StepTimer's callback)."""
+        self.steps += 1
+        if self.steps < self.warmup:
+            return
+        if self.steps > self.warmup and (self.steps - self.warmup) % self.segment:
+            return
+        now = _sync()
+        boundaries = self.agent.boundaries
+        if self.index >= 0:
+            steps = self.segment
+            self.segments.append({
+                "on": self.on,
+                "ms_per_step": round((now - self._began) * 1000 / steps, 5),
+                "boundary_us_per_step": round((boundaries.own_ns - self._own_ns) / steps / 1e3, 3),
+                "threads_cpu_us_per_step": round(
+                    (_distanom_threads_cpu_ns() - self._threads_ns) / steps / 1e3, 3
+                ),
+            })  # fmt: skip
+        self.index += 1
+        self._switch(self.state_of(self.index))
+        self._own_ns = boundaries.own_ns
+        self._threads_ns = _distanom_threads_cpu_ns()
+        self._began = _sync()
+
+    def _switch(self, on: bool) -> None:
+        boundaries = self.agent.boundaries
+        if on == (not boundaries.closed):
+            return
+        if not on:
+            boundaries.closed = True
+            tracer = boundaries.tracer
+            if tracer is not None and tracer.tracing:
+                tracer.set_tracing(False)
+            boundaries._tracing_during = False
+            self._paused_ns = time.perf_counter_ns()
+        else:
+            # the next step's time spans the inert segment: charge it to distanom's own
+            # work, so the step is flagged disturbed and left out of every judgement
+            boundaries.last_busy_ns -= time.perf_counter_ns() - self._paused_ns
+            boundaries.closed = False
+        self.on = on
+
+    def finish(self) -> dict[str, Any]:
+        """Leave the agent watching (its exit path expects it) and return the segments."""
+        self._switch(True)
+        return {"ab_segment": self.segment, "ab_segments": self.segments}
