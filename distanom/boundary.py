@@ -51,9 +51,9 @@ log = logging.getLogger(__name__)
 
 FINAL = object()  # inbox sentinel: training is over
 STEP_SKIPPED = 8  # the step's optimizer step was skipped by a GradScaler (not sent in rounds)
-# steps whose time the clock has not given yet are kept this long at most: past it, the
-# clock gave up on them (their bookkeeping would grow without bound)
-MAX_UNRESOLVED = 4096
+# what is kept of steps whose time the clock has not given yet is swept every this many
+# steps, back to this many steps: past it, the clock gave up on them (their bookkeeping
+# would grow without bound)
 KEEP_UNRESOLVED = 2048
 
 
@@ -269,11 +269,13 @@ class StepBoundaries:
                 self._warn_once("clock", "clock: step timing failed (%s); detection stops", err)
                 self.clock = None
         self_ms = self.self_ms_of_ended_step()
-        self._step_flags[step] = (
+        flags = (
             self._flags_of_ended_step()
             | (STEP_DISTURBED if self_ms else 0)
             | (STEP_SKIPPED if skipped else 0)
         )
+        if flags:  # most steps have none: `_resolved` reads a missing entry as 0
+            self._step_flags[step] = flags
         if self_ms:
             self._self_ms[step] = self_ms
         gc_ms, gc_generation = self.gc_pauses.take()
@@ -304,11 +306,15 @@ class StepBoundaries:
             self._next_after_flush = tracer.boundary_flushes != flushes
         for resolved_step, duration in resolved:
             self.inbox.put(self._resolved(resolved_step, duration))
-        if len(self._step_flags) > MAX_UNRESOLVED:
-            for old in [s for s in self._step_flags if s < step - KEEP_UNRESOLVED]:
-                del self._step_flags[old]
-                self._self_ms.pop(old, None)
-                self._gc.pop(old, None)
+        if not step % KEEP_UNRESOLVED:
+            self._forget_unresolved(step - KEEP_UNRESOLVED)
+
+    def _forget_unresolved(self, before: int) -> None:
+        """Drop what is kept of steps before `before` that the clock never timed (it gave
+        up on them): normally each entry is gone a few steps after it was made."""
+        for kept in (self._step_flags, self._self_ms, self._gc):
+            for old in [s for s in kept if s < before]:
+                del kept[old]
 
     def _resolved(self, step: int, duration: float) -> StepRecord:
         """What the control thread gets of a step whose time is known."""

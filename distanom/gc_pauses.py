@@ -54,6 +54,8 @@ class GcPauses:
     def take(self) -> tuple[float, int]:
         """(ms the collections that ended since the last call ran, the highest generation
         among them or -1)."""
+        if not self._finished:  # nearly every step: no exception raised for nothing
+            return 0.0, -1
         total_ns, highest = 0, -1
         while True:
             try:

@@ -160,10 +160,12 @@ def test_a_round_waiting_without_working_is_not_charged(
 
     monkeypatch.setattr(control_loop, "decode_round", idle_decode)
     agent = run_agent(tmp_path, 80, 0.002)
-    # charged by wall time, every round would be (30 ms against 1 ms or a quarter of ~2 ms);
-    # by CPU time only a cold first round may be
-    assert agent.control.rounds >= 6, agent.control.rounds
-    assert agent.control.rounds_charged < agent.control.rounds // 2
+    # charged by wall time, every round would add its 30 ms of waiting; by CPU time a
+    # round adds its own work at most (a few ms on a slow CPU), whether or not that work
+    # is heavy against these ~2 ms steps
+    rounds = agent.control.rounds
+    assert rounds >= 6, rounds
+    assert agent.health.control_busy_ns < rounds * 15e6, (agent.health.control_busy_ns, rounds)
 
 
 def test_the_inbox_signals_once_per_wake(monkeypatch: pytest.MonkeyPatch) -> None:
