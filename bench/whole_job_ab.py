@@ -3,7 +3,7 @@ workload and variant under `torchrun -m distanom.launch`, its agent switched bet
 watching and inert every ~0.5 s (bench/workloads/ab_switch.py), in the job's own loop.
 
     python3 bench/whole_job_ab.py --out $OUT [--workloads resnet18,amp,hf,lightning]
-        [--variants none,default] [--segments 80] [--budget-s 540]
+        [--variants none,default] [--segments 80] [--budget-s 540] [--warmup-s 0]
 
 bench/whole_job.py compares whole processes (plain `torchrun` against
 `-m distanom.launch`), which is what users pay but spreads by +-15-25% on the H200
@@ -45,11 +45,19 @@ SEGMENT: dict[str, tuple[int, int]] = {
     "hf": (24, 200),
     "lightning": (64, 400),
 }
+# ms per step measured on the H200 (bench/results/whole_job_ab_h200_75da7fd.json), to
+# turn --warmup-s into steps
+NOMINAL_MS = {"resnet18": 8.7, "amp": 17.6, "compile": 17.6, "compile_ro": 8.7, "hf": 11.0,
+              "lightning": 3.0}  # fmt: skip
 
 
-def run_job(workload: str, variant: str, segments: int, scratch: Path) -> dict[str, Any]:
-    """One job with the A/B switch; its segments, wall time and exit status."""
+def run_job(
+    workload: str, variant: str, segments: int, scratch: Path, warmup_s: float = 0.0
+) -> dict[str, Any]:
+    """One job with the A/B switch (`warmup_s`: at least this long at the workload's
+    nominal step time before the first segment); its segments, wall time, exit status."""
     segment, warmup = SEGMENT[workload]
+    warmup = max(warmup, int(warmup_s * 1000 / NOMINAL_MS[workload]))
     steps = warmup + segments * segment
     result_path = scratch / f"{workload}-{variant}-{time.monotonic_ns()}.json"
     env = dict(os.environ, WHOLE_JOB_RESULT=str(result_path), PYTHONUNBUFFERED="1")
@@ -126,6 +134,11 @@ def main() -> int:
     parser.add_argument("--variants", default="none,default")
     parser.add_argument("--segments", type=int, default=80)
     parser.add_argument("--budget-s", type=float, default=540.0)
+    parser.add_argument(
+        "--warmup-s", type=float, default=0.0,
+        help="run this long before the first segment (the duty cycle's start-up: its first "
+        "windows measure the tracer, and a run's first anomalies are planned from there)",
+    )  # fmt: skip
     args = parser.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
     variants = [v for v in args.variants.split(",") if v]
@@ -146,7 +159,7 @@ def main() -> int:
             for variant in variants:
                 if time.monotonic() - started > args.budget_s:
                     break
-                job = run_job(workload, variant, args.segments, Path(scratch_name))
+                job = run_job(workload, variant, args.segments, Path(scratch_name), args.warmup_s)
                 job["workload"] = workload
                 report["jobs"].append(job)
                 print(f"[{workload} {variant}] rc {job['rc']} {job.get('wall_s')} s "

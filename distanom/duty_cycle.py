@@ -60,6 +60,9 @@ class DutyCycle:
         self._cached_costs: tuple[int, Costs] | None = None  # (windows recorded, costs)
         self._lock = threading.Lock()
         self._forced_on: set[int] = set()  # requested steps: traced whatever the governor says
+        # (governor, window's first step, step after it, decision) of the last window asked
+        # about: the training thread asks at every boundary, the answer changes per window
+        self._decided: tuple[OverheadGovernor, int, int, bool] | None = None
 
     # -- training thread ---------------------------------------------------------------
 
@@ -76,13 +79,19 @@ class DutyCycle:
         governor = self.governor
         if governor is None:
             return None
+        decided = self._decided
+        if decided is not None and decided[0] is governor and decided[1] <= next_step < decided[2]:
+            return decided[3]  # a window's decision, once made, never changes
         with self._lock:
             if not governor.ready(next_step):
                 return None
             try:
-                return governor.tracing_on(next_step)
+                decision = governor.tracing_on(next_step)
             except GovernorNotReadyError:
                 return None
+            first, end = governor.window_bounds(next_step)
+            self._decided = (governor, first, end, decision)
+            return decision
 
     # -- control thread ----------------------------------------------------------------
 

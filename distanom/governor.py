@@ -377,6 +377,11 @@ class OverheadGovernor:
         cutoff = window * self.params.window_steps - self.params.lag_steps
         return max(0, cutoff // self.params.window_steps)
 
+    def window_bounds(self, step: int) -> tuple[int, int]:
+        """The first step of `step`'s window and the first step after it."""
+        first = self.first_step + self._window_of(step) * self.params.window_steps
+        return first, first + self.params.window_steps
+
     def ready(self, step: int) -> bool:
         """Whether `tracing_on(step)` can be answered from the data recorded so far."""
         return self._n_windows >= self._usable_windows(self._window_of(step))

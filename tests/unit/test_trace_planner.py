@@ -12,7 +12,7 @@ import pytest
 
 from distanom.analysis.run_checks import STATUS_FIELDS
 from distanom.config import config_from_mapping
-from distanom.detect import AnomalyJudgment
+from distanom.detect import AnomalyJudgment, StepSample
 from distanom.duty_cycle import DutyCycle
 from distanom.governor import GovernorParams, OverheadGovernor
 from distanom.trace_planner import (
@@ -283,3 +283,27 @@ def test_requested_steps_are_charged_to_the_budget_and_traced() -> None:
     assert unbudgeted.governor is not None
     unbudgeted.request([40])
     assert not unbudgeted.governor._charges and unbudgeted.wanted(40) is True
+
+
+def test_the_duty_cycle_answers_each_window_as_its_governor_decided_it() -> None:
+    """`wanted` keeps the last window's decision for the boundaries inside it: the answers
+    equal the governor's own, step by step, as rounds of data arrive; a governor replaced
+    or removed is never answered for from the cache."""
+    duty = DutyCycle(config_from_mapping({"tracer": {"overhead_budget_pct": 1}}))
+    governor = duty.governor
+    assert governor is not None
+    reference = OverheadGovernor(1.0, governor.params, first_step=1)
+    answers, expected = [], []
+    for step in range(1, 3001):
+        answers.append(duty.wanted(step))
+        expected.append(reference.tracing_on(step) if reference.ready(step) else None)
+        traced = bool(answers[-1])
+        ms = 10.0 * (1.13 if traced else 1.0) + (step % 7) * 0.1
+        duty.record([StepSample(step, (ms,), traced)])
+        reference.record(step, ms / 1000.0, traced)
+    assert answers == expected
+    assert any(answers) and False in answers  # both decisions were answered
+    duty.governor = None
+    assert duty.wanted(3001) is None
+    duty.governor = OverheadGovernor(1.0, governor.params, first_step=1)
+    assert duty.wanted(3001) is None  # the new governor has no data: not the cached answer

@@ -20,7 +20,6 @@ step's closing marker, the condition for a forced CUPTI flush.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -274,18 +273,18 @@ class CuptiTracer:
             if not on:
                 self._toggle(False)
                 if last is not None:
-                    self._resolver.amend_last_mark(dataclasses.replace(last, traced_after=False))
+                    self._resolver.amend_last_mark(last._replace(traced_after=False))
                 return
             self._toggle(True)
             if last is not None and last.marker_launched:
                 # Switched off and on again at this boundary: its marker, launched before
                 # the detach, already opens the next step. A second one would be matched
                 # to an older step of the same code and shift the numbering.
-                self._resolver.amend_last_mark(dataclasses.replace(last, traced_after=True))
+                self._resolver.amend_last_mark(last._replace(traced_after=True))
                 return
             mark = self._launch_marker(step, host_end_ns=None)
             if last is not None:
-                mark = dataclasses.replace(mark, host_end_ns=last.host_end_ns)
+                mark = mark._replace(host_end_ns=last.host_end_ns)
                 self._resolver.amend_last_mark(mark)
         except Exception as err:  # never into the training loop
             self.counters["mark_errors"] += 1
@@ -323,7 +322,7 @@ class CuptiTracer:
                 )  # fmt: skip
             if not want and self._tracing:
                 self._toggle(False)  # after the marker: it closes the last traced step
-                mark = dataclasses.replace(mark, traced_after=False)
+                mark = mark._replace(traced_after=False)
             assert self._resolver is not None
             self._resolver.record_mark(mark)
         except Exception as err:  # never into the training loop
