@@ -18,10 +18,11 @@ runs at the default `tracer.overhead_budget_pct` (a one-off delay is traced only
 falls in a traced window), two host stalls (`time.sleep`) are added, and the check is
 that every injected step is judged anomalous and gets a verdict with the right cause
 (traced, or from the per-step evidence: `gpu_work` for a GPU delay, `host_stall` for a
-stall). With `--periodic`: 3,000 steps at the defaults, a GPU delay every 200 steps from
-step 150 and the same delay on steps 1800-1899 (a lasting slowdown); the check is that
-the 1% budget traces the periodic delay from its 4th occurrence on (>= 90%) and traces
-the slowdown (the offset of its first traced step is recorded). Writes
+stall). With `--periodic [PERIOD]`: a run at the defaults, a GPU delay every PERIOD (200)
+steps from step 150, 15 times, and the same delay on steps 1800-1899 (a lasting
+slowdown); the check is that the 1% budget traces the periodic delay from its 4th
+occurrence on (>= 90%) and traces the slowdown (the offset of its first traced step is
+recorded). Writes
 `<out>/device_e2e.json` (device, torch, per-backend per-step results) and tars the run
 directories into `<out>/runs.tar.gz` for offline inspection.
 """
@@ -51,25 +52,31 @@ STALL_S = 0.012
 STEPS = 320
 # --periodic only: a GPU delay every 200 steps, a lasting slowdown (the same delay on
 # 100 consecutive steps between two occurrences), at the defaults
-PERIODIC_STEPS = list(range(150, 3000, 200))
+PERIOD = 200
 LASTING = range(1800, 1900)
-PERIODIC_RUN_STEPS = 3000
+OCCURRENCES = 15
 
 
-def periodic_command(backend: str, nproc: int, runs: Path) -> list[str]:
+def periodic_steps(period: int) -> list[int]:
+    """The periodic delay's steps: every `period` steps from step 150."""
+    return list(range(150, 150 + OCCURRENCES * period, period))
+
+
+def periodic_command(backend: str, nproc: int, runs: Path, period: int) -> list[str]:
     """The --periodic job: the defaults (1% budget), a periodic delay and a slowdown."""
-    sleeps = ",".join(str(s) for s in [*PERIODIC_STEPS, *LASTING])
+    steps = periodic_steps(period)
+    sleeps = ",".join(str(s) for s in sorted({*steps, *LASTING}))
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", "-m", "distanom.launch", "--run-dir", str(runs),
         "--set", f"tracer.backend={backend}",
-        str(REPO / "examples" / "seed_resnet.py"), "--steps", str(PERIODIC_RUN_STEPS),
+        str(REPO / "examples" / "seed_resnet.py"), "--steps", str(steps[-1] + 50),
         "--sleep-steps", sleeps, "--sleep-cycles", "20000000",
     ]  # fmt: skip
 
 
 def run_job(
-    backend: str, nproc: int, runs: Path, *, budget: bool = False, periodic: bool = False
+    backend: str, nproc: int, runs: Path, *, budget: bool = False, period: int = 0
 ) -> dict[str, Any]:
     # every step traced (one-off delays captured), unless the default budget is checked
     trace_all = [] if budget else ["--set", "tracer.overhead_budget_pct=null"]
@@ -85,8 +92,8 @@ def run_job(
         "--matmul-steps", ",".join(map(str, MATMUL_STEPS)), "--matmul-count", "6",
         *(stalls if budget else []),
     ]  # fmt: skip
-    if periodic:
-        command = periodic_command(backend, nproc, runs)
+    if period:
+        command = periodic_command(backend, nproc, runs, period)
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
@@ -220,7 +227,7 @@ def check_budget(runs: Path) -> dict[str, Any]:
     }
 
 
-def check_periodic(runs: Path) -> dict[str, Any]:
+def check_periodic(runs: Path, period: int) -> dict[str, Any]:
     """At the default budget: the periodic delay's occurrences from the 4th on traced
     (>= 90% is the bar), the lasting slowdown traced within its first two windows
     (the first traced step's offset into it), every injected anomaly with a verdict."""
@@ -230,19 +237,20 @@ def check_periodic(runs: Path) -> dict[str, Any]:
 
     report = report_json(build_report(load_run(str(runs))))
     anomalies = {a["step"]: a for a in report.get("anomalies", [])}
+    steps = periodic_steps(period)
     occurrences = {}
-    for step in PERIODIC_STEPS:
+    for step in steps:
         found = anomalies.get(step)
         occurrences[str(step)] = None if found is None else {
             "traced": found["traced"], "cause": found["verdict"]["cause"],
             "judged_by": found["judged_by"],
         }  # fmt: skip
-    later = [occurrences[str(s)] for s in PERIODIC_STEPS[3:]]
+    later = [occurrences[str(s)] for s in steps[3:]]
     traced_later = sum(1 for o in later if o is not None and o["traced"])
     lasting = [anomalies[s] for s in LASTING if s in anomalies]
     first_traced = next((a["step"] for a in lasting if a["traced"]), None)
     return {
-        "periodic_steps": PERIODIC_STEPS,
+        "periodic_steps": steps,
         "occurrences": occurrences,
         "detected": sum(1 for o in occurrences.values() if o is not None),
         "traced_from_4th": f"{traced_later}/{len(later)}",
@@ -259,9 +267,7 @@ def check_periodic(runs: Path) -> dict[str, Any]:
         ),
         "anomaly_classes": report.get("anomaly_classes"),
         "tracer": report.get("tracer"),
-        "other_anomalies": sorted(
-            s for s in anomalies if s not in PERIODIC_STEPS and s not in LASTING
-        ),
+        "other_anomalies": sorted(s for s in anomalies if s not in steps and s not in LASTING),
     }
 
 
@@ -278,9 +284,13 @@ def main() -> int:
     )
     parser.add_argument(
         "--periodic",
-        action="store_true",
-        help="a 3,000-step run at the defaults with a GPU delay every 200 steps and a "
-        "100-step slowdown: check what the 1%% budget traces of them",
+        type=int,
+        nargs="?",
+        const=PERIOD,
+        default=0,
+        metavar="PERIOD",
+        help="a run at the defaults with a GPU delay every PERIOD (200) steps, 15 times, and "
+        "a 100-step slowdown: check what the 1%% budget traces of them",
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -300,13 +310,13 @@ def main() -> int:
     work = Path(tempfile.gettempdir()) / "distanom_device_e2e"
     for backend in args.backends.split(","):
         runs = work / f"runs_{backend}"
-        job = run_job(backend, args.nproc, runs, budget=args.budget, periodic=args.periodic)
+        job = run_job(backend, args.nproc, runs, budget=args.budget, period=args.periodic)
         entry: dict[str, Any] = {"job": job}
         print(f"[{backend}] rc={job['returncode']} in {job['seconds']} s", flush=True)
         if job["returncode"] == 0:
             try:
                 if args.periodic:
-                    entry.update(check_periodic(runs))
+                    entry.update(check_periodic(runs, args.periodic))
                 else:
                     entry.update(check_budget(runs) if args.budget else check(backend, runs))
             except Exception as err:  # keep the other backend's results
