@@ -19,10 +19,10 @@ falls in a traced window), two host stalls (`time.sleep`) are added, and the che
 that every injected step is judged anomalous and gets a verdict with the right cause
 (traced, or from the per-step evidence: `gpu_work` for a GPU delay, `host_stall` for a
 stall). With `--periodic [PERIOD]`: a run at the defaults, a GPU delay every PERIOD (200)
-steps from step 150, 15 times, and the same delay on steps 1800-1899 (a lasting
-slowdown); the check is that the 1% budget traces the periodic delay from its 4th
-occurrence on (>= 90%) and traces the slowdown (the offset of its first traced step is
-recorded). Writes
+steps from step 150, 15 times, and the same delay on `--lasting-steps` (100) steps from
+step 1800 (a lasting slowdown); the check is that the 1% budget traces the periodic
+delay from its 4th occurrence on (>= 90%) and traces the slowdown (the offset of its
+first traced step is recorded). Writes
 `<out>/device_e2e.json` (device, torch, per-backend per-step results) and tars the run
 directories into `<out>/runs.tar.gz` for offline inspection.
 """
@@ -53,7 +53,7 @@ STEPS = 320
 # --periodic only: a GPU delay every 200 steps, a lasting slowdown (the same delay on
 # 100 consecutive steps between two occurrences), at the defaults
 PERIOD = 200
-LASTING = range(1800, 1900)
+LASTING_FIRST = 1800
 OCCURRENCES = 15
 
 
@@ -62,10 +62,12 @@ def periodic_steps(period: int) -> list[int]:
     return list(range(150, 150 + OCCURRENCES * period, period))
 
 
-def periodic_command(backend: str, nproc: int, runs: Path, period: int) -> list[str]:
+def periodic_command(
+    backend: str, nproc: int, runs: Path, period: int, lasting: range
+) -> list[str]:
     """The --periodic job: the defaults (1% budget), a periodic delay and a slowdown."""
     steps = periodic_steps(period)
-    sleeps = ",".join(str(s) for s in sorted({*steps, *LASTING}))
+    sleeps = ",".join(str(s) for s in sorted({*steps, *lasting}))
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", "-m", "distanom.launch", "--run-dir", str(runs),
@@ -76,7 +78,13 @@ def periodic_command(backend: str, nproc: int, runs: Path, period: int) -> list[
 
 
 def run_job(
-    backend: str, nproc: int, runs: Path, *, budget: bool = False, period: int = 0
+    backend: str,
+    nproc: int,
+    runs: Path,
+    *,
+    budget: bool = False,
+    period: int = 0,
+    lasting: range = range(0),
 ) -> dict[str, Any]:
     # every step traced (one-off delays captured), unless the default budget is checked
     trace_all = [] if budget else ["--set", "tracer.overhead_budget_pct=null"]
@@ -93,7 +101,7 @@ def run_job(
         *(stalls if budget else []),
     ]  # fmt: skip
     if period:
-        command = periodic_command(backend, nproc, runs, period)
+        command = periodic_command(backend, nproc, runs, period, lasting)
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
@@ -227,7 +235,7 @@ def check_budget(runs: Path) -> dict[str, Any]:
     }
 
 
-def check_periodic(runs: Path, period: int) -> dict[str, Any]:
+def check_periodic(runs: Path, period: int, lasting: range) -> dict[str, Any]:
     """At the default budget: the periodic delay's occurrences from the 4th on traced
     (>= 90% is the bar), the lasting slowdown traced within its first two windows
     (the first traced step's offset into it), every injected anomaly with a verdict."""
@@ -247,8 +255,8 @@ def check_periodic(runs: Path, period: int) -> dict[str, Any]:
         }  # fmt: skip
     later = [occurrences[str(s)] for s in steps[3:]]
     traced_later = sum(1 for o in later if o is not None and o["traced"])
-    lasting = [anomalies[s] for s in LASTING if s in anomalies]
-    first_traced = next((a["step"] for a in lasting if a["traced"]), None)
+    judged = [anomalies[s] for s in lasting if s in anomalies]
+    first_traced = next((a["step"] for a in judged if a["traced"]), None)
     return {
         "periodic_steps": steps,
         "occurrences": occurrences,
@@ -256,18 +264,18 @@ def check_periodic(runs: Path, period: int) -> dict[str, Any]:
         "traced_from_4th": f"{traced_later}/{len(later)}",
         "traced_from_4th_share": round(traced_later / len(later), 3),
         "lasting": {
-            "steps": [LASTING.start, LASTING.stop - 1],
-            "judged": len(lasting),
-            "traced": sum(1 for a in lasting if a["traced"]),
-            "first_traced_offset": None if first_traced is None else first_traced - LASTING.start,
-            "causes": sorted({a["verdict"]["cause"] for a in lasting}),
+            "steps": [lasting.start, lasting.stop - 1],
+            "judged": len(judged),
+            "traced": sum(1 for a in judged if a["traced"]),
+            "first_traced_offset": None if first_traced is None else first_traced - lasting.start,
+            "causes": sorted({a["verdict"]["cause"] for a in judged}),
         },
         "unexplained": sorted(
             s for s, a in anomalies.items() if a["verdict"]["cause"] == "unknown"
         ),
         "anomaly_classes": report.get("anomaly_classes"),
         "tracer": report.get("tracer"),
-        "other_anomalies": sorted(s for s in anomalies if s not in steps and s not in LASTING),
+        "other_anomalies": sorted(s for s in anomalies if s not in steps and s not in lasting),
     }
 
 
@@ -290,8 +298,9 @@ def main() -> int:
         default=0,
         metavar="PERIOD",
         help="a run at the defaults with a GPU delay every PERIOD (200) steps, 15 times, and "
-        "a 100-step slowdown: check what the 1%% budget traces of them",
+        "a slowdown from step 1800: check what the 1%% budget traces of them",
     )
+    parser.add_argument("--lasting-steps", type=int, default=100, help="the slowdown's length")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -310,13 +319,16 @@ def main() -> int:
     work = Path(tempfile.gettempdir()) / "distanom_device_e2e"
     for backend in args.backends.split(","):
         runs = work / f"runs_{backend}"
-        job = run_job(backend, args.nproc, runs, budget=args.budget, period=args.periodic)
+        lasting = range(LASTING_FIRST, LASTING_FIRST + args.lasting_steps)
+        job = run_job(
+            backend, args.nproc, runs, budget=args.budget, period=args.periodic, lasting=lasting
+        )
         entry: dict[str, Any] = {"job": job}
         print(f"[{backend}] rc={job['returncode']} in {job['seconds']} s", flush=True)
         if job["returncode"] == 0:
             try:
                 if args.periodic:
-                    entry.update(check_periodic(runs, args.periodic))
+                    entry.update(check_periodic(runs, args.periodic, lasting))
                 else:
                     entry.update(check_budget(runs) if args.budget else check(backend, runs))
             except Exception as err:  # keep the other backend's results
