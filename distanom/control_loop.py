@@ -52,7 +52,7 @@ from distanom.log_lines import HEADLINE
 from distanom.pacing import pace_s, yield_gil
 from distanom.records.run_info import build_run_info, write_run_info
 from distanom.records.status import CaptureCounts, Status, TracerReport, write_status
-from distanom.records.steps import StepRow, StepsWriter
+from distanom.records.steps import StepsWriter
 from distanom.request_desk import RequestDesk
 from distanom.rundir import RunDir, create_run, json_number, update_latest
 from distanom.version import __version__
@@ -494,20 +494,20 @@ class ControlLoop:
         if steps is None or not items:
             return
         rows = [
-            StepRow(
+            (
                 item.step,
                 item.duration_ms,
-                bool(item.flags & STEP_TRACED),
-                bool(item.flags & STEP_AFTER_FLUSH),
+                (item.flags & STEP_TRACED) != 0,
+                (item.flags & STEP_AFTER_FLUSH) != 0,
                 item.self_ms,
                 item.gc_ms,
                 item.gc_generation,
-                bool(item.flags & STEP_SKIPPED),
+                (item.flags & STEP_SKIPPED) != 0,
             )
             for item in items
         ]
         try:
-            steps.write_rows(rows)
+            steps.write_fields(rows)
         except (OSError, ValueError) as err:
             self._warn_once("steps", "steps file: %s; step times not recorded", err)
             self._steps = None
