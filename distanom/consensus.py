@@ -406,9 +406,7 @@ def lead_steps(median_ms: float | None) -> int:
 
 def decide(result: RoundResult, detector: Detector, world_size: int) -> list[CaptureDecision]:
     """Every capture decision of one round, in order: detector verdicts, then requests."""
-    decisions: list[CaptureDecision] = []
-    for sample in result.samples:
-        decisions.extend(detector.observe(sample))
+    decisions = detector.observe_many(result.samples)
     request = result.request
     if request is not None and request.n_steps > 0:
         # after every rank's training loop, not just the gathered steps (they lag it)
