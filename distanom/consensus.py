@@ -31,8 +31,10 @@ agent), which logs once and steps capture aside.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -364,8 +366,57 @@ def _samples_of_rows(
 ) -> list[StepSample]:
     """The same samples from plain lists: for a few ranks, a handful of Python loops cost
     far less than the tensor operations' fixed overhead (this runs once per round on the
-    control thread, holding the GIL the training thread needs)."""
+    control thread, holding the GIL the training thread needs). Worked out a column (a
+    rank's durations, flags or own work) at a time, in comprehensions and C loops, not a
+    Python loop body per step and rank; rows whose counts do not fit the round take the
+    per-step path (`_samples_of_rows_per_step`)."""
     counts = [int(c) if math.isfinite(c) else 0 for c in counts_f]
+    n_steps = max(counts)
+    if n_steps <= 0 or n_steps > batch_steps or min(counts) < 0:
+        return _samples_of_rows_per_step(rows, counts, first_step, batch_steps)
+    isfinite, nan, minus_inf = math.isfinite, math.nan, -math.inf
+    columns, all_bits, any_bits, own_columns = [], [], [], []
+    for row, count in zip(rows, counts, strict=True):
+        # every rank's flags are read for every step, present or not, as the per-step path
+        bits = [0 if f != f else int(f) for f in row[batch_steps : batch_steps + n_steps]]
+        spent = row[2 * batch_steps : 2 * batch_steps + count]
+        own = [o if isfinite(o) else minus_inf for o in spent]
+        if count < n_steps:  # absent steps: unknown, AND-ed as traced, OR-ed as nothing
+            missing = n_steps - count
+            columns.append(row[:count] + [nan] * missing)
+            all_bits.append(bits[:count] + [STEP_TRACED] * missing)
+            any_bits.append(bits[:count] + [0] * missing)
+            own += [minus_inf] * missing
+        else:
+            columns.append(row[:n_steps])
+            all_bits.append(bits)
+            any_bits.append(bits)
+        own_columns.append(own)
+    if len(rows) == 1:
+        every, some, most = all_bits[0], any_bits[0], own_columns[0]
+    else:  # max keeps the first of equal values, as the per-step path's strict >
+        every = [functools.reduce(operator.and_, b) for b in zip(*all_bits, strict=True)]
+        some = [functools.reduce(operator.or_, b) for b in zip(*any_bits, strict=True)]
+        most = list(map(max, *own_columns))
+    new = StepSample.of_fields
+    return [
+        new(
+            first_step + offset,
+            times,
+            (every[offset] & STEP_TRACED) != 0,
+            (some[offset] & STEP_AFTER_FLUSH) != 0,
+            (some[offset] & STEP_DISTURBED) != 0,
+            most[offset] if most[offset] != minus_inf else 0.0,
+        )
+        for offset, times in enumerate(zip(*columns, strict=True))
+    ]
+
+
+def _samples_of_rows_per_step(
+    rows: list[list[float]], counts: list[int], first_step: int, batch_steps: int
+) -> list[StepSample]:
+    """`_samples_of_rows` a step and rank at a time: for counts outside the round (only
+    a malformed row has them), read exactly as before the column-wise path."""
     n_steps = max(counts)
     samples: list[StepSample] = []
     for offset in range(max(0, n_steps)):
