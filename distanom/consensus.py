@@ -35,7 +35,7 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -534,6 +534,17 @@ class RoundBuilder:
         if step >= self.next_first:
             self._durations[step] = (duration_ms, step_flags, self_ms)
             self._max_step = max(self._max_step, step)
+
+    def add_many(self, steps: Iterable[tuple[int, float, int, float]]) -> None:
+        """`add` for each (step, duration_ms, step_flags, self_ms), in one loop: a round's
+        steps at once on the control thread."""
+        durations, first, top = self._durations, self.next_first, self._max_step
+        for step, duration_ms, step_flags, self_ms in steps:
+            if step >= first:
+                durations[step] = (duration_ms, step_flags, self_ms)
+                if step > top:
+                    top = step
+        self._max_step = top
 
     def ready(self, n: int | None = None) -> bool:
         """A round of `n` steps (default `batch_steps`) is ready once a step at or past its

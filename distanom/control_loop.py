@@ -285,9 +285,8 @@ class ControlLoop:
             items = self.inbox.take(self._sleep_s(due))
             records = [item for item in items if item is not FINAL]
             final = final or len(records) != len(items)
-            for item in records:
-                builder.add(item.step, item.duration_ms, item.flags, item.self_ms)
-                self.evidence.add_gc(item.step, item.gc_ms)
+            builder.add_many([(r.step, r.duration_ms, r.flags, r.self_ms) for r in records])
+            self.evidence.add_gc_many([(r.step, r.gc_ms) for r in records])
             self._log_steps(records)
             self._pace_s = 0.0 if final else pace_s(self.detector.median_ms, self._round_steps())
             yield_gil(self._pace_s)

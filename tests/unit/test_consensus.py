@@ -241,3 +241,16 @@ def test_step_sample_of_fields_is_the_constructed_sample() -> None:
     assert list(vars(made)) == list(vars(built))  # same field order
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.step = 4  # type: ignore[misc]
+
+
+def test_round_builder_add_many_is_add_per_step() -> None:
+    """Steps out of order, repeated, already sent or ahead: the same rounds either way."""
+    steps = [(3, 3.0, 1, 0.0), (1, 1.0, 0, 0.5), (2, 2.0, 2, 0.0), (2, 2.5, 3, 0.1),
+             (9, 9.0, 1, 0.0), (5, math.nan, 0, 0.0), (1, 7.0, 1, 0.0)]  # fmt: skip
+    one, many = RoundBuilder(4), RoundBuilder(4)
+    for batch in (steps[:3], steps[3:], [(0, 1.0, 0, 0.0), (12, 1.0, 1, 0.0)]):
+        for step in batch:
+            one.add(*step)
+        many.add_many(batch)
+        assert (many.missing(3), many.pending_steps()) == (one.missing(3), one.pending_steps())
+        assert repr(many.take(3)) == repr(one.take(3))
