@@ -31,9 +31,11 @@ agent), which logs once and steps capture aside.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -364,8 +366,57 @@ def _samples_of_rows(
 ) -> list[StepSample]:
     """The same samples from plain lists: for a few ranks, a handful of Python loops cost
     far less than the tensor operations' fixed overhead (this runs once per round on the
-    control thread, holding the GIL the training thread needs)."""
+    control thread, holding the GIL the training thread needs). Worked out a column (a
+    rank's durations, flags or own work) at a time, in comprehensions and C loops, not a
+    Python loop body per step and rank; rows whose counts do not fit the round take the
+    per-step path (`_samples_of_rows_per_step`)."""
     counts = [int(c) if math.isfinite(c) else 0 for c in counts_f]
+    n_steps = max(counts)
+    if n_steps <= 0 or n_steps > batch_steps or min(counts) < 0:
+        return _samples_of_rows_per_step(rows, counts, first_step, batch_steps)
+    isfinite, nan, minus_inf = math.isfinite, math.nan, -math.inf
+    columns, all_bits, any_bits, own_columns = [], [], [], []
+    for row, count in zip(rows, counts, strict=True):
+        # every rank's flags are read for every step, present or not, as the per-step path
+        bits = [0 if f != f else int(f) for f in row[batch_steps : batch_steps + n_steps]]
+        spent = row[2 * batch_steps : 2 * batch_steps + count]
+        own = [o if isfinite(o) else minus_inf for o in spent]
+        if count < n_steps:  # absent steps: unknown, AND-ed as traced, OR-ed as nothing
+            missing = n_steps - count
+            columns.append(row[:count] + [nan] * missing)
+            all_bits.append(bits[:count] + [STEP_TRACED] * missing)
+            any_bits.append(bits[:count] + [0] * missing)
+            own += [minus_inf] * missing
+        else:
+            columns.append(row[:n_steps])
+            all_bits.append(bits)
+            any_bits.append(bits)
+        own_columns.append(own)
+    if len(rows) == 1:
+        every, some, most = all_bits[0], any_bits[0], own_columns[0]
+    else:  # max keeps the first of equal values, as the per-step path's strict >
+        every = [functools.reduce(operator.and_, b) for b in zip(*all_bits, strict=True)]
+        some = [functools.reduce(operator.or_, b) for b in zip(*any_bits, strict=True)]
+        most = list(map(max, *own_columns))
+    new = StepSample.of_fields
+    return [
+        new(
+            first_step + offset,
+            times,
+            (every[offset] & STEP_TRACED) != 0,
+            (some[offset] & STEP_AFTER_FLUSH) != 0,
+            (some[offset] & STEP_DISTURBED) != 0,
+            most[offset] if most[offset] != minus_inf else 0.0,
+        )
+        for offset, times in enumerate(zip(*columns, strict=True))
+    ]
+
+
+def _samples_of_rows_per_step(
+    rows: list[list[float]], counts: list[int], first_step: int, batch_steps: int
+) -> list[StepSample]:
+    """`_samples_of_rows` a step and rank at a time: for counts outside the round (only
+    a malformed row has them), read exactly as before the column-wise path."""
     n_steps = max(counts)
     samples: list[StepSample] = []
     for offset in range(max(0, n_steps)):
@@ -406,9 +457,7 @@ def lead_steps(median_ms: float | None) -> int:
 
 def decide(result: RoundResult, detector: Detector, world_size: int) -> list[CaptureDecision]:
     """Every capture decision of one round, in order: detector verdicts, then requests."""
-    decisions: list[CaptureDecision] = []
-    for sample in result.samples:
-        decisions.extend(detector.observe(sample))
+    decisions = detector.observe_many(result.samples)
     request = result.request
     if request is not None and request.n_steps > 0:
         # after every rank's training loop, not just the gathered steps (they lag it)
@@ -485,6 +534,17 @@ class RoundBuilder:
         if step >= self.next_first:
             self._durations[step] = (duration_ms, step_flags, self_ms)
             self._max_step = max(self._max_step, step)
+
+    def add_many(self, steps: Iterable[tuple[int, float, int, float]]) -> None:
+        """`add` for each (step, duration_ms, step_flags, self_ms), in one loop: a round's
+        steps at once on the control thread."""
+        durations, first, top = self._durations, self.next_first, self._max_step
+        for step, duration_ms, step_flags, self_ms in steps:
+            if step >= first:
+                durations[step] = (duration_ms, step_flags, self_ms)
+                if step > top:
+                    top = step
+        self._max_step = top
 
     def ready(self, n: int | None = None) -> bool:
         """A round of `n` steps (default `batch_steps`) is ready once a step at or past its

@@ -52,7 +52,7 @@ from distanom.log_lines import HEADLINE
 from distanom.pacing import pace_s, yield_gil
 from distanom.records.run_info import build_run_info, write_run_info
 from distanom.records.status import CaptureCounts, Status, TracerReport, write_status
-from distanom.records.steps import StepRow, StepsWriter
+from distanom.records.steps import StepsWriter
 from distanom.request_desk import RequestDesk
 from distanom.rundir import RunDir, create_run, json_number, update_latest
 from distanom.version import __version__
@@ -285,9 +285,8 @@ class ControlLoop:
             items = self.inbox.take(self._sleep_s(due))
             records = [item for item in items if item is not FINAL]
             final = final or len(records) != len(items)
-            for item in records:
-                builder.add(item.step, item.duration_ms, item.flags, item.self_ms)
-                self.evidence.add_gc(item.step, item.gc_ms)
+            builder.add_many([(r.step, r.duration_ms, r.flags, r.self_ms) for r in records])
+            self.evidence.add_gc_many([(r.step, r.gc_ms) for r in records])
             self._log_steps(records)
             self._pace_s = 0.0 if final else pace_s(self.detector.median_ms, self._round_steps())
             yield_gil(self._pace_s)
@@ -494,20 +493,20 @@ class ControlLoop:
         if steps is None or not items:
             return
         rows = [
-            StepRow(
+            (
                 item.step,
                 item.duration_ms,
-                bool(item.flags & STEP_TRACED),
-                bool(item.flags & STEP_AFTER_FLUSH),
+                (item.flags & STEP_TRACED) != 0,
+                (item.flags & STEP_AFTER_FLUSH) != 0,
                 item.self_ms,
                 item.gc_ms,
                 item.gc_generation,
-                bool(item.flags & STEP_SKIPPED),
+                (item.flags & STEP_SKIPPED) != 0,
             )
             for item in items
         ]
         try:
-            steps.write_rows(rows)
+            steps.write_fields(rows)
         except (OSError, ValueError) as err:
             self._warn_once("steps", "steps file: %s; step times not recorded", err)
             self._steps = None

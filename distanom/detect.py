@@ -53,6 +53,7 @@ import collections
 import dataclasses
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -111,6 +112,29 @@ class StepSample:
     after_flush: bool = False
     disturbed: bool = False
     self_ms: float = 0.0  # the longest distanom capture work on any rank during the step
+
+    @classmethod
+    def of_fields(
+        cls,
+        step: int,
+        times_ms: tuple[float, ...],
+        traced: bool,
+        after_flush: bool,
+        disturbed: bool,
+        self_ms: float,
+    ) -> StepSample:
+        """The same sample as the constructor, made without the frozen dataclass's
+        `object.__setattr__` per field (a third of the cost): decoding makes one per step
+        on the control thread."""
+        sample = object.__new__(cls)
+        fields = sample.__dict__
+        fields["step"] = step
+        fields["times_ms"] = times_ms
+        fields["traced"] = traced
+        fields["after_flush"] = after_flush
+        fields["disturbed"] = disturbed
+        fields["self_ms"] = self_ms
+        return sample
 
     @property
     def condition(self) -> tuple[bool, bool]:
@@ -298,42 +322,65 @@ class Detector:
 
     def observe(self, sample: StepSample) -> list[CaptureDecision]:
         """Judge one step (steps must arrive in order) and return what to capture."""
-        step_ms = sample.step_ms
-        if sample.step < self.detect.warmup_steps:
-            self.observe_warmup(sample)
-            return []
-        if not math.isfinite(step_ms):
-            return []
-        if sample.disturbed:
-            self.counts.disturbed += 1
+        return self.observe_many((sample,))
+
+    def observe_many(self, samples: Iterable[StepSample]) -> list[CaptureDecision]:
+        """Judge steps in order, as `observe` one at a time, and return what to capture.
+
+        One loop for a whole round with the common case inline (the condition's own
+        window judges, the step is not anomalous): this runs for every step on the
+        control thread, holding the GIL a launch-bound training thread needs."""
         decisions: list[CaptureDecision] = []
-        condition = sample.condition
-        median = self._baseline(condition)
-        judged_by, multiplier = "condition", self.detect.multiplier
-        if median is None:
-            median, judged_by = self._fallback(sample)
-            floor = FALLBACK_MIN_MULTIPLIER
-            if sample.after_flush:
-                floor = FALLBACK_AFTER_FLUSH_MULTIPLIER
-            multiplier = max(multiplier, floor)
-        if median is not None and median > 0:
-            self.counts.judged += 1
-            threshold = multiplier * median
-            if judged_by != "condition":
-                self.counts.judged_fallback += 1
-            elif condition == self._main:
-                self.median_ms, self.threshold_ms = median, threshold
-            judged = max(0.0, step_ms - min(sample.self_ms, SELF_DISCOUNT_CAP * median))
-            if judged > threshold:
-                self._keep_judgment(sample, judged, median, threshold, judged_by)
-                decisions.extend(self._on_anomaly(sample, judged, median, threshold))
-            elif judged_by == "condition":
-                decisions.extend(self._maybe_reference(sample, judged, median, threshold))
-        if not sample.disturbed:
-            self._windows[condition].append(step_ms)
-            if self._grows_main(condition):
-                self._main = condition
-        self._all_steps.append(step_ms)
+        detect, counts, windows = self.detect, self.counts, self._windows
+        warmup, min_steps, configured = detect.warmup_steps, detect.min_steps, detect.multiplier
+        every = self.capture.reference_every_steps
+        all_steps = self._all_steps
+        isfinite = math.isfinite
+        for sample in samples:
+            finite = [t for t in sample.times_ms if isfinite(t)]  # sample.step_ms
+            step_ms = max(finite) if finite else math.nan
+            if sample.step < warmup:
+                if finite:  # observe_warmup
+                    all_steps.append(step_ms)
+                continue
+            if not finite:
+                continue
+            disturbed = sample.disturbed
+            if disturbed:
+                counts.disturbed += 1
+            condition = (sample.traced, sample.after_flush)
+            main = self._main
+            window = windows[condition]
+            if condition == main and len(window) >= min_steps:  # _baseline's common case
+                median: float | None = window.median()
+            else:
+                median = self._baseline(condition)
+            judged_by, multiplier = "condition", configured
+            if median is None:
+                median, judged_by = self._fallback(sample)
+                floor = FALLBACK_MIN_MULTIPLIER
+                if sample.after_flush:
+                    floor = FALLBACK_AFTER_FLUSH_MULTIPLIER
+                multiplier = max(multiplier, floor)
+            if median is not None and median > 0:
+                counts.judged += 1
+                threshold = multiplier * median
+                if judged_by != "condition":
+                    counts.judged_fallback += 1
+                elif condition == main:
+                    self.median_ms, self.threshold_ms = median, threshold
+                judged = max(0.0, step_ms - min(sample.self_ms, SELF_DISCOUNT_CAP * median))
+                if judged > threshold:
+                    self._keep_judgment(sample, judged, median, threshold, judged_by)
+                    decisions.extend(self._on_anomaly(sample, judged, median, threshold))
+                elif judged_by == "condition" and every > 0 and sample.traced:
+                    # (_maybe_reference takes none otherwise: not called for nothing)
+                    decisions.extend(self._maybe_reference(sample, judged, median, threshold))
+            if not disturbed:
+                window.append(step_ms)
+                if condition != main and self._grows_main(condition):
+                    self._main = condition
+            all_steps.append(step_ms)
         return decisions
 
     def observe_warmup(self, sample: StepSample) -> None:

@@ -120,6 +120,14 @@ class EvidenceCollector:
         if len(self._gc) > MAX_PENDING_STEPS:
             self._gc.pop(next(iter(self._gc)))
 
+    def add_gc_many(self, steps: Iterable[tuple[int, float]]) -> None:
+        """`add_gc` for each (step, gc_ms), in one loop (a round's steps at once)."""
+        gc = self._gc
+        for step, gc_ms in steps:
+            gc[step] = gc_ms
+            if len(gc) > MAX_PENDING_STEPS:
+                gc.pop(next(iter(gc)))
+
     def poll(self, *, force: bool = False) -> list[tuple[int, StepEvidence]]:
         """The steps whose evidence became final, in step order."""
         if not self._own_thread:
@@ -265,6 +273,10 @@ class EvidenceTier:
     def add_gc(self, step: int, gc_ms: float) -> None:
         """A step's GC time, from the training thread's record."""
         self.collector.add_gc(step, gc_ms)
+
+    def add_gc_many(self, steps: Iterable[tuple[int, float]]) -> None:
+        """Steps' (step, GC time), from the training thread's records."""
+        self.collector.add_gc_many(steps)
 
     def next_read_at(self) -> float:
         """When (time.monotonic) the next Flight Recorder read is due (inf: none)."""

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -18,7 +19,7 @@ from distanom.consensus import (
     encode_round,
     recent_times,
 )
-from distanom.detect import Detector
+from distanom.detect import Detector, StepSample
 
 
 def gathered(rows: list[LocalRound], batch: int) -> torch.Tensor:
@@ -195,3 +196,61 @@ def test_requests_lead_by_time_on_short_steps() -> None:
     ]
     decisions = decide(decode_round(gathered(rows, 8), 8), detector, world_size=2)
     assert [d.step for d in decisions if d.kind == "requested"] == [30 + 1 + 100]
+
+
+@given(
+    batch=st.integers(1, 6),
+    ranks=st.lists(
+        st.tuples(
+            st.one_of(st.integers(0, 6), st.just(math.nan)),  # count as sent
+            st.lists(st.one_of(st.floats(0.1, 1e4), st.just(math.nan)), min_size=18, max_size=18),
+            st.lists(st.one_of(st.integers(0, 15), st.just(math.nan)), min_size=6, max_size=6),
+            st.lists(
+                st.one_of(st.floats(-5.0, 50.0), st.sampled_from([math.nan, math.inf, -0.0])),
+                min_size=6,
+                max_size=6,
+            ),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+)
+def test_samples_of_rows_by_columns_match_the_per_step_path(
+    batch: int, ranks: list[tuple[float, list[float], list[float], list[float]]]
+) -> None:
+    """The column-wise decode gives exactly (repr-equal) the samples of the step-by-step
+    loop, for any counts within the round, flags and own work (NaN, inf, -0.0)."""
+    from distanom import consensus
+
+    rows = [
+        times[:batch] + [float(b) for b in bits[:batch]] + own[:batch]
+        for _, times, bits, own in ranks
+    ]
+    counts_f = [float(min(n, batch)) if not math.isnan(n) else n for n, *_ in ranks]
+    counts = [int(c) if math.isfinite(c) else 0 for c in counts_f]
+    got = consensus._samples_of_rows(rows, counts_f, 40, batch)
+    expected = consensus._samples_of_rows_per_step(rows, counts, 40, batch)
+    assert repr(got) == repr(expected)
+
+
+def test_step_sample_of_fields_is_the_constructed_sample() -> None:
+    made = StepSample.of_fields(3, (1.0, math.nan), True, False, True, 0.5)
+    built = StepSample(3, (1.0, math.nan), traced=True, after_flush=False, disturbed=True,
+                       self_ms=0.5)  # fmt: skip
+    assert repr(made) == repr(built) and vars(made) == vars(built)
+    assert list(vars(made)) == list(vars(built))  # same field order
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.step = 4  # type: ignore[misc]
+
+
+def test_round_builder_add_many_is_add_per_step() -> None:
+    """Steps out of order, repeated, already sent or ahead: the same rounds either way."""
+    steps = [(3, 3.0, 1, 0.0), (1, 1.0, 0, 0.5), (2, 2.0, 2, 0.0), (2, 2.5, 3, 0.1),
+             (9, 9.0, 1, 0.0), (5, math.nan, 0, 0.0), (1, 7.0, 1, 0.0)]  # fmt: skip
+    one, many = RoundBuilder(4), RoundBuilder(4)
+    for batch in (steps[:3], steps[3:], [(0, 1.0, 0, 0.0), (12, 1.0, 1, 0.0)]):
+        for step in batch:
+            one.add(*step)
+        many.add_many(batch)
+        assert (many.missing(3), many.pending_steps()) == (one.missing(3), one.pending_steps())
+        assert repr(many.take(3)) == repr(one.take(3))

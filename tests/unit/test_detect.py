@@ -4,7 +4,13 @@ import math
 import random
 
 from distanom.config import CaptureConfig, DetectConfig
-from distanom.detect import Detector, StepSample
+from distanom.detect import (
+    FALLBACK_AFTER_FLUSH_MULTIPLIER,
+    FALLBACK_MIN_MULTIPLIER,
+    SELF_DISCOUNT_CAP,
+    Detector,
+    StepSample,
+)
 
 
 def make(detect: dict | None = None, capture: dict | None = None) -> Detector:
@@ -278,3 +284,98 @@ def test_the_main_condition_is_the_fullest_window_traced_first() -> None:
         windows = detector._windows
         fullest = max(windows, key=lambda c: (len(windows[c]), c == (True, False)))
         assert detector._main_condition() == fullest
+
+
+def _observe_one(detector: Detector, sample: StepSample) -> list:
+    """The per-step `observe` as it was before `observe_many`: the reference the batch
+    path must match."""
+    step_ms = sample.step_ms
+    if sample.step < detector.detect.warmup_steps:
+        detector.observe_warmup(sample)
+        return []
+    if not math.isfinite(step_ms):
+        return []
+    if sample.disturbed:
+        detector.counts.disturbed += 1
+    decisions: list = []
+    condition = sample.condition
+    median = detector._baseline(condition)
+    judged_by, multiplier = "condition", detector.detect.multiplier
+    if median is None:
+        median, judged_by = detector._fallback(sample)
+        floor = FALLBACK_MIN_MULTIPLIER
+        if sample.after_flush:
+            floor = FALLBACK_AFTER_FLUSH_MULTIPLIER
+        multiplier = max(multiplier, floor)
+    if median is not None and median > 0:
+        detector.counts.judged += 1
+        threshold = multiplier * median
+        if judged_by != "condition":
+            detector.counts.judged_fallback += 1
+        elif condition == detector._main:
+            detector.median_ms, detector.threshold_ms = median, threshold
+        judged = max(0.0, step_ms - min(sample.self_ms, SELF_DISCOUNT_CAP * median))
+        if judged > threshold:
+            detector._keep_judgment(sample, judged, median, threshold, judged_by)
+            decisions.extend(detector._on_anomaly(sample, judged, median, threshold))
+        elif judged_by == "condition":
+            decisions.extend(detector._maybe_reference(sample, judged, median, threshold))
+    if not sample.disturbed:
+        detector._windows[condition].append(step_ms)
+        if detector._grows_main(condition):
+            detector._main = condition
+    detector._all_steps.append(step_ms)
+    return decisions
+
+
+def _state(detector: Detector) -> tuple:
+    return (
+        vars(detector.counts),
+        detector.episode_summaries(),
+        detector.take_anomalies(),
+        detector.kept_anomalies,
+        detector._main,
+        {c: list(w) for c, w in detector._windows.items()},
+        list(detector._all_steps),
+        (detector._reference_step, detector._last_reference_at, detector._fast_while_due),
+    )
+
+
+def test_observe_many_judges_as_the_per_step_path() -> None:
+    """Rounds of any size judged by `observe_many` give the same decisions and state as
+    the per-step reference, over warm-up, unknown ranks, every condition, disturbed steps,
+    own capture work, slow spells, references and a full budget."""
+    for seed in range(6):
+        rng = random.Random(seed)
+        config = (
+            {"warmup_steps": 5, "min_steps": 8, "window_steps": 30, "multiplier": 1.5},
+            {"reference_every_steps": 7 * (seed % 2), "max_captures": 3, "min_gap_steps": 2},
+        )
+        one, many = make(*config), make(*config)
+        samples = []
+        for step in range(600):
+            base = 10.0 + rng.random() + (25.0 if 200 < step % 300 < 230 else 0.0)
+            times = [base * (3.0 if rng.random() < 0.04 else 1.0) for _ in range(3)]
+            if rng.random() < 0.05:
+                times[rng.randrange(3)] = math.nan
+            if rng.random() < 0.01:
+                times = [math.nan] * 3
+            samples.append(
+                StepSample(
+                    step,
+                    tuple(times),
+                    traced=rng.random() < (0.2 if step < 100 else 0.8),
+                    after_flush=rng.random() < 0.1,
+                    disturbed=rng.random() < 0.08,
+                    self_ms=rng.choice([0.0, 0.0, 0.0, 2.0, 50.0]),
+                )
+            )
+        expected = [d for s in samples for d in _observe_one(one, s)]
+        got, at = [], 0
+        while at < len(samples):
+            size = rng.choice([1, 2, 7, 40, 128])
+            got += many.observe_many(samples[at : at + size])
+            at += size
+        assert got == expected
+        assert _state(many) == _state(one)
+        assert (many.median_ms, many.threshold_ms) == (one.median_ms, one.threshold_ms)

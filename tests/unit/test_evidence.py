@@ -234,3 +234,15 @@ def test_a_read_is_due_for_steps_not_yet_taken_in(fr: FakeFr) -> None:
     marks.marks.append((2, int(1200.0 * MS), int(4 * MS)))  # a step the thread ended
     assert collector.next_read_at() < math.inf  # due: the round loop must wake for it
     assert not EvidenceCollector(marks, read_fr=False).next_read_at() < math.inf
+
+
+def test_add_gc_many_is_add_gc_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same GC times kept, oldest dropped first, repeats and all."""
+    monkeypatch.setattr(evidence_module, "MAX_PENDING_STEPS", 5)
+    one = EvidenceCollector(EvidenceMarks(), read_fr=False)
+    many = EvidenceCollector(EvidenceMarks(), read_fr=False)
+    steps = [(1, 0.5), (2, 0.0), (3, 1.5), (2, 2.0), (4, 0.1), (5, 0.2), (6, 0.3), (1, 9.0)]
+    for step, gc_ms in steps:
+        one.add_gc(step, gc_ms)
+    many.add_gc_many(steps)
+    assert list(many._gc.items()) == list(one._gc.items())

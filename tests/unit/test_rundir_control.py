@@ -172,6 +172,46 @@ def test_step_rows_keep_their_bytes_and_older_files_still_read(tmp_path: Path) -
     assert read.rows == [StepRow(1, 2.5, True, False, 0.0), StepRow(2, 3.5, False, True, 0.2)]
 
 
+def test_step_fields_write_the_same_text_as_step_rows(tmp_path: Path) -> None:
+    def old_line(r: StepRow) -> str:  # the f-string StepRow.line used before ROW_FORMAT
+        return (
+            f"{r.step},{r.duration_ms:.4f},{int(r.traced)},{int(r.after_flush)},"
+            f"{r.self_ms:.3f},{r.gc_ms:.3f},{r.gc_generation},{int(r.skipped)}\n"
+        )
+
+    nan, inf = float("nan"), float("inf")
+    rows = [
+        StepRow(0, 0.0, False, False, 0.0),
+        StepRow(7, 12.345678, True, False, 0.5, 1.25, 2),
+        StepRow(2**40, 1e9, True, True, 1e-9, 0.00049, 0, True),
+        StepRow(3, nan, False, True, inf, -inf, -1, False),
+        StepRow(4, -0.0, True, False, 3, 2, 1, True),  # ints where floats go
+    ]
+    assert [row.line() for row in rows] == [old_line(row) for row in rows]
+    by_rows, by_fields = tmp_path / "rows.csv", tmp_path / "fields.csv"
+    writer = StepsWriter(by_rows)
+    writer.write_rows(rows)
+    writer.close()
+    writer = StepsWriter(by_fields)
+    writer.write_fields(
+        [
+            (
+                r.step,
+                r.duration_ms,
+                r.traced,
+                r.after_flush,
+                r.self_ms,
+                r.gc_ms,
+                r.gc_generation,
+                r.skipped,
+            )
+            for r in rows
+        ]
+    )
+    writer.close()
+    assert by_fields.read_text() == by_rows.read_text()
+
+
 def test_index_and_run_json_keep_their_keys(tmp_path: Path) -> None:
     written = IndexWritten(
         step=3, rank=1, host="h", kind="anomaly", trace="captures/step_3/rank1.trace.json.gz",
