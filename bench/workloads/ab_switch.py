@@ -11,8 +11,11 @@ GPU synchronized at each segment's ends, in the order on, off, off, on, on, off,
 each segment's start.
 
 Inert ("off") is the agent installed but doing nothing at a boundary: its step
-boundaries return at once (`StepBoundaries.closed`, the state of a closed agent),
-tracing is switched off, and the control thread finds no steps to work on. What stays
+boundaries return at once (`StepBoundaries.closed`, the state of a closed agent) and the
+control thread finds no steps to work on. It goes inert only with tracing off: an on
+segment that ends inside a traced window runs on until the duty cycle switches tracing
+off (cutting the window would add switches the real job never pays; an earlier version
+that did cost ~6x the job's switches), so on segments may be longer than N steps. What stays
 in both halves: the optimizer wrapper's one check, the GC callback, the control and hang
 threads' idle wake-ups. The first step after an off segment spans it on the agent's
 clock; it is charged to distanom's own work (the boundaries' busy time) so it is flagged
@@ -72,6 +75,14 @@ class SegmentedAB:
         self._own_ns = 0
         self._threads_ns = 0
         self._paused_ns = 0
+        self._in_segment = 0  # steps of the segment in progress
+        self.extended = 0  # steps on segments ran past their length, waiting for tracing off
+
+    @staticmethod
+    def _tracing(boundaries: Any) -> bool:
+        """Whether the tracer records the step in progress (or will at the next boundary)."""
+        tracer = boundaries.tracer
+        return tracer is not None and bool(tracer.tracing or boundaries._tracing_during)
 
     @staticmethod
     def state_of(index: int) -> bool:
@@ -83,14 +94,22 @@ class SegmentedAB:
         self.steps += 1
         if self.steps < self.warmup:
             return
-        if self.steps > self.warmup and (self.steps - self.warmup) % self.segment:
+        self._in_segment += 1
+        if self.index >= 0 and self._in_segment < self.segment:
+            return
+        boundaries = self.agent.boundaries
+        if self.on and not self.state_of(self.index + 1) and self._tracing(boundaries):
+            # going inert now would cut a traced window short and re-attach the tracer at
+            # the resume: switches the real job never pays. The on segment runs on until
+            # the duty cycle itself switches tracing off.
+            self.extended += 1
             return
         now = _sync()
-        boundaries = self.agent.boundaries
         if self.index >= 0:
-            steps = self.segment
+            steps = self._in_segment
             self.segments.append({
                 "on": self.on,
+                "steps": steps,
                 "ms_per_step": round((now - self._began) * 1000 / steps, 5),
                 "boundary_us_per_step": round((boundaries.own_ns - self._own_ns) / steps / 1e3, 3),
                 "threads_cpu_us_per_step": round(
@@ -98,6 +117,7 @@ class SegmentedAB:
                 ),
             })  # fmt: skip
         self.index += 1
+        self._in_segment = 0
         self._switch(self.state_of(self.index))
         self._own_ns = boundaries.own_ns
         self._threads_ns = _distanom_threads_cpu_ns()
@@ -107,12 +127,8 @@ class SegmentedAB:
         boundaries = self.agent.boundaries
         if on == (not boundaries.closed):
             return
-        if not on:
+        if not on:  # never while tracing (see step_end)
             boundaries.closed = True
-            tracer = boundaries.tracer
-            if tracer is not None and tracer.tracing:
-                tracer.set_tracing(False)
-            boundaries._tracing_during = False
             self._paused_ns = time.perf_counter_ns()
         else:
             # the next step's time spans the inert segment: charge it to distanom's own
@@ -124,4 +140,13 @@ class SegmentedAB:
     def finish(self) -> dict[str, Any]:
         """Leave the agent watching (its exit path expects it) and return the segments."""
         self._switch(True)
-        return {"ab_segment": self.segment, "ab_segments": self.segments}
+        try:
+            duty = self.agent.duty.report()  # traced share, measured overhead, switches
+        except Exception as err:  # a bench figure, not worth failing the job for
+            duty = {"error": repr(err)}
+        return {
+            "duty_cycle_at_end": duty,
+            "ab_segment": self.segment,
+            "ab_segments": self.segments,
+            "ab_steps_extended": self.extended,
+        }
