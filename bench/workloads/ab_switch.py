@@ -17,9 +17,10 @@ segment that ends inside a traced window runs on until the duty cycle switches t
 off (cutting the window would add switches the real job never pays; an earlier version
 that did cost ~6x the job's switches), so on segments may be longer than N steps. What stays
 in both halves: the optimizer wrapper's one check, the GC callback, the control and hang
-threads' idle wake-ups. The first step after an off segment spans it on the agent's
-clock; it is charged to distanom's own work (the boundaries' busy time) so it is flagged
-disturbed and never judged, as any step distanom itself held up.
+threads' idle wake-ups. The first step of every on segment follows a synchronize, and
+after an off segment its time would span that segment: the clock is told to drop it (a
+gap, never judged), or the trace planner would learn the segments as a periodic anomaly
+and trace it (an earlier version did: 3-4 series per job).
 
 Per segment it records the state, ms per step, the agent's boundary time, and the CPU
 time of every `distanom-*` thread, so work a round started in an on segment and finished
@@ -74,7 +75,6 @@ class SegmentedAB:
         self._began = 0.0
         self._own_ns = 0
         self._threads_ns = 0
-        self._paused_ns = 0
         self._in_segment = 0  # steps of the segment in progress
         self.extended = 0  # steps on segments ran past their length, waiting for tracing off
 
@@ -122,6 +122,24 @@ class SegmentedAB:
         self._own_ns = boundaries.own_ns
         self._threads_ns = _distanom_threads_cpu_ns()
         self._began = _sync()
+        if self.on:
+            self._forget_last_boundary(boundaries)
+
+    @staticmethod
+    def _forget_last_boundary(boundaries: Any) -> None:
+        """The next step starts after a synchronize (its GPU queue drained) and, after an
+        inert segment, its time would span that segment: neither is the job's own step
+        time. Hand over the durations the GPU has resolved (it is idle: all of them), then
+        unpair the last boundary, so the next step gets no duration and is never judged
+        (a gap, as for a boundary the clock lost). Judged, it would be an anomaly every
+        segment, which the trace planner learns as a periodic series and traces."""
+        clock = boundaries.clock
+        if clock is None:
+            return
+        for step, duration in clock.poll():
+            boundaries.inbox.put(boundaries._resolved(step, duration))
+        clock._previous_event = None  # CUDA-event clock
+        clock._last_host_ns = None  # host clock
 
     def _switch(self, on: bool) -> None:
         boundaries = self.agent.boundaries
@@ -129,11 +147,7 @@ class SegmentedAB:
             return
         if not on:  # never while tracing (see step_end)
             boundaries.closed = True
-            self._paused_ns = time.perf_counter_ns()
-        else:
-            # the next step's time spans the inert segment: charge it to distanom's own
-            # work, so the step is flagged disturbed and left out of every judgement
-            boundaries.last_busy_ns -= time.perf_counter_ns() - self._paused_ns
+        else:  # the next step's time is dropped (step_end: _forget_last_boundary)
             boundaries.closed = False
         self.on = on
 
