@@ -1,0 +1,80 @@
+"""bench/whole_job_ab.py and its in-process switch (bench/workloads/ab_switch.py) on the
+CPU: segments alternate on, off, off, on; the inert agent does no boundary work; the first
+step of every on segment is dropped from the agent's step times (never judged); the
+summary pairs each on segment with its neighbour and bounds the spill."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.tests.scripts import BENCH, load_bench_script
+from distanom.agent import Agent
+from distanom.config import load_config
+from distanom.records.steps import read_steps
+from distanom.world import WorldInfo
+
+sys.path.insert(0, str(BENCH / "workloads"))
+from ab_switch import SegmentedAB
+
+WARMUP, SEGMENT, SEGMENTS = 30, 10, 8
+
+
+def test_segments_switch_the_agent_and_drop_each_on_segments_first_step(tmp_path: Path) -> None:
+    layer = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
+    inputs = torch.randn(2, 4)
+    config = load_config(None, ["tracer.backend=none"])
+    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    agent.install()
+    try:
+        ab = SegmentedAB(WARMUP, SEGMENT)
+        for _ in range(WARMUP + SEGMENTS * SEGMENT):
+            optimizer.zero_grad()
+            layer(inputs).sum().backward()
+            optimizer.step()
+            ab.step_end()
+        result = ab.finish()
+        run = agent.run
+    finally:
+        agent.close()
+    segments = result["ab_segments"]
+    assert [s["on"] for s in segments] == [True, False, False, True] * 2
+    assert all(s["steps"] == SEGMENT for s in segments)
+    assert all(s["boundary_us_per_step"] == 0 for s in segments if not s["on"])
+    assert all(s["boundary_us_per_step"] > 0 for s in segments if s["on"])
+    # the agent counted only the on segments' steps (and the warm-up)
+    on_steps = sum(s["steps"] for s in segments if s["on"])
+    assert agent.current_step == WARMUP + on_steps
+    assert run is not None
+    rows = read_steps(run.path / "steps" / "rank0.csv").rows
+    timed = {row.step for row in rows}
+    # each on segment's first step (agent numbering) has no duration: after a
+    # synchronize, or spanning the inert segment before it
+    firsts, step = [], WARMUP
+    for s in segments:
+        if s["on"]:
+            firsts.append(step)
+            step += s["steps"]
+    assert firsts and not timed & set(firsts), sorted(timed & set(firsts))
+    assert {f + 1 for f in firsts} <= timed  # the steps after them are timed
+
+
+def test_the_summary_pairs_neighbours_and_adds_the_spill_back() -> None:
+    script = load_bench_script("whole_job_ab")
+
+    def seg(on: bool, ms: float, cpu_us: float = 0.0) -> dict[str, object]:
+        return {"on": on, "steps": 10, "ms_per_step": ms, "boundary_us_per_step": 5.0,
+                "threads_cpu_us_per_step": cpu_us}  # fmt: skip
+
+    segments = [seg(True, 10.2), seg(False, 10.0, 100.0), seg(False, 20.0), seg(True, 20.2)]
+    summary = script.summarize(segments)
+    assert summary["pairs"] == 2
+    assert summary["mean_ratio"] == pytest.approx((1.02 + 1.01) / 2, abs=1e-5)
+    # 100 us/step of distanom's threads in the first off segment, added to its on side
+    assert summary["spill_added_mean_ratio"] == pytest.approx((1.03 + 1.01) / 2, abs=1e-5)
+    assert summary["ci95"][0] <= summary["mean_ratio"] <= summary["ci95"][1]
+    assert script.summarize([seg(True, 1.0)]) == {"pairs": 0}
