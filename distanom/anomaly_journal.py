@@ -66,10 +66,20 @@ class AnomalyJournal:
 
     def add_times(self, step: int, times_ms: tuple[float, ...]) -> None:
         """A gathered step's per-rank durations (add a round's judgments first)."""
-        self._times[step] = times_ms
-        if len(self._times) > MAX_PENDING_STEPS:
-            self._times.pop(next(iter(self._times)))
-        self._maybe_complete(step)
+        self.add_times_many(((step, times_ms),))
+
+    def add_times_many(self, steps: Iterable[tuple[int, tuple[float, ...]]]) -> None:
+        """`add_times` for each (step, times) in order, in one loop: a round's steps pass
+        here on the control thread, and their evidence usually comes in a later round,
+        so most steps only wait."""
+        times, rows, world = self._times, self._rows, self.world_size
+        for step, times_ms in steps:
+            times[step] = times_ms
+            if len(times) > MAX_PENDING_STEPS:
+                times.pop(next(iter(times)))
+            row = rows.get(step)  # _maybe_complete
+            if row is not None and step in times and row.filled >= world:
+                self._complete(step)
 
     def add_judgments(self, judged: Iterable[AnomalyJudgment]) -> None:
         """Anomalous steps the detector judged; written once their evidence is in."""
@@ -167,6 +177,8 @@ class AnomalyJournal:
     def _late(self, values: Any, step_ms: float) -> tuple[tuple[int, float], ...] | None:
         """The ranks late at a step, as `StragglerScorer.add_late` takes them: arrival
         after the (lower) median rank's by `LATE_SHARE` of the step or more."""
+        if self.world_size < 2:  # nobody to be late against
+            return None
         if self.small:
             arrive = [v[0] for v in values]
             known = [a for a in arrive if math.isfinite(a)]

@@ -28,7 +28,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from distanom.anomaly_journal import AnomalyJournal
@@ -73,12 +72,17 @@ class EvidenceMarks:
         self.marks.append((step, host_ns, time.thread_time_ns()))
 
 
-@dataclass
 class _Open:
-    start_ns: int
-    end_ns: int
-    cpu_ms: float
-    collectives: StepCollectives = field(default_factory=StepCollectives)
+    """A step ended on this rank whose evidence is not final yet (one per step: slots,
+    and its collectives summary made only when a collective is assigned to it)."""
+
+    __slots__ = ("collectives", "cpu_ms", "end_ns", "start_ns")
+
+    def __init__(self, start_ns: int, end_ns: int, cpu_ms: float) -> None:
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.cpu_ms = cpu_ms
+        self.collectives: StepCollectives | None = None
 
 
 class EvidenceCollector:
@@ -216,6 +220,8 @@ class EvidenceCollector:
                 continue
             step = self._open[steps[at]]
             if entry.time_created_ns < step.end_ns:
+                if step.collectives is None:
+                    step.collectives = StepCollectives()
                 step.collectives.add(entry)
 
     def _lost_until(self, step: _Open) -> int | None:
@@ -238,20 +244,21 @@ class EvidenceCollector:
         gc_ms = self._gc.pop(step, 0.0)
         host_ms = (entry.end_ns - entry.start_ns) / 1e6
         summary = entry.collectives
-        if not summary.count and not self._read_fr:
+        count = 0 if summary is None else summary.count
+        # the arrival: when the step's last collective was enqueued, if one was seen
+        last_ns = None if summary is None or not count else summary.last_created_ns
+        if not count and not self._read_fr:
             return StepEvidence(cpu_ms=entry.cpu_ms, gc_ms=gc_ms, host_ms=host_ms)
         lost_until = self._lost_until(entry)
         if lost_until is not None:
             # entries of the step were overwritten unseen: its count is short, and its
             # last collective is known only if one created after the loss survived
             arrive = math.nan
-            if summary.count and summary.last_created_ns >= lost_until:
-                arrive = (summary.last_created_ns - entry.start_ns) / 1e6
+            if last_ns is not None and last_ns >= lost_until:
+                arrive = (last_ns - entry.start_ns) / 1e6
             return StepEvidence(arrive, -1, entry.cpu_ms, gc_ms, host_ms)
-        arrive = math.nan
-        if summary.count:
-            arrive = (summary.last_created_ns - entry.start_ns) / 1e6
-        return StepEvidence(arrive, summary.count, entry.cpu_ms, gc_ms, host_ms)
+        arrive = math.nan if last_ns is None else (last_ns - entry.start_ns) / 1e6
+        return StepEvidence(arrive, count, entry.cpu_ms, gc_ms, host_ms)
 
 
 class EvidenceTier:
@@ -312,8 +319,7 @@ class EvidenceTier:
             return None
         try:
             journal.add_judgments(judged)
-            for sample in result.samples:
-                journal.add_times(sample.step, sample.times_ms)
+            journal.add_times_many((sample.step, sample.times_ms) for sample in result.samples)
             journal.add_evidence(result.evidence)
             if not may_trace:
                 return None

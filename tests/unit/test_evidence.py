@@ -246,3 +246,43 @@ def test_add_gc_many_is_add_gc_per_step(monkeypatch: pytest.MonkeyPatch) -> None
         one.add_gc(step, gc_ms)
     many.add_gc_many(steps)
     assert list(many._gc.items()) == list(one._gc.items())
+
+
+def test_journal_takes_a_rounds_times_in_one_call_as_step_by_step(tmp_path: Path) -> None:
+    """`add_times_many` (a round's steps at once) leaves the journal as `add_times` per
+    step does: same records written, same straggler scores, same steps still waiting."""
+    outcomes = []
+    for batched in (False, True):
+        run = RunDir(tmp_path / str(batched))
+        run.path.mkdir()
+        journal = AnomalyJournal(3, AnomalyWriter(run))
+        for first in range(1, 60, 10):  # rounds of 10 steps; evidence lags one round
+            steps = [(s, (40.0 + (200.0 if s % 17 == 0 else 0.0), 40.0, 41.0))
+                     for s in range(first, first + 10)]  # fmt: skip
+            journal.add_judgments([judgment(s) for s, _ in steps if s % 17 == 0])
+            if batched:
+                journal.add_times_many(steps)
+            else:
+                for step, times in steps:
+                    journal.add_times(step, times)
+            lagging = range(max(1, first - 10), first)
+            journal.add_evidence(
+                EvidenceBlock.from_items(
+                    3,
+                    [
+                        (r, s, StepEvidence(10.0 + (30.0 if r == 2 else 0.0), 1, 1.0, 0.0))
+                        for r in range(3)
+                        for s in lagging
+                    ],
+                )
+            )
+        outcomes.append(
+            (
+                [(r.step, r.durations_ms) for r in read_anomalies(run)],
+                journal.scorer.steps,
+                [s.rank for s in journal.scorer.stragglers()],
+                sorted(journal._times),
+            )
+        )
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0] and outcomes[0][1] > 0  # records were written, steps scored
