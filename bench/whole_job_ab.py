@@ -8,8 +8,9 @@ watching and inert every ~0.5 s (bench/workloads/ab_switch.py), in the job's own
 bench/whole_job.py compares whole processes (plain `torchrun` against
 `-m distanom.launch`), which is what users pay but spreads by +-15-25% on the H200
 machine. Here the same job holds both halves: segments of ~0.5 s, on, off, off, on, ...
-Each adjacent (on, off) pair gives a ratio; the figure is their mean, with a bootstrap
-95% interval (fixed seed), and the median. `spill_added`: the CPU time of distanom's
+Each adjacent (on, off) pair gives a ratio; the figure is their mean weighted by the on
+segment's steps (on segments inside a traced window run longer), with a bootstrap 95%
+interval (fixed seed), and the unweighted median. `spill_added`: the CPU time of distanom's
 threads during off segments (rounds that ran over into them, periodic writes) added back
 to the on side as if it had all taken the training thread's time: an upper bound.
 What the inert half still has (the agent installed: optimizer wrapper, GC callback,
@@ -89,7 +90,10 @@ def _pairs(segments: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[st
 
 
 def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean and median on/off ratio over pairs, bootstrap interval, and the spill bound."""
+    """The on/off ratio over pairs, each weighted by its on segment's steps (an on segment
+    that ran on to the end of a traced window holds more of the job's steps: unweighted,
+    the traced windows' cost would be diluted), its bootstrap interval, the unweighted
+    median, and the spill bound."""
     pairs = _pairs(segments)
     if not pairs:
         return {"pairs": 0}
@@ -98,18 +102,23 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
         (on["ms_per_step"] + off["threads_cpu_us_per_step"] / 1e3) / off["ms_per_step"]
         for on, off in pairs
     ]
+    weights = [float(on.get("steps", 1)) for on, _ in pairs]
+
+    def weighted(values: list[float], picks: list[int]) -> float:
+        total = sum(weights[i] for i in picks)
+        return sum(values[i] * weights[i] for i in picks) / total
+
+    every = list(range(len(pairs)))
     rng = random.Random(0)
-    means = sorted(
-        statistics.fmean(rng.choices(ratios, k=len(ratios))) for _ in range(2000)
-    )  # fmt: skip
+    means = sorted(weighted(ratios, rng.choices(every, k=len(every))) for _ in range(2000))
     on_segments = [on for on, _ in pairs]
     off_segments = [off for _, off in pairs]
     return {
         "pairs": len(pairs),
-        "mean_ratio": round(statistics.fmean(ratios), 5),
+        "mean_ratio": round(weighted(ratios, every), 5),
         "ci95": [round(means[49], 5), round(means[1949], 5)],
         "median_ratio": round(statistics.median(ratios), 5),
-        "spill_added_mean_ratio": round(statistics.fmean(spill), 5),
+        "spill_added_mean_ratio": round(weighted(spill, every), 5),
         "pair_ratio_stdev": round(statistics.stdev(ratios), 5) if len(ratios) > 1 else None,
         "on_ms_per_step_median": round(statistics.median(s["ms_per_step"] for s in on_segments), 4),
         "off_ms_per_step_median": round(

@@ -5,6 +5,7 @@ summary pairs each on segment with its neighbour and bounds the spill."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -78,3 +79,44 @@ def test_the_summary_pairs_neighbours_and_adds_the_spill_back() -> None:
     assert summary["spill_added_mean_ratio"] == pytest.approx((1.03 + 1.01) / 2, abs=1e-5)
     assert summary["ci95"][0] <= summary["mean_ratio"] <= summary["ci95"][1]
     assert script.summarize([seg(True, 1.0)]) == {"pairs": 0}
+
+
+def test_an_agent_closed_in_an_off_segment_still_finishes(tmp_path: Path) -> None:
+    """A job that fails while the A/B holds the agent inert: `close` still drains and ends
+    the run (inert is not `closed`), and the A/B never revives a closed agent."""
+    layer = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
+    agent = Agent(load_config(None, ["tracer.backend=none"]), WorldInfo.from_env({}), tmp_path)
+    agent.install()
+    ab = SegmentedAB(WARMUP, SEGMENT)
+    for _ in range(WARMUP + SEGMENT + 3):  # into the first off segment
+        optimizer.step()
+        ab.step_end()
+    assert not ab.on
+    agent.close(outcome="failed", exit_code=1)
+    assert not agent.control.is_alive()
+    assert agent.run is not None
+    status = json.loads((agent.run.path / "status.json").read_text())
+    assert status["state"] == "failed" and status["exit_code"] == 1
+    ab.finish()  # the A/B's own end: the closed agent stays closed
+    assert agent.boundaries.closed
+
+
+def test_pairs_are_weighted_by_their_on_segments_steps() -> None:
+    """An on segment that ran on through a traced window holds more of the job's steps:
+    its pair counts for them, or the tracing cost would be diluted."""
+    script = load_bench_script("whole_job_ab")
+
+    def seg(on: bool, steps: int, ms: float) -> dict[str, object]:
+        return {"on": on, "steps": steps, "ms_per_step": ms, "boundary_us_per_step": 5.0,
+                "threads_cpu_us_per_step": 0.0}  # fmt: skip
+
+    segments = [
+        seg(True, 30, 11.0),
+        seg(False, 10, 10.0),
+        seg(False, 10, 10.0),
+        seg(True, 10, 10.0),
+    ]
+    summary = script.summarize(segments)
+    assert summary["mean_ratio"] == pytest.approx((30 * 1.1 + 10 * 1.0) / 40, abs=1e-5)
+    assert summary["median_ratio"] == pytest.approx(1.05, abs=1e-5)  # unweighted

@@ -11,8 +11,9 @@ GPU synchronized at each segment's ends, in the order on, off, off, on, on, off,
 each segment's start.
 
 Inert ("off") is the agent installed but doing nothing at a boundary: its step
-boundaries return at once (`StepBoundaries.closed`, the state of a closed agent) and the
-control thread finds no steps to work on. It goes inert only with tracing off: an on
+boundaries return at once (the state they enter when their bookkeeping fails, in which
+`Agent.close` still drains and finishes) and the control thread finds no steps to work
+on. It goes inert only with tracing off: an on
 segment that ends inside a traced window runs on until the duty cycle switches tracing
 off (cutting the window would add switches the real job never pays; an earlier version
 that did cost ~6x the job's switches), so on segments may be longer than N steps. What stays
@@ -75,14 +76,19 @@ class SegmentedAB:
         self._began = 0.0
         self._own_ns = 0
         self._threads_ns = 0
+        self._inert = False  # the A/B made the boundaries inert (and may undo only that)
         self._in_segment = 0  # steps of the segment in progress
         self.extended = 0  # steps on segments ran past their length, waiting for tracing off
 
     @staticmethod
     def _tracing(boundaries: Any) -> bool:
-        """Whether the tracer records the step in progress (or will at the next boundary)."""
+        """Whether the tracer records the step in progress or will from a coming boundary
+        (cupti defers a switch-on asked for during CUDA-graph capture: `_want_tracing`)."""
         tracer = boundaries.tracer
-        return tracer is not None and bool(tracer.tracing or boundaries._tracing_during)
+        if tracer is None:
+            return False
+        wanted = getattr(tracer, "_want_tracing", False)
+        return bool(tracer.tracing or boundaries._tracing_during or wanted)
 
     @staticmethod
     def state_of(index: int) -> bool:
@@ -142,13 +148,19 @@ class SegmentedAB:
         clock._last_host_ns = None  # host clock
 
     def _switch(self, on: bool) -> None:
+        """Make the agent watch or go inert. Inert is the boundaries' "bookkeeping off"
+        state (`_boundaries_off`: boundaries return at once, while `Agent.close` still
+        drains and finishes, so a job that fails in an off segment ends as it would),
+        never `closed` (which `close` reads as "already closed"). A state the A/B did not
+        set (bookkeeping that really failed) is never cleared."""
         boundaries = self.agent.boundaries
-        if on == (not boundaries.closed):
-            return
-        if not on:  # never while tracing (see step_end)
-            boundaries.closed = True
-        else:  # the next step's time is dropped (step_end: _forget_last_boundary)
-            boundaries.closed = False
+        if not on and not self._inert:
+            if not boundaries._boundaries_off:  # never while tracing (see step_end)
+                boundaries._boundaries_off = True
+                self._inert = True
+        elif on and self._inert:  # the next step's time is dropped (_forget_last_boundary)
+            boundaries._boundaries_off = False
+            self._inert = False
         self.on = on
 
     def finish(self) -> dict[str, Any]:
