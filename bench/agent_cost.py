@@ -54,7 +54,6 @@ import logging
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,9 +64,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench" / "workloads"))
+sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
 from loops import Loop, build_loop  # noqa: E402
+from whole_job import git_commit  # noqa: E402
 
 from distanom.agent import Agent  # noqa: E402
 from distanom.config import load_config  # noqa: E402
@@ -239,28 +240,6 @@ def summarize(rounds: list[dict[str, Any]], variants: list[str]) -> dict[str, An
                 per_step_us / 1e3 / statistics.median(times) * 100, 3
             )
     return out
-
-
-def git_commit() -> str | None:
-    """The checkout's commit (with `+dirty` when it has changes); where there is no git
-    checkout (a copied tree), $DISTANOM_COMMIT, else None."""
-    fallback = os.environ.get("DISTANOM_COMMIT") or None
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        if head.returncode != 0:
-            return fallback
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=10,
-        )  # fmt: skip
-        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return fallback
 
 
 def facts(device: str) -> dict[str, Any]:

@@ -114,6 +114,28 @@ def device_facts() -> dict[str, Any]:
     return facts
 
 
+def git_commit() -> str | None:
+    """The checkout's commit (with `+dirty` when it has changes); where there is no git
+    checkout (a copied tree), $DISTANOM_COMMIT, else None."""
+    fallback = os.environ.get("DISTANOM_COMMIT") or None
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if head.returncode != 0:
+            return fallback
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return fallback
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "whole_job_out")))

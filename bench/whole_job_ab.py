@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from whole_job import REPO, VARIANTS, WORKLOADS, command, device_facts
+from whole_job import REPO, VARIANTS, WORKLOADS, command, device_facts, git_commit
 
 # steps per segment (~0.5 s each on the H200) and warm-up steps per workload
 SEGMENT: dict[str, tuple[int, int]] = {
@@ -162,7 +162,7 @@ def main() -> int:
     started = time.monotonic()
     report: dict[str, Any] = {"facts": device_facts(), "args": dict(vars(args)), "jobs": []}
     report["args"]["out"] = str(args.out)
-    report["facts"]["distanom_commit"] = os.environ.get("DISTANOM_COMMIT") or _git_commit()
+    report["facts"]["distanom_commit"] = os.environ.get("DISTANOM_COMMIT") or git_commit()
     with tempfile.TemporaryDirectory() as scratch_name:
         for workload in workloads:
             for variant in variants:
@@ -177,16 +177,6 @@ def main() -> int:
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     (args.out / "whole_job_ab.json").write_text(json.dumps(report, indent=1))
     return 0
-
-
-def _git_commit() -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
-        )
-    except OSError:
-        return None
-    return done.stdout.strip() or None
 
 
 if __name__ == "__main__":
