@@ -56,10 +56,8 @@ class AnomalyJournal:
         self._rows: dict[int, _StepRow] = {}
         self._times: dict[int, tuple[float, ...]] = {}
         self._pending: dict[int, AnomalyJudgment] = {}
-        # the last MEDIAN_STEPS complete steps' (arrival, CPU time), per rank
-        self._recent: collections.deque[list[tuple[float, float]]] = collections.deque(
-            maxlen=MEDIAN_STEPS
-        )
+        # the last MEDIAN_STEPS complete steps' fields (`FIELDS` per rank) in small worlds
+        self._recent: collections.deque[list[list[float]]] = collections.deque(maxlen=MEDIAN_STEPS)
         self._history = torch.full((MEDIAN_STEPS, world_size, 2), math.nan, dtype=torch.float64)
         self._history_at = 0
         self.written = 0
@@ -92,11 +90,52 @@ class AnomalyJournal:
         """A round's evidence block; completes the steps every rank has sent."""
         if block is None:
             return
-        touched = self._add_lists(block) if self.small else self._add_tensor(block)
-        for step in sorted(touched):
-            self._maybe_complete(step)
+        if not (self.small and self._add_lockstep(block)):
+            touched = self._add_lists(block) if self.small else self._add_tensor(block)
+            for step in sorted(touched):
+                self._maybe_complete(step)
         while len(self._rows) > MAX_PENDING_STEPS:
             self._complete(next(iter(self._rows)))
+
+    def _add_lockstep(self, block: EvidenceBlock) -> bool:
+        """`_add_lists` then `_maybe_complete` per step, for the common block where every
+        rank sent the same steps (False, nothing done, for any other): each step's row
+        comes out full, so one that already has its times completes at once, without a
+        `_StepRow` kept and looked up again. Same results, step by step in step order."""
+        if len(block.count) != self.world_size:
+            return False
+        count, first = block.count[0], block.first[0]
+        if count <= 0 or block.count.count(count) != self.world_size:
+            return False
+        if block.first.count(first) != self.world_size:
+            return False
+        rows, times, world = self._rows, self._times, self.world_size
+        pending, recent, scorer = self._pending, self._recent, self.scorer
+        isfinite = math.isfinite
+        per_rank = [block.fields(rank) for rank in range(world)]
+        for offset, fields in enumerate(zip(*per_rank, strict=True)):
+            step = first + offset
+            row = rows.get(step)
+            if row is None:  # as an empty row with every rank's fields set in turn
+                values = [list(f) for f in fields]
+                if step not in times or step in pending:  # waits, or is written: as before
+                    rows[step] = _StepRow(values, world)
+                    self._maybe_complete(step)
+                    continue
+                # _complete, for a row never stored (no judgment to write from it)
+                step_times = times.pop(step)
+                finite = [t for t in step_times if isfinite(t)]
+                if finite:
+                    step_ms = max(finite)
+                    late = self._late(values, step_ms) if world > 1 else None
+                    scorer.add_late(step, late, step_ms)
+                recent.append(values)
+                continue
+            for rank, f in enumerate(fields):  # a step sent before (a repeat): as before
+                row.values[rank] = list(f)
+            row.filled += world
+            self._maybe_complete(step)
+        return True
 
     def _add_lists(self, block: EvidenceBlock) -> set[int]:
         touched: set[int] = set()
@@ -167,8 +206,8 @@ class AnomalyJournal:
             self._write(judgment)
         del self._rows[step]
         self._times.pop(step, None)
-        if self.small:
-            self._recent.append([(v[0], v[2]) for v in row.values])
+        if self.small:  # kept whole (never changed after): `_medians` reads two fields
+            self._recent.append(row.values)
         else:
             kept = row.values[:, [0, 2]]  # infinities read as unknown, as in the list form
             self._history[self._history_at % MEDIAN_STEPS] = kept.where(kept.isfinite(), math.nan)
@@ -207,7 +246,7 @@ class AnomalyJournal:
         arrive, cpu = [], []
         for rank in range(self.world_size):
             arrive.append(_median_low([step[rank][0] for step in self._recent]))
-            cpu.append(_median_low([step[rank][1] for step in self._recent]))
+            cpu.append(_median_low([step[rank][2] for step in self._recent]))
         return tuple(arrive), tuple(cpu)
 
     def flush(self) -> None:

@@ -30,9 +30,9 @@ agent), which logs once and steps capture aside.
 
 from __future__ import annotations
 
+import array
 import collections
 import functools
-import itertools
 import math
 import operator
 from collections.abc import Iterable, Sequence
@@ -184,20 +184,18 @@ def row_length(batch_steps: int) -> int:
     return HEADER + RANGE_SLOTS + 3 * batch_steps + evidence
 
 
-def _encode_evidence(row: list[float], local: LocalRound, batch_steps: int) -> None:
+def _encode_evidence(row: array.array[float], local: LocalRound, batch_steps: int) -> None:
     items = local.evidence
     slots = evidence_slots(batch_steps)
-    if len(items) > slots or any(b[0] != a[0] + 1 for a, b in itertools.pairwise(items)):
+    first = items[0][0] if items else -1
+    if len(items) > slots or [s for s, _ in items] != list(range(first, first + len(items))):
         raise ValueError("evidence steps must be consecutive and fit the round")
     base = HEADER + RANGE_SLOTS + 3 * batch_steps
-    row[base] = float(items[0][0]) if items else -1.0
+    row[base] = float(first)
     row[base + 1] = float(len(items))
     if items:
-        values = []
-        for _, ev in items:
-            values += ev.as_fields()
-        start = base + 2
-        row[start : start + len(values)] = [float(v) for v in values]
+        values = array.array("d", [v for _, ev in items for v in ev.as_fields()])
+        row[base + 2 : base + 2 + len(values)] = values
 
 
 def _decode_evidence(matrix: torch.Tensor, batch_steps: int) -> EvidenceBlock:
@@ -230,42 +228,55 @@ def _evidence_of_rows(rows: list[list[float]], batch_steps: int) -> EvidenceBloc
     return EvidenceBlock(tuple(first), tuple(count), lists=tuple(lists))
 
 
-def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
-    """This rank's round as its fixed-shape float64 row (NaN where empty).
+@functools.cache
+def _empty_row(batch_steps: int) -> array.array[float]:
+    return array.array("d", [math.nan] * row_length(batch_steps))
 
-    Built as a plain list and converted once: a handful of tensor writes would cost the
-    control thread more GIL time than the whole list."""
+
+def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
+    """This rank's round as its fixed-shape float64 row (NaN where empty): `encode_row`,
+    not copied (the tensor keeps the array; nothing else holds it to resize it)."""
+    return torch.frombuffer(encode_row(local, batch_steps), dtype=torch.float64)
+
+
+def encode_row(local: LocalRound, batch_steps: int) -> array.array[float]:
+    """`encode_round`'s row as an `array`: built in a copy of an empty row, as a handful
+    of tensor writes, or `torch.tensor` of a list (a conversion per float), would cost
+    the control thread more GIL time than the whole row."""
     n = len(local.durations_ms)
     if n > batch_steps or len(local.step_flags) != n:
         raise ValueError("round larger than batch_steps or flags/durations mismatch")
-    row = [math.nan] * row_length(batch_steps)
+    row = _empty_row(batch_steps)[:]
     request = local.request
     ranges = request.ranges if request is not None else ()
     if len(ranges) > MAX_RANGES:
         raise ValueError(f"at most {MAX_RANGES} rank ranges per request")
-    row[:HEADER] = [
-        MAGIC,
-        float(local.first_step),
-        float(n),
-        float(local.flags),
-        float(request.number) if request else 0.0,
-        float(local.host_step),
-        float(request.n_steps) if request else 0.0,
-        float(len(ranges)),
-    ]
+    row[:HEADER] = array.array(
+        "d",
+        [
+            MAGIC,
+            float(local.first_step),
+            float(n),
+            float(local.flags),
+            float(request.number) if request else 0.0,
+            float(local.host_step),
+            float(request.n_steps) if request else 0.0,
+            float(len(ranges)),
+        ],
+    )
     for slot, (lo, hi) in enumerate(ranges):
         row[HEADER + 2 * slot] = float(lo)
         row[HEADER + 2 * slot + 1] = float(hi)
     start = HEADER + RANGE_SLOTS
     if n:
-        row[start : start + n] = [float(d) for d in local.durations_ms]
-        row[start + batch_steps : start + batch_steps + n] = [float(f) for f in local.step_flags]
+        row[start : start + n] = array.array("d", local.durations_ms)
+        row[start + batch_steps : start + batch_steps + n] = array.array("d", local.step_flags)
         own = local.self_ms or (0.0,) * n
         if len(own) != n:
             raise ValueError("self_ms and durations mismatch")
-        row[start + 2 * batch_steps : start + 2 * batch_steps + n] = [float(o) for o in own]
+        row[start + 2 * batch_steps : start + 2 * batch_steps + n] = array.array("d", own)
     _encode_evidence(row, local, batch_steps)
-    return torch.tensor(row, dtype=torch.float64)
+    return row
 
 
 def decode_round(
@@ -295,6 +306,14 @@ def decode_round(
     host_steps = tuple(int(h) for h in torch.where(host.isfinite(), host, -1.0).tolist())
     evidence = _decode_evidence(matrix, batch_steps) if with_evidence else None
     return RoundResult(tuple(samples), flags, _request_of(head), host_steps, evidence)
+
+
+def decode_rows(rows: list[list[float]], batch_steps: int, *, with_evidence: bool) -> RoundResult:
+    """`decode_round` of the matrix as lists (its `tolist()`), up to `SMALL_WORLD` ranks:
+    the same result with no tensor at all (`AgentGroup.all_gather_rows`)."""
+    if any(len(row) != row_length(batch_steps) for row in rows):
+        raise ValueError("gathered round has rows of another length")
+    return _decode_rows(rows, batch_steps, with_evidence)
 
 
 def _decode_rows(rows: list[list[float]], batch_steps: int, with_evidence: bool) -> RoundResult:
@@ -578,17 +597,3 @@ class RoundBuilder:
         evidence = self._take_evidence()
         own_ms = tuple(own)
         return LocalRound(first, tuple(durations), tuple(flags), self_ms=own_ms, evidence=evidence)
-
-
-def recent_times(history: Sequence[StepSample], limit: int) -> dict[int, list[float | None]]:
-    """Per rank, the last `limit` step times (None where unknown), for the live status."""
-    tail = list(history)[-limit:]
-    if not tail:
-        return {}
-    world = len(tail[0].times_ms)
-    return {
-        rank: [
-            round(s.times_ms[rank], 3) if math.isfinite(s.times_ms[rank]) else None for s in tail
-        ]
-        for rank in range(world)
-    }

@@ -30,17 +30,20 @@ from distanom.consensus import (
     FLAG_FINAL,
     FLAG_MORE_EVIDENCE,
     REQUEST_LEAD_STEPS,
+    SMALL_WORLD,
     LocalRound,
     RoundBuilder,
     RoundResult,
     decide,
     decode_round,
+    decode_rows,
     encode_round,
+    encode_row,
     lead_steps,
     max_round_steps,
-    recent_times,
     steps_per_round,
 )
+from distanom.control_status import status_body, tracer_report
 from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, CaptureDecision, Detector, StepSample
 from distanom.duty_cycle import DutyCycle
 from distanom.errors import RunDirError
@@ -51,10 +54,10 @@ from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
 from distanom.pacing import pace_s, yield_gil
 from distanom.records.run_info import build_run_info, write_run_info
-from distanom.records.status import CaptureCounts, Status, TracerReport, write_status
+from distanom.records.status import TracerReport, write_status
 from distanom.records.steps import StepsWriter
 from distanom.request_desk import RequestDesk
-from distanom.rundir import RunDir, create_run, json_number, update_latest
+from distanom.rundir import RunDir, create_run, update_latest
 from distanom.version import __version__
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
 
@@ -285,8 +288,10 @@ class ControlLoop:
             items = self.inbox.take(self._sleep_s(due))
             records = [item for item in items if item is not FINAL]
             final = final or len(records) != len(items)
-            builder.add_many([(r.step, r.duration_ms, r.flags, r.self_ms) for r in records])
-            self.evidence.add_gc_many([(r.step, r.gc_ms) for r in records])
+            if records:  # by columns: no tuple made per step (zip reuses its result)
+                steps, durations, flags, own, gc_ms, *_ = zip(*records, strict=True)
+                builder.add_many(zip(steps, durations, flags, own, strict=True))
+                self.evidence.add_gc_many(zip(steps, gc_ms, strict=True))
             self._log_steps(records)
             self._pace_s = 0.0 if final else pace_s(self.detector.median_ms, self._round_steps())
             yield_gil(self._pace_s)
@@ -364,6 +369,7 @@ class ControlLoop:
         pct = None
         if median is not None and math.isfinite(median) and median > 0:
             pct = round((boundary_us + control_us) / 1e3 / median * 100, 4)
+        clock = self.boundaries.clock
         return {
             "steps": steps,
             "boundary_ns": self.boundaries.own_ns,
@@ -371,6 +377,8 @@ class ControlLoop:
             "boundary_us_per_step": round(boundary_us, 2),
             "control_us_per_step": round(control_us, 2),
             "pct_of_median_step": pct,
+            # clock.mode adaptive: steps it timed with the host clock instead of events
+            "host_timed_steps": clock.host_timed_steps if clock is not None else None,
         }
 
     def _round_steps(self) -> int:
@@ -405,10 +413,17 @@ class ControlLoop:
         timeout = None
         if final:
             timeout = min(self.config.consensus.timeout_s, FINAL_ROUND_TIMEOUT_S)
-        row = encode_round(local, batch)
-        self._round_began = time.monotonic()
-        matrix = self.group.all_gather(row, timeout_s=timeout)
-        result = decode_round(matrix, batch, with_evidence=self.world.rank == 0)
+        with_evidence = self.world.rank == 0
+        if self.world.world_size <= SMALL_WORLD:  # as lists: no torch call per round at one rank
+            row = encode_row(local, batch)
+            self._round_began = time.monotonic()
+            rows = self.group.all_gather_rows(row, timeout_s=timeout)
+            result = decode_rows(rows, batch, with_evidence=with_evidence)
+        else:
+            row_tensor = encode_round(local, batch)
+            self._round_began = time.monotonic()
+            matrix = self.group.all_gather(row_tensor, timeout_s=timeout)
+            result = decode_round(matrix, batch, with_evidence=with_evidence)
         if offered is not None:
             self.requests.carried()
         self._after_round(result)
@@ -525,65 +540,28 @@ class ControlLoop:
 
     def tracer_report(self) -> TracerReport:
         """Backend, duty cycle and measured overhead, for the status file."""
-        tracer = self.boundaries.tracer
-        report: TracerReport = {
-            "backend": tracer.name if tracer else None,
-            "note": self.boundaries.tracer_note,
-        }
-        duty = self.duty.report()
-        if duty is not None:
-            report["duty_cycle"] = duty
-            report["overhead_pct"] = duty.get("measured_overhead_pct")
-            report["traced_fraction"] = duty.get("traced_fraction")
-        if tracer is not None:
-            with contextlib.suppress(Exception):
-                report["stats"] = tracer.stats()
-        return report
-
-    def _status(self, state: str) -> Status:
-        counts = self.detector.counts
-        capture = self.health.capture
-        stats = capture.stats if capture else None
-        recent = recent_times(list(self._recent), 16)
-        slowest = sorted(
-            recent,
-            key=lambda r: -max((t for t in recent[r] if t is not None), default=0.0),
-        )
-        captures: CaptureCounts = {
-            "written": stats.written if stats else 0,
-            "bytes": stats.bytes_written if stats else 0,
-            "missed": stats.missed if stats else 0,
-            "skipped_disk": stats.skipped_disk if stats else 0,
-            "failed": stats.failed if stats else None,
-            "errors": stats.errors if stats else 0,
-        }
-        return {
-            "state": state,
-            "run_id": self.run.run_id if self.run else None,
-            "world_size": self.world.world_size,
-            "step": self.boundaries.current_step,
-            "gathered_step": self._gathered_step,
-            "median_ms": json_number(self.detector.median_ms),
-            "threshold_ms": json_number(self.detector.threshold_ms),
-            "recent_ms": {str(rank): times for rank, times in recent.items()},
-            "slowest_ranks": slowest[:8],
-            "detector": vars(counts).copy(),
-            "episodes": self.detector.episode_summaries()[-20:],
-            "captures": captures,
-            "tracer": self.tracer_report(),
-            "capture_off": self.health.capture_off_reason,
-            "consensus_error": self.health.consensus_error,
-            "status_interval_s": self.config.control.status_interval_s,
-            "exit_code": self._outcome[1] if state != "running" else None,
-            "stragglers": self.evidence.scores(),
-            "agent_cost": self.own_cost(),
-        }
+        return tracer_report(self.boundaries, self.duty)
 
     def _write_status(self, state: str) -> None:
         if self.run is None:
             return
-        self.evidence.write_stragglers(self.run)
+        stragglers = self.evidence.write_stragglers(self.run)  # scores for the file and here
         try:
-            write_status(self.run, self._status(state))
+            body = status_body(
+                state,
+                run=self.run,
+                world_size=self.world.world_size,
+                config=self.config,
+                boundaries=self.boundaries,
+                duty=self.duty,
+                detector=self.detector,
+                health=self.health,
+                stragglers=stragglers,
+                recent_samples=list(self._recent),
+                gathered_step=self._gathered_step,
+                exit_code=self._outcome[1],
+                own_cost=self.own_cost(),
+            )
+            write_status(self.run, body)
         except (OSError, ValueError) as err:
             self._warn_once("status", "status file not written (%s)", err)

@@ -136,7 +136,15 @@ class EvidenceCollector:
         """The steps whose evidence became final, in step order."""
         if not self._own_thread:
             self._own_thread = str(threading.get_ident())
-        self._take_marks()
+        marks = self._marks.marks
+        taken = []
+        while marks:
+            taken.append(marks.popleft())
+        if not self._read_fr and not self._open:
+            done = self._unread_evidence(taken)
+            if done is not None:
+                return done
+        self._take_marks(taken)
         if not self._open:
             return []
         if not self._read_fr:
@@ -148,10 +156,32 @@ class EvidenceCollector:
         self._read(now)
         return self._finish(lambda o: o.end_ns <= read_at)
 
-    def _take_marks(self) -> None:
-        marks = self._marks.marks
-        while marks:
-            mark = marks.popleft()
+    def _unread_evidence(
+        self, taken: list[tuple[int, int, int]]
+    ) -> list[tuple[int, StepEvidence]] | None:
+        """Without Flight Recorder reads and no step open, `_take_marks` then `_finish`
+        for marks of consecutive steps (the common case), without an `_Open` per step:
+        every step they end is final at once. None, nothing done, for any other marks."""
+        if not taken or len(taken) > MAX_PENDING_STEPS:
+            return None
+        first = taken[0][0]
+        if [mark[0] for mark in taken] != list(range(first, first + len(taken))):
+            return None  # gaps or repeats: the general path
+        prev = self._last_mark
+        self._last_mark = taken[-1]
+        if prev is None or first != prev[0] + 1:
+            prev, taken = taken[0], taken[1:]  # step 0, or a gap: no start for this step
+        gc, nan, new = self._gc, math.nan, StepEvidence.of_values
+        done = []
+        for mark in taken:  # as `_evidence` of an `_Open` without collectives
+            step, end_ns, cpu_ns = mark
+            cpu_ms = (cpu_ns - prev[2]) / 1e6
+            done.append((step, new(nan, -1, cpu_ms, gc.pop(step, 0.0), (end_ns - prev[1]) / 1e6)))
+            prev = mark
+        return done
+
+    def _take_marks(self, taken: list[tuple[int, int, int]]) -> None:
+        for mark in taken:
             prev = self._last_mark
             self._last_mark = mark
             if prev is None or mark[0] != prev[0] + 1:
@@ -274,7 +304,8 @@ class EvidenceTier:
         self._world_size = world_size
         self._warn_once = warn_once
         self._off = False
-        self._stragglers_written: dict[str, Any] | None = None  # the body last written
+        # the body last written, less scored_steps
+        self._stragglers_written: dict[str, Any] | None = None
         self._traced: set[int] = set()
 
     def add_gc(self, step: int, gc_ms: float) -> None:
@@ -336,19 +367,24 @@ class EvidenceTier:
         """Straggler scores and drift for status.json (None: no journal)."""
         return self.journal.scorer.to_json() if self.journal is not None else None
 
-    def write_stragglers(self, run: RunDir | None, *, final: bool = False) -> None:
-        """Rewrite stragglers.json (rank 0) when the scores changed, or at the end."""
-        if self.journal is None or run is None:
-            return
-        body = self.journal.scorer.to_json()
-        if body == self._stragglers_written and not final:
-            return
+    def write_stragglers(self, run: RunDir | None, *, final: bool = False) -> dict[str, Any] | None:
+        """Rewrite stragglers.json (rank 0) when the stragglers or the drift changed, or
+        at the end; `scored_steps` alone, which grows every round, is no reason (its
+        value in the live file is that of the last change). Returns the scores
+        (`scores()`, built once for the file and status.json)."""
+        body = self.scores()
+        if body is None or run is None:
+            return body
+        news = {key: value for key, value in body.items() if key != "scored_steps"}
+        if news == self._stragglers_written and not final:
+            return body
         try:
             write_stragglers(run, body, final=final)
-            self._stragglers_written = body
+            self._stragglers_written = news
         except (OSError, ValueError) as err:
             # written with status.json: one warning for both
             self._warn_once("status", "status file not written (%s)", err)
+        return body
 
     def close(self, run: RunDir | None) -> None:
         """At the end (rank 0): pending anomalies written, files closed, scores kept."""

@@ -43,7 +43,8 @@ class StepInbox:
         self._ready.clear()
         self._signalled = False
         items = self._items
-        out = []
-        while items:
-            out.append(items.popleft())
+        out: list[Any] = []
+        while items:  # what is queued meanwhile is taken too; each popleft is atomic
+            pop = items.popleft
+            out += [pop() for _ in range(len(items))]
         return out

@@ -12,6 +12,7 @@ This is the only module that imports torch.distributed.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import datetime
 import os
@@ -136,6 +137,17 @@ class AgentGroup:
         except Exception as err:  # gloo raises RuntimeError subclasses on timeout/peer loss
             raise GroupUnavailableError(f"all-gather failed: {err}".splitlines()[0]) from err
         return torch.stack(out)
+
+    def all_gather_rows(
+        self, row: array.array[float], timeout_s: float | None = None
+    ) -> list[list[float]]:
+        """`all_gather` of a float64 row given as an `array`, returned as one list per
+        rank: the gathered matrix's `tolist()`. A job of one rank needs no torch for it
+        (each torch call costs the control thread a cold dispatch per round)."""
+        if self._pg is None:
+            return [row.tolist()]
+        out = self.all_gather(torch.frombuffer(row, dtype=torch.float64), timeout_s)
+        return list(out.tolist())
 
     def close(self) -> None:
         """Release the group while Python is fully alive: left to interpreter shutdown,

@@ -45,6 +45,21 @@ class StepEvidence:
 
     FIELDS = 5  # floats per step in a consensus row (`as_fields`)
 
+    @classmethod
+    def of_values(
+        cls, arrive_ms: float, collectives: int, cpu_ms: float, gc_ms: float, host_ms: float
+    ) -> StepEvidence:
+        """The same evidence as the constructor, made without the frozen dataclass's
+        `object.__setattr__` per field: the control thread makes one per step."""
+        evidence = object.__new__(cls)
+        fields = evidence.__dict__
+        fields["arrive_ms"] = arrive_ms
+        fields["collectives"] = collectives
+        fields["cpu_ms"] = cpu_ms
+        fields["gc_ms"] = gc_ms
+        fields["host_ms"] = host_ms
+        return evidence
+
     def as_fields(self) -> list[float]:
         """The evidence as the floats a consensus row carries (`from_fields` reads them)."""
         return [self.arrive_ms, float(self.collectives), self.cpu_ms, self.gc_ms, self.host_ms]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import datetime
 import multiprocessing as mp
 import time
@@ -22,9 +23,10 @@ def gather_worker(rank: int, size: int, port: int, out: Any) -> None:
     group = AgentGroup(world(rank, size, port), setup_timeout_s=30, op_timeout_s=30)
     row = torch.tensor([float(rank), float(rank) * 10], dtype=torch.float64)
     result = group.all_gather(row)
+    as_lists = group.all_gather_rows(array.array("d", row.tolist()))
     group.publish(f"k{rank}", f"v{rank}")
     seen = [group.lookup(f"k{r}") for r in range(size)]
-    out.put((rank, result.tolist(), seen))
+    out.put((rank, result.tolist(), seen, as_lists))
 
 
 def test_all_gather_and_store_across_four_processes() -> None:
@@ -40,6 +42,7 @@ def test_all_gather_and_store_across_four_processes() -> None:
         proc.join(30)
     expected = [[float(r), float(r) * 10] for r in range(4)]
     assert [r[1] for r in results] == [expected] * 4
+    assert [r[3] for r in results] == [expected] * 4  # all_gather_rows: the same, as lists
     assert [r[2] for r in results] == [[f"v{r}" for r in range(4)]] * 4
     del store
 
@@ -99,3 +102,10 @@ def test_world_info_from_torchrun_environment() -> None:
     assert (info.rank, info.world_size, info.local_rank, info.node_rank) == (5, 8, 1, 1)
     assert info.master_port == 29500 and info.job_id == "abc/2" and info.label == "r5/8"
     assert WorldInfo.from_env({}).world_size == 1
+
+
+def test_a_one_rank_group_gathers_rows_without_a_store() -> None:
+    group = AgentGroup(world(0, 1, 1), setup_timeout_s=1, op_timeout_s=1)
+    row = array.array("d", [1.0, float("nan"), 3.0])
+    gathered = group.all_gather_rows(row)
+    assert repr(gathered) == repr(group.all_gather(torch.frombuffer(row, dtype=torch.float64)).tolist())

@@ -200,6 +200,8 @@ def test_a_gpu_that_never_reaches_the_end_leaves_the_tracer_running(
     agent, _ = started_with(tmp_path, model, tracer)
 
     class HungClock:
+        host_timed_steps = 0
+
         def drain(self, timeout_s: float) -> tuple[list[tuple[int, float]], bool]:
             return [], False
 

@@ -17,8 +17,8 @@ from distanom.consensus import (
     decide,
     decode_round,
     encode_round,
-    recent_times,
 )
+from distanom.control_status import recent_times
 from distanom.detect import Detector, StepSample
 
 
@@ -254,3 +254,145 @@ def test_round_builder_add_many_is_add_per_step() -> None:
         many.add_many(batch)
         assert (many.missing(3), many.pending_steps()) == (one.missing(3), one.pending_steps())
         assert repr(many.take(3)) == repr(one.take(3))
+
+
+def _encode_round_as_lists(local: LocalRound, batch: int) -> list[float]:
+    """The row as `encode_round` built it from a plain list (before its `array` rows)."""
+    from distanom.consensus import HEADER, RANGE_SLOTS, evidence_slots, row_length
+
+    n = len(local.durations_ms)
+    row = [math.nan] * row_length(batch)
+    request = local.request
+    ranges = request.ranges if request is not None else ()
+    row[:HEADER] = [
+        7011.0,
+        float(local.first_step),
+        float(n),
+        float(local.flags),
+        float(request.number) if request else 0.0,
+        float(local.host_step),
+        float(request.n_steps) if request else 0.0,
+        float(len(ranges)),
+    ]
+    for slot, (lo, hi) in enumerate(ranges):
+        row[HEADER + 2 * slot : HEADER + 2 * slot + 2] = [float(lo), float(hi)]
+    start = HEADER + RANGE_SLOTS
+    if n:
+        row[start : start + n] = [float(d) for d in local.durations_ms]
+        row[start + batch : start + batch + n] = [float(f) for f in local.step_flags]
+        own = local.self_ms or (0.0,) * n
+        row[start + 2 * batch : start + 2 * batch + n] = [float(o) for o in own]
+    items = local.evidence
+    assert len(items) <= evidence_slots(batch)
+    base = start + 3 * batch
+    row[base : base + 2] = [float(items[0][0]) if items else -1.0, float(len(items))]
+    values = [float(v) for _, ev in items for v in ev.as_fields()]
+    row[base + 2 : base + 2 + len(values)] = values
+    return row
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    batch=st.integers(1, 6),
+    n=st.integers(0, 6),
+    first=st.integers(1, 10**9),
+    durations=st.lists(st.one_of(st.floats(0.1, 1e4), st.just(math.nan)), min_size=6, max_size=6),
+    bits=st.lists(st.integers(0, 7), min_size=6, max_size=6),
+    own=st.one_of(st.just(()), st.lists(st.floats(0.0, 50.0), min_size=6, max_size=6)),
+    flags=st.integers(0, 7),
+    host=st.integers(-1, 10**9),
+    request=st.one_of(
+        st.none(),
+        st.builds(
+            CaptureRequest,
+            st.integers(1, 1000),
+            st.integers(0, 50),
+            st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99)), max_size=8).map(tuple),
+        ),
+    ),
+    evidence=st.tuples(st.integers(0, 9), st.integers(1, 10**6), st.floats(0.0, 1e3)),
+    gap=st.booleans(),
+)
+def test_encode_round_writes_the_row_the_list_form_did(
+    batch: int,
+    n: int,
+    first: int,
+    durations: list[float],
+    bits: list[int],
+    own: tuple[float, ...] | list[float],
+    flags: int,
+    host: int,
+    request: CaptureRequest | None,
+    evidence: tuple[int, int, float],
+    gap: bool,
+) -> None:
+    from distanom.records.anomalies import StepEvidence
+
+    n = min(n, batch)
+    count, ev_first, value = evidence
+    last = count - 1 if gap and count > 1 else count  # a gap before the last step
+    steps = [ev_first + k + (k >= last) for k in range(count)]
+    items = tuple(
+        (s, StepEvidence(value + k, k - 1, math.nan if k % 3 else value, 0, value * 2))
+        for k, s in enumerate(steps)
+    )
+    local = LocalRound(
+        first, tuple(durations[:n]), tuple(bits[:n]), flags, request,
+        tuple(own[:n]), host_step=host, evidence=items,
+    )  # fmt: skip
+    if (gap and count > 1) or count > batch + 3:
+        with pytest.raises(ValueError):
+            encode_round(local, batch)
+        return
+    row = encode_round(local, batch)
+    assert row.dtype == torch.float64 and row.shape == (len(_encode_round_as_lists(local, batch)),)
+    want = _encode_round_as_lists(local, batch)
+    assert all(_same(a, b) for a, b in zip(row.tolist(), want, strict=True))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    batch=st.integers(1, 6),
+    ranks=st.lists(
+        st.tuples(
+            st.integers(0, 6),  # steps this rank sent (cut to the batch)
+            st.lists(st.one_of(st.floats(0.1, 1e4), st.just(math.nan)), min_size=6, max_size=6),
+            st.lists(st.integers(0, 7), min_size=6, max_size=6),  # STEP_* bits
+            st.integers(-1, 10**6),  # host step
+            st.integers(0, 9),  # evidence steps sent
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    request=st.one_of(st.none(), st.builds(CaptureRequest, st.integers(1, 9), st.integers(0, 3))),
+    with_evidence=st.booleans(),
+)
+def test_rows_as_lists_decode_as_the_gathered_matrix(
+    batch: int,
+    ranks: list[tuple[int, list[float], list[int], int, int]],
+    request: CaptureRequest | None,
+    with_evidence: bool,
+) -> None:
+    """A small world's round gathered as lists (`encode_row`, `all_gather_rows`) decodes
+    to the same result as the tensor matrix (`encode_round`, `all_gather`)."""
+    from distanom.consensus import decode_rows, encode_row
+    from distanom.records.anomalies import StepEvidence
+
+    rows = []
+    for rank, (n, times, bits, host, sent) in enumerate(ranks):
+        n = min(n, batch)
+        evidence = tuple(
+            (7 + k, StepEvidence(1.0 + k, k, math.nan, 0.5, 2.0))
+            for k in range(min(sent, batch + 3))
+        )
+        rows.append(
+            LocalRound(3, tuple(times[:n]), tuple(bits[:n]), rank, request if rank == 0 else None,
+                       tuple(times[:n]), host_step=host, evidence=evidence)
+        )  # fmt: skip
+    as_lists = [encode_row(row, batch).tolist() for row in rows]
+    assert repr(as_lists) == repr([encode_round(row, batch).tolist() for row in rows])
+    want = decode_round(gathered(rows, batch), batch, with_evidence=with_evidence)
+    got = decode_rows(as_lists, batch, with_evidence=with_evidence)
+    assert repr(got) == repr(want)
+    with pytest.raises(ValueError):
+        decode_rows([*as_lists, as_lists[0][:-1]], batch, with_evidence=with_evidence)

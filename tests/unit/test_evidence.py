@@ -286,3 +286,147 @@ def test_journal_takes_a_rounds_times_in_one_call_as_step_by_step(tmp_path: Path
         )
     assert outcomes[0] == outcomes[1]
     assert outcomes[0][0] and outcomes[0][1] > 0  # records were written, steps scored
+
+
+def _journal_outcome(tmp_path: Path, world: int, seed: int, lockstep: bool) -> tuple[object, ...]:
+    """A random run of rounds through one journal: evidence early, late, in lockstep or
+    not, repeated steps, unknown times and arrivals, judged steps."""
+    import random
+
+    rng = random.Random(seed)
+    run = RunDir(tmp_path / f"{world}-{seed}-{lockstep}")
+    run.path.mkdir()
+    journal = AnomalyJournal(world, AnomalyWriter(run))
+    if not lockstep:
+        journal._add_lockstep = lambda block: False  # type: ignore[method-assign]
+    sent = [1] * world  # per rank, the next step whose evidence it sends
+    timed = 1
+    for _ in range(40):
+        n = rng.randint(1, 12)
+        steps = []
+        for step in range(timed, timed + n):
+            times = tuple(
+                math.nan if rng.random() < 0.05 else 40.0 + rng.random() * 5 for _ in range(world)
+            )
+            steps.append((step, times))
+        journal.add_judgments([judgment(s) for s, _ in steps if rng.random() < 0.15])
+        journal.add_times_many(steps)
+        timed += n
+        items = []
+        together = rng.random() < 0.7  # every rank sends the same steps
+        count = rng.randint(0, 14)
+        if together:  # lagging ranks skip steps (a gap), or all repeat steps sent before
+            back = 2 if rng.random() < 0.1 else 0
+            sent = [max(1, max(sent) - back)] * world
+        for rank in range(world):
+            k = count if together else rng.randint(0, 14)
+            if not together and rng.random() < 0.05:
+                sent[rank] = max(1, sent[rank] - 2)  # a repeat of steps sent before
+            for step in range(sent[rank], sent[rank] + k):
+                arrive = math.nan if rng.random() < 0.1 else 10.0 + rng.random() * 20
+                items.append((rank, step, StepEvidence(arrive, 1, 1.0 + rank, 0.1, 40.0)))
+            sent[rank] += k
+        journal.add_evidence(EvidenceBlock.from_items(world, items, lists=True))
+    medians = journal._medians()
+    pending = sorted(journal._pending)
+    journal.flush()
+    return (
+        [record.to_json() for record in read_anomalies(run)],
+        journal.scorer.to_json(),
+        repr(vars(journal.scorer)),
+        list(journal.scorer._first_ms),
+        list(journal.scorer._last_ms),
+        repr(medians),
+        sorted(journal._rows),
+        {s: (r.filled, repr(r.values)) for s, r in journal._rows.items()},
+        sorted(journal._times),
+        pending,
+    )
+
+
+def journal_steps(outcome: tuple[object, ...]) -> int:
+    scores = outcome[1]
+    assert isinstance(scores, dict)
+    return int(scores["scored_steps"])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(6))
+def test_journal_lockstep_path_is_the_step_by_step_one(
+    tmp_path: Path, world: int, seed: int
+) -> None:
+    """Blocks where every rank sent the same steps complete without a row per step kept:
+    the same records, scores, medians and steps still waiting as the general path."""
+    fast = _journal_outcome(tmp_path, world, seed, lockstep=True)
+    general = _journal_outcome(tmp_path, world, seed, lockstep=False)
+    assert fast == general
+    assert fast[0] and journal_steps(fast) > 0  # records written, steps scored
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_unread_marks_make_the_evidence_the_open_steps_did(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Without Flight Recorder reads, consecutive marks become evidence without an open
+    step each: the same evidence, GC times left and last mark as the general path, for
+    consecutive marks, gaps, repeats and restarts."""
+    import random
+
+    monkeypatch.setattr(evidence_module, "MAX_PENDING_STEPS", 40)
+    rng = random.Random(seed)
+    polls: list[list[tuple[int, int, int]]] = []
+    step, ns = rng.randint(0, 3), 0
+    for _ in range(30):
+        batch = []
+        for _ in range(rng.choice([0, 1, 5, 12, 45])):
+            roll = rng.random()
+            step = 0 if roll < 0.02 else step - 1 if roll < 0.05 else step + 1 + (roll < 0.1)
+            ns += rng.randint(1, 10**7)
+            batch.append((step, ns, ns // 3 + rng.randint(0, 10**5)))
+        polls.append(batch)
+    outcomes = []
+    for general in (False, True):
+        marks = EvidenceMarks()
+        collector = EvidenceCollector(marks, read_fr=False)
+        if general:
+            monkeypatch.setattr(collector, "_unread_evidence", lambda taken: None)
+        got = []
+        for batch in polls:
+            marks.marks.extend(batch)
+            collector.add_gc_many((s, 0.25 * s) for s, _, _ in batch if s % 3)
+            got.append(collector.poll())
+        outcomes.append((got, dict(collector._gc), collector._last_mark, dict(collector._open)))
+    assert outcomes[0] == outcomes[1]
+    assert sum(len(g) for g in outcomes[0][0]) > 50
+
+
+def test_step_evidence_of_values_is_the_constructed_evidence() -> None:
+    made = StepEvidence.of_values(math.nan, -1, 1.5, 0.25, 3.0)
+    built = StepEvidence(cpu_ms=1.5, gc_ms=0.25, host_ms=3.0)
+    assert made == built and hash(made) == hash(built) and repr(made) == repr(built)
+    assert vars(made) == vars(built) and made.as_fields()[1:] == built.as_fields()[1:]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.cpu_ms = 2.0  # type: ignore[misc]
+
+
+def test_stragglers_json_is_rewritten_when_the_scores_change_not_per_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round that only scores more steps (no straggler, no drift) writes nothing; the
+    end writes the final body."""
+    from distanom.anomaly_journal import AnomalyJournal
+    from distanom.evidence import EvidenceMarks, EvidenceTier
+
+    written: list[dict[str, object]] = []
+    monkeypatch.setattr(
+        evidence_module, "write_stragglers", lambda run, body, final: written.append(body)
+    )
+    tier = EvidenceTier(EvidenceMarks(), 2, lambda *args: None)
+    tier.journal = AnomalyJournal(2, None)
+    run = object()
+    for step in range(1, 40):
+        tier.journal.scorer.add_late(step, (), 10.0)
+        tier.write_stragglers(run)  # type: ignore[arg-type]
+    assert len(written) == 1
+    tier.write_stragglers(run, final=True)  # type: ignore[arg-type]
+    assert len(written) == 2 and written[-1]["scored_steps"] == 39

@@ -9,6 +9,7 @@ import math
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -106,15 +107,18 @@ def test_a_fast_loop_is_gathered_in_rounds_of_several_steps(tmp_path: Path) -> N
 def test_a_heavy_round_is_charged_to_the_steps_it_overlapped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    decode = control_loop.decode_round
+    def slowed(decode: Any) -> Any:
+        def slow_decode(*args: object, **kwargs: object) -> object:
+            spin_until = time.thread_time() + 0.03  # a round holding the GIL for 30 ms of CPU
+            while time.thread_time() < spin_until:
+                pass
+            return decode(*args, **kwargs)
 
-    def slow_decode(*args: object, **kwargs: object) -> object:
-        spin_until = time.thread_time() + 0.03  # a round that holds the GIL for 30 ms of CPU
-        while time.thread_time() < spin_until:
-            pass
-        return decode(*args, **kwargs)  # type: ignore[arg-type]
+        return slow_decode
 
-    monkeypatch.setattr(control_loop, "decode_round", slow_decode)
+    # a small world's rounds are decoded from lists, a large one's from the tensor
+    monkeypatch.setattr(control_loop, "decode_rows", slowed(control_loop.decode_rows))
+    monkeypatch.setattr(control_loop, "decode_round", slowed(control_loop.decode_round))
     agent = run_agent(tmp_path, 120, 0.002)
     assert agent.control.rounds_charged >= 3
     assert agent.run is not None
@@ -152,13 +156,16 @@ def test_rounds_stay_within_half_the_trace_history() -> None:
 def test_a_round_waiting_without_working_is_not_charged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    decode = control_loop.decode_round
+    def idled(decode: Any) -> Any:
+        def idle_decode(*args: object, **kwargs: object) -> object:
+            time.sleep(0.03)  # waiting (the GIL released) takes nothing from training
+            return decode(*args, **kwargs)
 
-    def idle_decode(*args: object, **kwargs: object) -> object:
-        time.sleep(0.03)  # waiting (the GIL released) takes nothing from training
-        return decode(*args, **kwargs)  # type: ignore[arg-type]
+        return idle_decode
 
-    monkeypatch.setattr(control_loop, "decode_round", idle_decode)
+    # a small world's rounds are decoded from lists, a large one's from the tensor
+    monkeypatch.setattr(control_loop, "decode_rows", idled(control_loop.decode_rows))
+    monkeypatch.setattr(control_loop, "decode_round", idled(control_loop.decode_round))
     agent = run_agent(tmp_path, 80, 0.002)
     # charged by wall time, every round would add its 30 ms of waiting; by CPU time a
     # round adds its own work at most (a few ms on a slow CPU), whether or not that work
@@ -272,3 +279,11 @@ def test_the_pause_is_one_median_step_at_most_10_ms_and_an_eighth_of_a_round() -
     # rounds of one step (consensus.batch_steps: 1): three pauses in a round must not
     # outlast its step, or the thread falls behind for good
     assert 3 * pacing.pace_s(5.0, 1) <= 0.005 * 0.5
+
+
+def test_the_round_loop_reads_step_records_by_column_in_this_order() -> None:
+    """The round loop transposes a round's records (`zip(*records)`) and reads its first
+    five columns by position: a field moved in `StepRecord` must fail here."""
+    from distanom.boundary import StepRecord
+
+    assert StepRecord._fields[:5] == ("step", "duration_ms", "flags", "self_ms", "gc_ms")

@@ -1,0 +1,108 @@
+"""Rank 0's status.json body, from the control loop's state (`ControlLoop._write_status`).
+
+Kept apart from `distanom.control_loop` (the thread and its rounds): what the live
+status shows of the gathered steps, the detector, captures, tracer and own cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from distanom.boundary import StepBoundaries
+from distanom.config import Config
+from distanom.detect import Detector, StepSample
+from distanom.duty_cycle import DutyCycle
+from distanom.health import Health
+from distanom.records.status import CaptureCounts, Status, TracerReport
+from distanom.rundir import RunDir, json_number
+
+
+def tracer_report(boundaries: StepBoundaries, duty: DutyCycle) -> TracerReport:
+    """Backend, duty cycle and measured overhead, for the status file."""
+    tracer = boundaries.tracer
+    report: TracerReport = {
+        "backend": tracer.name if tracer else None,
+        "note": boundaries.tracer_note,
+    }
+    duty_report = duty.report()
+    if duty_report is not None:
+        report["duty_cycle"] = duty_report
+        report["overhead_pct"] = duty_report.get("measured_overhead_pct")
+        report["traced_fraction"] = duty_report.get("traced_fraction")
+    if tracer is not None:
+        with contextlib.suppress(Exception):
+            report["stats"] = tracer.stats()
+    return report
+
+
+def status_body(
+    state: str,
+    *,
+    run: RunDir | None,
+    world_size: int,
+    config: Config,
+    boundaries: StepBoundaries,
+    duty: DutyCycle,
+    detector: Detector,
+    health: Health,
+    stragglers: dict[str, Any] | None,
+    recent_samples: Sequence[StepSample],
+    gathered_step: int,
+    exit_code: int,
+    own_cost: dict[str, float | int | None],
+) -> Status:
+    """The status file's body in `state` (running, finished, failed, interrupted)."""
+    counts = detector.counts
+    capture = health.capture
+    stats = capture.stats if capture else None
+    recent = recent_times(recent_samples, 16)
+    slowest = sorted(
+        recent,
+        key=lambda r: -max((t for t in recent[r] if t is not None), default=0.0),
+    )
+    captures: CaptureCounts = {
+        "written": stats.written if stats else 0,
+        "bytes": stats.bytes_written if stats else 0,
+        "missed": stats.missed if stats else 0,
+        "skipped_disk": stats.skipped_disk if stats else 0,
+        "failed": stats.failed if stats else None,
+        "errors": stats.errors if stats else 0,
+    }
+    return {
+        "state": state,
+        "run_id": run.run_id if run else None,
+        "world_size": world_size,
+        "step": boundaries.current_step,
+        "gathered_step": gathered_step,
+        "median_ms": json_number(detector.median_ms),
+        "threshold_ms": json_number(detector.threshold_ms),
+        "recent_ms": {str(rank): times for rank, times in recent.items()},
+        "slowest_ranks": slowest[:8],
+        "detector": vars(counts).copy(),
+        "episodes": detector.episode_summaries()[-20:],
+        "captures": captures,
+        "tracer": tracer_report(boundaries, duty),
+        "capture_off": health.capture_off_reason,
+        "consensus_error": health.consensus_error,
+        "status_interval_s": config.control.status_interval_s,
+        "exit_code": exit_code if state != "running" else None,
+        "stragglers": stragglers,
+        "agent_cost": own_cost,
+    }
+
+
+def recent_times(history: Sequence[StepSample], limit: int) -> dict[int, list[float | None]]:
+    """Per rank, the last `limit` step times (None where unknown), for the live status."""
+    tail = list(history)[-limit:]
+    if not tail:
+        return {}
+    world = len(tail[0].times_ms)
+    return {
+        rank: [
+            round(s.times_ms[rank], 3) if math.isfinite(s.times_ms[rank]) else None for s in tail
+        ]
+        for rank in range(world)
+    }
