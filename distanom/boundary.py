@@ -358,7 +358,7 @@ class StepBoundaries:
         except Exception as err:
             self._warn_once("clock", "clock: cannot time steps (%s); detection stops", err)
             return
-        use_cuda = mode in ("cuda_event", "host_sync") or (
+        use_cuda = mode in ("cuda_event", "host_sync", "adaptive") or (
             torch.cuda.is_available() and torch.cuda.is_initialized()
         )
         try:

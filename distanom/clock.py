@@ -10,6 +10,16 @@ became known since the last call, as `(step, duration_ms)` pairs in step order:
 - `host_sync`: the seed recipe: `torch.cuda.synchronize()` then the host clock, exact
   and immediate, at the cost of a synchronize per step.
 - `host`: the host clock alone (CPU training, where there is nothing to wait for).
+- `adaptive` (opt-in): CUDA events while they are needed or cheap next to the step;
+  the host clock while steps are short (under `HOST_BELOW_MS`, where an event per step
+  costs 0.5% and more of a launch-bound step on the H200 VM: docs/agent.md) and the GPU
+  keeps up with the host, which is when both clocks give the same durations. It
+  switches to the host clock only after `AGREE_STEPS` event-timed steps agreed with the
+  host clock within a step of the GPU; while on it, a pair of events every
+  `CHECK_EVERY` steps checks that they still agree, and a check that fails or a step
+  `SPIKE_FACTOR` times the typical one brings the events back. What it gives up (why it
+  is not the default): a GPU delay the host never waits for is not seen at all, and one
+  it waits for is timed where the host waited, judged as a host stall, not `gpu_work`.
 
 The event clock runs at every step of a launch-bound loop, so it makes as few calls as
 it can (`CudaEventCalls`, docs/agent.md): the current stream is read as a tuple from
@@ -27,6 +37,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,15 +49,25 @@ MAX_PENDING_EVENTS = 256
 # (far below the tracer's history, which the capture decision must not outlive).
 POLL_EVERY = 4
 NOTHING_NEW: tuple[tuple[int, float], ...] = ()
+# The adaptive mode (see the module docstring; measured in docs/agent.md):
+HOST_BELOW_MS = 10.0  # the host clock only for steps shorter than this
+AGREE_STEPS = 256  # consecutive event-timed steps that must agree before the host clock
+AGREE_SHARE, AGREE_FLOOR_MS = 0.1, 0.2  # agreement: within 10% of the step plus 0.2 ms
+CHECK_EVERY = 128  # on the host clock, an event pair checks the agreement this often
+EVENT_STEPS_AFTER_DISAGREEMENT = 4096  # a failed check keeps the events at least this long
+SPIKE_FACTOR = 1.5  # a host-timed step this much over the typical one brings events back
+TYPICAL_WEIGHT = 1 / 32  # the typical step: an exponential average of the durations
 
 
 def resolve_mode(mode: str) -> str:
-    """Turn `auto` into a concrete mode for this process (called at the first step end)."""
+    """Turn `auto` (and `adaptive` without a GPU) into a concrete mode for this process
+    (called at the first step end)."""
+    gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if mode == "adaptive" and not gpu:
+        return "host"  # nothing to adapt to: the host clock is all it would use
     if mode != "auto":
         return mode
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return "cuda_event"
-    return "host"
+    return "cuda_event" if gpu else "host"
 
 
 class CudaEventCalls:
@@ -93,13 +114,38 @@ class CudaEventCalls:
         return key[1] if isinstance(key, tuple) else getattr(key, "device_index", None)
 
 
+@dataclass(slots=True)
+class AdaptiveState:
+    """What the adaptive mode keeps between boundaries."""
+
+    on_host: bool = False  # timing by the host clock now
+    want_host: bool = False  # the event-timed steps agreed: switch when the GPU is idle
+    agreeing: int = 0  # consecutive event-timed steps that agreed with the host clock
+    host_not_before: int = 0  # no switch to the host clock before this step
+    typical_ms: float | None = None  # exponential average of the durations
+    host_ns: dict[int, int] = field(default_factory=dict)  # event-timed: host time per boundary
+    until_check: int = CHECK_EVERY
+    check: list[tuple[int, Any, float]] = field(default_factory=list)  # a check pair so far
+    check_events: list[Any] = field(default_factory=list)
+    check_device: Any = None
+    check_generation: int = 0  # the stream generation the pair so far was recorded on
+    host_steps: int = 0
+    switches: int = 0
+
+
 class StepClock:
     """Times consecutive step boundaries; see the module docstring for the modes."""
 
-    def __init__(self, mode: str, calls: CudaEventCalls | None = None) -> None:
-        if mode not in ("cuda_event", "host_sync", "host"):
+    def __init__(
+        self,
+        mode: str,
+        calls: CudaEventCalls | None = None,
+        now_ns: Callable[[], int] = time.perf_counter_ns,
+    ) -> None:
+        if mode not in ("cuda_event", "host_sync", "host", "adaptive"):
             raise ValueError(f"unknown clock mode {mode!r}")
         self.mode = mode
+        self._now_ns = now_ns
         self._last_host_ns: int | None = None
         self._last_step: int | None = None
         # (step, event, stream generation, device) in record order; events of two devices
@@ -108,7 +154,8 @@ class StepClock:
         # (step, event, device) of the newest boundary the GPU has passed
         self._previous_event: tuple[int, Any, Any] | None = None
         self._spare_events: list[Any] = []
-        self._calls = calls if calls is not None or mode != "cuda_event" else CudaEventCalls()
+        events = mode in ("cuda_event", "adaptive")
+        self._calls = calls if calls is not None or not events else CudaEventCalls()
         self._stream_key: Any = None
         self._stream: Any = None
         self._generation = 0  # counts the streams events were recorded on
@@ -116,11 +163,25 @@ class StepClock:
         self._behind = 1  # how many boundaries the GPU had not passed at the last poll
         self._until_poll = POLL_EVERY
         self.lost_boundaries = 0
+        self._adaptive = AdaptiveState() if mode == "adaptive" else None
+
+    @property
+    def on_host_clock(self) -> bool:
+        """Whether steps are timed by the host clock now (an adaptive clock switches)."""
+        adaptive = self._adaptive
+        return self.mode != "cuda_event" if adaptive is None else adaptive.on_host
+
+    @property
+    def host_timed_steps(self) -> int:
+        """Steps an adaptive clock timed with the host clock so far."""
+        return self._adaptive.host_steps if self._adaptive is not None else 0
 
     def mark(self, step: int) -> Sequence[tuple[int, float]]:
         """Mark the end of `step`; returns the (step, duration_ms) pairs that became known."""
         if self.mode == "cuda_event":
             return self._mark_event(step)
+        if self._adaptive is not None:
+            return self._mark_adaptive(step, self._adaptive)
         if self.mode == "host_sync":
             torch.cuda.synchronize()
         now = time.perf_counter_ns()
@@ -130,9 +191,9 @@ class StepClock:
         self._last_host_ns, self._last_step = now, step
         return out
 
-    def _mark_event(self, step: int) -> Sequence[tuple[int, float]]:
-        calls = self._calls
-        assert calls is not None
+    def _follow_stream(self, calls: CudaEventCalls) -> None:
+        """Look up the current stream; a new one starts a generation (and a new device
+        drops the spare events, which record on their own device only)."""
         key = calls.stream_key()
         if key != self._stream_key:
             self._stream_key, self._stream = key, calls.stream_of(key)
@@ -140,7 +201,12 @@ class StepClock:
             device = calls.device_of(key)
             if device != self._device:  # the script moved to another GPU
                 self._device = device
-                self._spare_events.clear()  # an event records on its own device only
+                self._spare_events.clear()
+
+    def _mark_event(self, step: int) -> Sequence[tuple[int, float]]:
+        calls = self._calls
+        assert calls is not None
+        self._follow_stream(calls)
         spare = self._spare_events
         event = spare.pop() if spare else calls.new_event()
         calls.record(event, self._stream)
@@ -208,9 +274,11 @@ class StepClock:
         Returns the durations and whether the GPU got through; boundaries it never
         reached are dropped and counted in `lost_boundaries`."""
         out: list[tuple[int, float]] = []
-        if self.mode != "cuda_event":
+        if self.mode not in ("cuda_event", "adaptive"):
             return out, True
         deadline = time.monotonic() + timeout_s
+        if self._adaptive is not None and self._adaptive.on_host:
+            return out, self._gpu_passes_a_last_event(deadline)
         while True:
             out += self.poll()
             if not self._pending:
@@ -220,3 +288,153 @@ class StepClock:
                 self._pending.clear()
                 return out, False
             time.sleep(0.001)
+
+    def _gpu_passes_a_last_event(self, deadline: float) -> bool:
+        """On the host clock at the end: whether the GPU gets through its queued work by
+        `deadline` (an event recorded now, polled; a hung GPU must not hang the exit)."""
+        calls = self._calls
+        assert calls is not None
+        self._follow_stream(calls)
+        event = calls.new_event()
+        calls.record(event, self._stream)
+        while not calls.query(event):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    # -- the adaptive mode -----------------------------------------------------------------
+
+    def _mark_adaptive(self, step: int, state: AdaptiveState) -> Sequence[tuple[int, float]]:
+        now = self._now_ns()
+        last_ns, last_step = self._last_host_ns, self._last_step
+        self._last_host_ns, self._last_step = now, step
+        follows = last_ns is not None and last_step == step - 1
+        if state.on_host:
+            if not follows or last_ns is None:
+                return NOTHING_NEW
+            ms = (now - last_ns) / 1e6
+            state.host_steps += 1
+            typical = state.typical_ms
+            if typical is not None and ms > SPIKE_FACTOR * typical:
+                # a slow step: time the next ones on the GPU (this one stays host-timed)
+                return self._back_to_events(step, now, ms, state, step + AGREE_STEPS)
+            if typical is not None:
+                state.typical_ms = typical = typical + (ms - typical) * TYPICAL_WEIGHT
+                if typical >= HOST_BELOW_MS:  # steps grew: an event per step is cheap again
+                    return self._back_to_events(step, now, ms, state, step + AGREE_STEPS)
+            state.until_check -= 1
+            if state.until_check <= 0 and not self._check_agrees(step, ms, state):
+                hold = step + EVENT_STEPS_AFTER_DISAGREEMENT
+                return self._back_to_events(step, now, ms, state, hold)
+            return ((step, ms),)
+        polled: list[tuple[int, float]] = []
+        if state.want_host:
+            polled, switched = self._to_host(step, now, last_ns if follows else None, state)
+            if switched:
+                return polled
+        out = self._mark_event(step)
+        state.host_ns[step] = now
+        if out:
+            self._judge_agreement(out, state)
+        return [*polled, *out] if polled else out
+
+    def _judge_agreement(self, out: Sequence[tuple[int, float]], state: AdaptiveState) -> None:
+        """Compare event-timed durations with the host clock's for the same steps; ask for
+        the host clock once enough consecutive short steps agreed."""
+        host_ns = state.host_ns
+        for step, ms in out:
+            end, start = host_ns.get(step), host_ns.pop(step - 1, None)
+            typical = state.typical_ms
+            state.typical_ms = ms if typical is None else typical + (ms - typical) * TYPICAL_WEIGHT
+            if end is None or start is None:
+                continue  # a gap (no earlier boundary): nothing to compare, no disagreement
+            if abs((end - start) / 1e6 - ms) <= AGREE_SHARE * ms + AGREE_FLOOR_MS:
+                state.agreeing += 1
+            else:
+                state.agreeing = 0
+        if self._behind > 1:  # the GPU was more than a step behind the host at this poll
+            state.agreeing = 0
+        if len(host_ns) > 2 * MAX_PENDING_EVENTS:  # boundaries the GPU never timed
+            newest = out[-1][0]
+            for old in [s for s in host_ns if s < newest]:
+                del host_ns[old]
+        typical = state.typical_ms
+        state.want_host = (
+            state.agreeing >= AGREE_STEPS
+            and typical is not None
+            and typical < HOST_BELOW_MS
+            and out[-1][0] >= state.host_not_before
+        )
+
+    def _to_host(
+        self, step: int, now: int, last_ns: int | None, state: AdaptiveState
+    ) -> tuple[list[tuple[int, float]], bool]:
+        """Switch to the host clock at this boundary if the GPU has passed every event
+        (so no step is timed twice, and durations stay in step order). Returns the
+        durations read on the way (kept even when it does not switch) and whether it did."""
+        calls, pending = self._calls, self._pending
+        assert calls is not None
+        if pending and not calls.query(pending[-1][1]):
+            return [], False
+        out = self.poll() if pending else []
+        if pending:  # another stream's events, passed out of order: next boundary
+            return out, False
+        if last_ns is not None:
+            out.append((step, (now - last_ns) / 1e6))
+            state.host_steps += 1
+        previous = self._previous_event
+        if previous is not None and previous[2] == self._device:
+            self._spare_events.append(previous[1])
+        self._previous_event = None
+        state.on_host, state.want_host, state.agreeing = True, False, 0
+        state.until_check, state.switches = CHECK_EVERY, state.switches + 1
+        state.host_ns.clear()
+        return out, True
+
+    def _back_to_events(
+        self, step: int, now: int, ms: float, state: AdaptiveState, hold_until: int
+    ) -> Sequence[tuple[int, float]]:
+        """Leave the host clock at this boundary: this step is host-timed, its event
+        starts the next step's duration."""
+        state.on_host, state.agreeing, state.switches = False, 0, state.switches + 1
+        state.host_not_before = hold_until
+        state.check.clear()
+        state.host_ns.clear()
+        self._previous_event = None
+        out = [(step, ms), *self._mark_event(step)]
+        state.host_ns[step] = now
+        return out
+
+    def _check_agrees(self, step: int, host_ms: float, state: AdaptiveState) -> bool:
+        """On the host clock: record a pair of events on two consecutive boundaries, and
+        at the one after, compare their GPU time with the host's. False when it differs
+        or the GPU has not passed the pair a step later (it fell behind the host)."""
+        calls = self._calls
+        assert calls is not None
+        check = state.check
+        if len(check) < 2:
+            self._follow_stream(calls)
+            if state.check_device != self._device or len(state.check_events) < 2:
+                state.check_events = [calls.new_event(), calls.new_event()]
+                state.check_device = self._device
+                check.clear()  # a pair never spans two devices
+            if check and state.check_generation != self._generation:
+                check.clear()  # nor two streams: start the pair again on this one
+            state.check_generation = self._generation
+            event = state.check_events[len(check)]
+            calls.record(event, self._stream)
+            check.append((step, event, host_ms))
+            return True
+        (first_step, first, _), (second_step, second, pair_host_ms) = check
+        check.clear()
+        state.until_check = CHECK_EVERY
+        if second_step != first_step + 1 or step != second_step + 1:
+            return True  # not consecutive (cannot happen while steps count by one)
+        if not (calls.query(first) and calls.query(second)):
+            return False
+        try:
+            gpu_ms = float(calls.elapsed_ms(first, second))
+        except Exception:  # an unreadable pair: time with events again, never stop timing
+            return False
+        return abs(pair_host_ms - gpu_ms) <= AGREE_SHARE * gpu_ms + AGREE_FLOOR_MS

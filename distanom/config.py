@@ -74,12 +74,14 @@ class StepConfig(_Section):
 class ClockConfig(_Section):
     """`clock:` how a step's duration is measured."""
 
-    mode: Literal["auto", "cuda_event", "host_sync", "host"] = Field(
+    mode: Literal["auto", "adaptive", "cuda_event", "host_sync", "host"] = Field(
         "auto",
-        description="how a step is timed: 'cuda_event' (GPU events, read without a "
-        "synchronize, decisions lag a step or two), 'host_sync' (the seed recipe: host "
-        "clock after torch.cuda.synchronize()), 'host' (host clock only); 'auto': "
-        "cuda_event when the job uses CUDA, host otherwise",
+        description="how a step is timed: 'cuda_event' (a GPU event per step, read without "
+        "a synchronize, decisions lag a step or two), 'adaptive' (GPU events, and the host "
+        "clock while steps are under 10 ms and the GPU keeps up with the host: cheaper, "
+        "but a GPU delay the host does not wait for goes unseen), 'host_sync' (the seed "
+        "recipe: host clock after torch.cuda.synchronize()), 'host' (host clock only); "
+        "'auto': cuda_event when the job uses CUDA, host otherwise",
     )
 
 
