@@ -223,6 +223,9 @@ class OverheadGovernor:
         self.first_step = first_step
         self._recorded = 0  # steps recorded so far
         self._steps_traced = 0
+        # every switch of tracing seen in the data, the duty cycle's and any other (a
+        # planned or requested capture): the costed switches are only the duty cycle's
+        self._tracing_starts = self._tracing_stops = 0
         self._pending_times: list[float | None] = []  # the window being filled
         self._pending_flags: list[bool] = []
         self._pending_switches: list[float] = []
@@ -282,6 +285,11 @@ class OverheadGovernor:
             raise ValueError(f"step time must be finite and >= 0, or None, got {step_time_s!r}")
         self._recorded += 1
         self._steps_traced += bool(traced)
+        if self._previous_traced is not None and self._previous_traced != bool(traced):
+            if traced:
+                self._tracing_starts += 1
+            else:
+                self._tracing_stops += 1
         # a duty-cycle switch: the first step of a window, after a fully traced window
         # (a requested capture inside an untraced window is not the duty cycle's cost)
         switch = (
@@ -517,6 +525,8 @@ class OverheadGovernor:
             "switches_off": costs.offs,
             "switch_excess_ms": excess_ms(costs.switch_off),
             "switches_on": costs.ons,
+            "tracing_starts": self._tracing_starts,
+            "tracing_stops": self._tracing_stops,
             "switch_on_excess_ms": excess_ms(costs.switch_on),
             "steps_recorded": recorded,
             "steps_traced": self._steps_traced,

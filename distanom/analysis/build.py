@@ -96,6 +96,7 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
         else None,
         tracer=status.get("tracer") or {},
         detector=status.get("detector") or {},
+        agent_cost=status.get("agent_cost") or {},
         episodes=status.get("episodes") or [],
         capture_state=CaptureState(
             written=counters.get("written"),

@@ -217,3 +217,5 @@ class Report:
     """Ranks the others kept waiting for, most severe first (stragglers.json)."""
     drift: dict[str, Any] | None = None
     """The whole job's slowdown from its first to its last steps, when there was one."""
+    agent_cost: dict[str, Any] = field(default_factory=dict)
+    """distanom's own time per step on rank 0, as status.json's `agent_cost` holds it."""

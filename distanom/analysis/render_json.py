@@ -43,6 +43,7 @@ def report_json(report: Report) -> dict[str, Any]:
         },
         "tracer": report.tracer,
         "detector": report.detector,
+        "agent_cost": report.agent_cost,
         "episodes": report.episodes,
         "capture_state": {
             "written": state.written,

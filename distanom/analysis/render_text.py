@@ -112,6 +112,26 @@ def _cross_rank_lines(capture: Capture) -> list[str]:
     return lines
 
 
+def _agent_cost_lines(cost: dict[str, Any], tracer: dict[str, Any]) -> list[str]:
+    """distanom's own time beside tracing's (rank 0), and the two together."""
+    pct = cost.get("pct_of_median_step")
+    boundary, control = cost.get("boundary_us_per_step"), cost.get("control_us_per_step")
+    numbers = (int, float)
+    if not (isinstance(pct, numbers) and isinstance(boundary, numbers)):
+        return []
+    if not isinstance(control, numbers):
+        return []
+    # CPU time: a launch-bound loop may pay more (GIL hand-overs, caches; docs/agent.md)
+    line = (
+        f"  distanom's own time (rank 0): {boundary:.1f} us at each step end + {control:.1f} "
+        f"us of its threads' CPU per step = {pct:.2f}% of the median step"
+    )
+    tracing = (tracer.get("duty_cycle") or {}).get("effective_overhead_pct")
+    if isinstance(tracing, numbers):
+        line += f"; with tracing about {pct + tracing:.2f}% of the run"
+    return [line]
+
+
 def _overhead_lines(tracer: dict[str, Any]) -> list[str]:
     """The run's own measure of what tracing cost (traced vs untraced windows)."""
     duty = tracer.get("duty_cycle") or {}
@@ -132,16 +152,23 @@ def _overhead_lines(tracer: dict[str, Any]) -> list[str]:
     if isinstance(budget, (int, float)):
         line += f" (budget {budget:g}%)"
     lines = [line]
-    for direction, count_key, excess_key in (
-        ("on", "switches_on", "switch_on_excess_ms"),
-        ("off", "switches_off", "switch_excess_ms"),
+    for direction, count_key, excess_key, all_key in (
+        ("on", "switches_on", "switch_on_excess_ms", "tracing_starts"),
+        ("off", "switches_off", "switch_excess_ms", "tracing_stops"),
     ):
         switch_ms, switches = duty.get(excess_key), duty.get(count_key)
         if isinstance(switch_ms, (int, float)) and isinstance(switches, int) and switches:
+            every = duty.get(all_key)
+            # the duty cycle's switches are costed; planned and requested ones are charged
+            head = f"  tracing switched {direction} {switches} time(s)"
+            if isinstance(every, int) and every > switches:
+                head = (
+                    f"  tracing switched {direction} {every} time(s), {switches} by the duty "
+                    "cycle (the others for planned or requested captures)"
+                )
             lines.append(
-                f"  tracing switched {direction} {switches} time(s); the step after a switch "
-                f"ran {switch_ms:.1f} ms longer (median of the recent ones), counted in the "
-                "overhead"
+                f"{head}; the step after a duty-cycle switch ran {switch_ms:.1f} ms longer "
+                "(median of the recent ones), counted in the overhead"
             )
     return lines
 
@@ -165,6 +192,7 @@ def _run_lines(report: Report) -> list[str]:
     if tracer.get("note"):
         lines.append(f"  {tracer['note']}")
     lines += _overhead_lines(tracer)
+    lines += _agent_cost_lines(report.agent_cost, tracer)
     detector = report.detector
     if detector:
         lines.append(

@@ -525,3 +525,15 @@ def test_the_first_flush_after_an_unflagged_start_is_charged() -> None:
     for window in gov._unconsumed:
         costs.add(window)
     assert costs.flushes == 2
+
+
+def test_the_report_counts_every_tracing_switch_not_only_the_duty_cycles() -> None:
+    governor = OverheadGovernor(1.0, GovernorParams(window_steps=4))
+    # a traced window (a duty-cycle switch on), then a capture inside an untraced
+    # window (two more switches: neither is the duty cycle's)
+    flags = [False] * 4 + [True] * 4 + [False] * 4 + [False, True, False, False] + [False] * 4
+    for step, traced in enumerate(flags):
+        governor.record(step, 0.01, traced)
+    report = governor.report()
+    assert report["tracing_starts"] == 2 and report["tracing_stops"] == 2
+    assert report["switches_on"] == 1

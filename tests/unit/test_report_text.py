@@ -36,20 +36,34 @@ def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> Non
                     "switch_excess_ms": 3.46,
                     "switches_on": 41,
                     "switch_on_excess_ms": 9.62,
+                    "tracing_starts": 55,
+                    "tracing_stops": 40,
                 },
             },
             "captures": {"written": 3, "skipped_disk": 2, "missed": 1},
             "detector": {"judged": 90, "anomalous": 5, "captured": 3, "skipped_budget": 2},
+            "agent_cost": {
+                "boundary_us_per_step": 33.5,
+                "control_us_per_step": 25.2,
+                "pct_of_median_step": 0.92,
+            },
         },
     )
     text = render_text(run_report(load_run(str(run.path))))
     assert "tracer: cupti (auto)" in text
     assert (
+        "distanom's own time (rank 0): 33.5 us at each step end + 25.2 us of its threads' CPU "
+        "per step = 0.92% of the median step; with tracing about 1.90% of the run" in text
+    )
+    assert (
         "measured overhead 12.9% of step time while tracing, 7.8% of steps traced: 0.98% "
         "of the run (budget 1%)" in text
     )
-    assert "switched on 41 time(s); the step after a switch ran 9.6 ms longer" in text
-    assert "switched off 40 time(s); the step after a switch ran 3.5 ms longer" in text
+    assert (
+        "switched on 55 time(s), 41 by the duty cycle (the others for planned or requested "
+        "captures); the step after a duty-cycle switch ran 9.6 ms longer" in text
+    )
+    assert "switched off 40 time(s); the step after a duty-cycle switch ran 3.5 ms longer" in text
     assert "disk budget (capture.max_disk_mb) reached: 2 capture(s)" in text
     assert "1 capture(s) decided after the tracer had dropped the step" in text
     assert "2 over budget" in text
