@@ -63,7 +63,7 @@ def periodic_steps(period: int) -> list[int]:
 
 
 def periodic_command(
-    backend: str, nproc: int, runs: Path, period: int, lasting: range
+    backend: str, nproc: int, runs: Path, period: int, lasting: range, extra: list[str]
 ) -> list[str]:
     """The --periodic job: the defaults (1% budget), a periodic delay and a slowdown."""
     steps = periodic_steps(period)
@@ -71,7 +71,7 @@ def periodic_command(
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", "-m", "distanom.launch", "--run-dir", str(runs),
-        "--set", f"tracer.backend={backend}",
+        "--set", f"tracer.backend={backend}", *extra,
         str(REPO / "examples" / "seed_resnet.py"), "--steps", str(steps[-1] + 50),
         "--sleep-steps", sleeps, "--sleep-cycles", "20000000",
     ]  # fmt: skip
@@ -85,23 +85,25 @@ def run_job(
     budget: bool = False,
     period: int = 0,
     lasting: range = range(0),
+    sets: list[str] | None = None,
 ) -> dict[str, Any]:
     # every step traced (one-off delays captured), unless the default budget is checked
     trace_all = [] if budget else ["--set", "tracer.overhead_budget_pct=null"]
+    extra = [arg for key_value in sets or [] for arg in ("--set", key_value)]
     stalls = ["--stall-steps", ",".join(map(str, STALL_STEPS)), "--stall-s", str(STALL_S)]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", "-m", "distanom.launch", "--run-dir", str(runs),
         "--set", f"tracer.backend={backend}", "--set", "detect.warmup_steps=20", *trace_all,
         "--set", "detect.min_steps=30", "--set", "capture.reference_every_steps=60",
-        "--set", "detect.merge_gap_steps=2",
+        "--set", "detect.merge_gap_steps=2", *extra,
         str(REPO / "examples" / "seed_resnet.py"), "--steps", str(STEPS),
         "--sleep-steps", ",".join(map(str, SLEEP_STEPS)), "--sleep-cycles", "20000000",
         "--matmul-steps", ",".join(map(str, MATMUL_STEPS)), "--matmul-count", "6",
         *(stalls if budget else []),
     ]  # fmt: skip
     if period:
-        command = periodic_command(backend, nproc, runs, period, lasting)
+        command = periodic_command(backend, nproc, runs, period, lasting, extra)
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
@@ -301,6 +303,14 @@ def main() -> int:
         "a slowdown from step 1800: check what the 1%% budget traces of them",
     )
     parser.add_argument("--lasting-steps", type=int, default=100, help="the slowdown's length")
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more distanom setting for the job, e.g. clock.mode=adaptive (repeatable)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -310,6 +320,7 @@ def main() -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "nproc": args.nproc,
+        "settings": args.sets,
         "workload": "seed ResNet18 bf16 batch 5, SGD",
         "sleep_steps": SLEEP_STEPS,
         "sleep_cycles": 20_000_000,
@@ -321,7 +332,13 @@ def main() -> int:
         runs = work / f"runs_{backend}"
         lasting = range(LASTING_FIRST, LASTING_FIRST + args.lasting_steps)
         job = run_job(
-            backend, args.nproc, runs, budget=args.budget, period=args.periodic, lasting=lasting
+            backend,
+            args.nproc,
+            runs,
+            budget=args.budget,
+            period=args.periodic,
+            lasting=lasting,
+            sets=args.sets,
         )
         entry: dict[str, Any] = {"job": job}
         print(f"[{backend}] rc={job['returncode']} in {job['seconds']} s", flush=True)

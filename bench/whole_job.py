@@ -49,6 +49,8 @@ VARIANTS: dict[str, list[str]] = {
     "plain": [],
     "default": [],
     "none": ["--set", "tracer.backend=none"],
+    "none_adaptive": ["--set", "tracer.backend=none", "--set", "clock.mode=adaptive"],
+    "default_adaptive": ["--set", "clock.mode=adaptive"],
     "budget": ["--set", "tracer.overhead_budget_pct=1"],
     "trace_all": ["--set", "tracer.overhead_budget_pct=null"],
 }

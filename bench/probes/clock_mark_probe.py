@@ -102,13 +102,22 @@ class DriverEvents:
         return float(self._out.value)
 
 
+def created_handles(events: list[torch.cuda.Event]) -> list[int]:
+    """The driver handles of torch events (torch creates an event at its first record,
+    so each is recorded once first: a handle read before that is 0, invalid)."""
+    for event in events:
+        event.record()
+    torch.cuda.synchronize()
+    return [int(event.cuda_event) for event in events]
+
+
 def driver_agreement(loop: object, steps: int) -> dict[str, object]:
     """Durations by the driver API against torch's elapsed_time, same event pairs."""
     drv = DriverEvents()
     raw = torch._C._cuda_getCurrentRawStream
     device = torch.cuda.current_device()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-    handles = [e.cuda_event for e in events]
+    handles = created_handles(events)
     drv.record(handles[0], raw(device))
     for i in range(steps):
         loop.step()  # type: ignore[attr-defined]
@@ -140,7 +149,7 @@ def main() -> int:
     for _ in range(args.repeats):
         for kind in KINDS:
             pool = [torch.cuda.Event(enable_timing=True) for _ in range(8)]
-            handles = [e.cuda_event for e in pool]
+            handles = created_handles(pool)
             c60, cfb = C60Clock("cuda_event"), CfbClock("cuda_event")
             clock = StepClock("cuda_event")
             cpus, walls = [], []

@@ -170,7 +170,16 @@ class SegmentedAB:
             duty = self.agent.duty.report()  # traced share, measured overhead, switches
         except Exception as err:  # a bench figure, not worth failing the job for
             duty = {"error": repr(err)}
+        clock = self.agent.boundaries.clock
+        clock_state = None
+        if clock is not None:  # which clock timed the steps (an adaptive one switches)
+            clock_state = {
+                "mode": clock.mode,
+                "on_host_clock": clock.on_host_clock,
+                "host_timed_steps": clock.host_timed_steps,
+            }
         return {
+            "clock_at_end": clock_state,
             "duty_cycle_at_end": duty,
             "ab_segment": self.segment,
             "ab_segments": self.segments,
