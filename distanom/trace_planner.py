@@ -7,11 +7,16 @@ the plan of extra traced steps that follows from it (docs/budget.md):
   detector groups them. An episode of `lasting_min_steps` or more anomalous steps is a
   lasting slowdown; when none of its steps was traced, the next `episode_steps` steps
   are traced at once (the detector then captures one of them).
-- Recurrence: events are the steps of `min_ratio` medians or more (near the threshold,
-  noise is dense enough to line up by chance), grouped by `merge_gap_steps` like
-  episodes (a slight anomaly just before one does not move its start). Event starts
-  whose gaps repeat within 2 x `tolerance_steps` (three starts, two alike gaps: each
-  start may be off by the tolerance) make a series; several series are learned at once
+- Recurrence: strong events are the steps of `min_ratio` medians or more, grouped by
+  `merge_gap_steps` like episodes (a slight anomaly just before one does not move its
+  start); an episode with no such step is a weak event, its start known once it has
+  ended. Event starts whose gaps repeat within 2 x `tolerance_steps` (three starts, two
+  alike gaps: each start may be off by the tolerance) make a series: three strong
+  starts always; a triple with a weak start only while events as strong as its weakest
+  are too rare to line up by chance (`chance_limit`; near the threshold a loaded host's
+  noise is dense enough to, and a delay near 2x the median straddles `min_ratio`, so it
+  must not depend on which side each occurrence fell). Any event start where a series
+  predicts one is a hit. Several series are learned at once
   (an evaluation every 200 steps, a checkpoint every 500). Each predicted next start
   gets a window of 2 x tolerance + 1 traced steps (twice as wide while the series'
   starts are few or jitter); the period and phase are fitted to the series' latest
@@ -58,7 +63,11 @@ class PlannerParams:
     min_period_steps: int = 8  # shorter gaps are not learned as periods
     max_period_steps: int = 1_000_000
     kept_starts: int = 32  # event starts remembered for learning periods
-    min_ratio: float = 2.0  # a step this slow (x median) or slower can be a periodic event
+    min_ratio: float = 2.0  # a step this slow (x median) or slower is a strong event
+    # a triple with a weak event makes a series only while the expected number of chance
+    # triples at its gap among events about as strong (their rate squared x 2 gaps x the
+    # window) is this low; over all gaps, half this many false series per event at most
+    chance_limit: float = 0.1
     max_series: int = 8
     recent_outcomes: int = 6  # predictions per series a drop is judged on
     lead_steps: int = 4  # planned steps start this far after the furthest host step
@@ -79,11 +88,12 @@ class PlannerParams:
             raise ValueError("episode_steps >= 1, lasting_min_steps >= 2, lead_steps >= 0")
         if not (0 < self.share <= 1 and 0 < self.probation_share <= 1):
             raise ValueError("share and probation_share in (0, 1]")
-        if self.advance_step_times < 0:
-            raise ValueError("advance_step_times >= 0")
+        if self.advance_step_times < 0 or self.chance_limit < 0:
+            raise ValueError("advance_step_times >= 0 and chance_limit >= 0")
 
 
 FIT_POINTS = 16  # a series' latest starts its period and phase are fitted to
+SIMILAR_SHARE = 0.8  # events this share of a weak triple's excess over x1.0 count as alike
 
 
 @dataclass
@@ -142,12 +152,17 @@ class SeriesLearner:
     def __init__(self, params: PlannerParams) -> None:
         self.params = params
         self._starts: collections.deque[int] = collections.deque(maxlen=params.kept_starts)
+        self._ratios: dict[int, float] = {}  # each kept start's ratio
         self.series: list[Series] = []
+        # the series the latest start joined or formed, with the starts it gave each
+        self.joined: list[tuple[Series, list[int]]] = []
 
-    def observe(self, start: int) -> list[int]:
-        """Add an event start; returns the starts it shows periodic (itself, and the
-        two earlier starts of a series it completes), [] if none."""
+    def observe(self, start: int, ratio: float = math.inf) -> list[int]:
+        """Add an event start and its ratio (x median); returns the starts it shows
+        periodic (itself, and the two earlier starts of a series it completes), [] if none."""
         tol = 2 * self.params.tolerance_steps
+        self._ratios[start] = ratio
+        self.joined = []
         periodic: list[int] = []
         matched_periods: list[float] = []
         for series in self.series:
@@ -161,6 +176,7 @@ class SeriesLearner:
                 series.outcomes.append(True)
                 series.hits += 1
                 matched_periods.append(series.period)
+                self.joined.append((series, [start]))
                 periodic = [start]
         # a start an existing series explains makes no new one: with two series, their
         # starts side by side form coincidental triples (200, 400, 500, 600: "every 100")
@@ -174,10 +190,12 @@ class SeriesLearner:
             # the earliest start one gap (within the tolerance) before p
             near = range(p - gap - tol, min(p, p - gap + tol + 1))
             q = next((q for q in near if q in known), None)
-            if q is None or any(abs(m - gap) <= tol for m in matched_periods):
-                continue  # none, or this round already made a series of it
+            if q is None or any(abs(gap - m * round(gap / m)) <= tol for m in matched_periods):
+                continue  # none, or this round already made a series of it or of its divisor
             if any(abs(s.period - gap) <= tol for s in self.series):
                 continue  # known (a missed start left the series' phase behind: it resyncs)
+            if not self._beyond_chance(q, p, start, gap):
+                continue
             period = (start - q) / 2
             outcomes: collections.deque[bool] = collections.deque(
                 maxlen=self.params.recent_outcomes
@@ -186,13 +204,32 @@ class SeriesLearner:
             for index, step in enumerate((q, p, start)):
                 series.add(index, step)
             self.series.append(series)
+            self.joined.append((series, [q, p, start]))
             matched_periods.append(period)
             periodic = sorted({*periodic, q, p, start})
         if len(self.series) > self.params.max_series:  # keep the best-supported ones
             self.series.sort(key=lambda s: -sum(s.outcomes))
             del self.series[self.params.max_series :]
+        if len(self._starts) == self._starts.maxlen:
+            del self._ratios[self._starts[0]]
         self._starts.append(start)
         return periodic
+
+    def _beyond_chance(self, q: int, p: int, start: int, gap: int) -> bool:
+        """Whether starts q, p, start (`gap` apart) are unlikely to line up by chance: all
+        strong, or events about as strong as the weakest of them are rare enough that a
+        chance triple at this gap is not expected. Their rate is the kept starts' with
+        this one, less q and p (whose place is what is in question). "About as strong"
+        reaches a fifth of the way down to the median (x1.0), so noise of nearly the same
+        strength counts: a stratum is not picked after the fact."""
+        weakest = min(self._ratios[q], self._ratios[p], self._ratios[start])
+        if weakest >= self.params.min_ratio:
+            return True
+        floor = 1.0 + SIMILAR_SHARE * (weakest - 1.0)
+        alike = sum(1 for s in self._starts if self._ratios[s] >= floor) - 1
+        rate = alike / (start - self._starts[0] + 1)
+        window = 4 * self.params.tolerance_steps + 1
+        return rate * rate * 2 * gap * window <= self.params.chance_limit
 
     def expire(self, through: int) -> None:
         """Count the predictions whose window ended by step `through` with no start as
@@ -277,6 +314,9 @@ class _Episode:
     traced: bool = False
     periodic: bool = False
     asked: bool = False
+    strong: bool = False  # holds a strong event (observed as it came)
+    peak: float = 0.0  # the largest ratio of its steps
+    ended: bool = False
 
 
 @dataclass
@@ -314,25 +354,35 @@ class TracePlanner:
         for step, traced, ratio in judged:
             episode = self._episode
             if episode is None or step - episode.last - 1 > self.merge_gap_steps:
+                if episode is not None:
+                    self._end(episode)
                 episode = self._episode = _Episode(step, step)
             else:
                 episode.steps += 1
                 episode.last = step
             episode.traced = episode.traced or traced
+            episode.peak = max(episode.peak, ratio)
             if ratio >= self.params.min_ratio:
+                episode.strong = True
                 strong = self._strong_last
                 self._strong_last = step
                 if strong is None or step - strong - 1 > self.merge_gap_steps:
-                    before = len(self.learner.series)
-                    episode.periodic |= bool(self.learner.observe(step))
-                    self.counts.series_learned += max(0, len(self.learner.series) - before)
+                    episode.periodic |= self._observe(step, ratio)
             if episode.steps >= self.params.lasting_min_steps and not (
                 episode.traced or episode.periodic or episode.asked
             ):
                 episode.asked = True  # once per episode, served or declined
                 span = range(earliest, earliest + self.params.episode_steps)
                 wanted.append(_Wanted(list(span)))
-        self.learner.expire(through)
+        episode = self._episode
+        if episode is not None and through - episode.last - 1 > self.merge_gap_steps:
+            self._end(episode)
+        # a weak event is observed when it ends: until then its start may still be a hit
+        # that a prediction's window has passed
+        if episode is not None and not (episode.ended or episode.strong):
+            self.learner.expire(min(through, episode.first - 1))
+        else:
+            self.learner.expire(through)
         # the budget goes to the best-proven series first
         for series in sorted(self.learner.series, key=lambda s: -s.hits):
             tol = series.half_width(self.params.tolerance_steps)
@@ -350,6 +400,20 @@ class TracePlanner:
                 self._decline(wanted)
             return Plan()
         return self._afford(wanted, recorded_steps, costs())
+
+    def _observe(self, start: int, ratio: float) -> bool:
+        """Feed an event start to the learner; whether it showed the start periodic."""
+        before = len(self.learner.series)
+        periodic = bool(self.learner.observe(start, ratio))
+        self.counts.series_learned += max(0, len(self.learner.series) - before)
+        return periodic
+
+    def _end(self, episode: _Episode) -> None:
+        """An episode ended: one without a strong event is a weak event, observed now."""
+        if not episode.ended:
+            episode.ended = True
+            if not episode.strong:
+                episode.periodic |= self._observe(episode.first, episode.peak)
 
     def _allowance(self, recorded_steps: int) -> float:
         """What the planner may have spent by now, in step times."""
@@ -428,18 +492,27 @@ def classify_steps(
 ) -> dict[int, str]:
     """Each anomalous step's class (PERIODIC, LASTING or ONE_OFF), from (step, x median)
     pairs, by the planner's rule run over the whole run: an episode holding a start of a
-    learned series is periodic; else one of `lasting_min_steps` or more steps is a
+    series that was learned and then came again where predicted (three starts alone may
+    line up by chance) is periodic; else one of `lasting_min_steps` or more steps is a
     lasting slowdown."""
     params = params or PlannerParams()
     ratios = dict(anomalies)
     learner = SeriesLearner(params)
-    strong = [step for step, ratio in ratios.items() if ratio >= params.min_ratio]
-    periodic: set[int] = set()
-    for events in episodes_of(strong, merge_gap_steps):
-        learner.expire(events[0] - 1)
-        periodic.update(learner.observe(events[0]))
+    members: dict[int, tuple[Series, set[int]]] = {}  # by id; the values keep them alive
+    episodes = episodes_of(ratios, merge_gap_steps)
+    for episode in episodes:
+        strong = [step for step in episode if ratios[step] >= params.min_ratio]
+        # strong events as the planner sees them; an episode without one is a weak event
+        events = episodes_of(strong, merge_gap_steps) if strong else [episode]
+        for event in events:
+            learner.expire(event[0] - 1)
+            peak = ratios[event[0]] if strong else max(ratios[s] for s in episode)
+            learner.observe(event[0], peak)
+            for series, starts in learner.joined:
+                members.setdefault(id(series), (series, set()))[1].update(starts)
+    periodic = {s for series, starts in members.values() if series.hits for s in starts}
     out: dict[int, str] = {}
-    for episode in episodes_of(ratios, merge_gap_steps):
+    for episode in episodes:
         if periodic.intersection(episode):
             kind = PERIODIC
         elif len(episode) >= params.lasting_min_steps:

@@ -67,6 +67,8 @@ def scenarios(steps: int = 12_000, seed: int = 0) -> list[Scenario]:
     one_offs = sorted(rng.sample(range(100, steps), 12))
     # a loaded host: 4% of steps 1.5-2.3x slow, near the threshold, where chance lines up
     noisy = {s: rng.uniform(1.5, 2.3) for s in rng.sample(range(20, steps), steps // 25)}
+    # one-offs near the threshold, one step in 150, most just over it
+    sparse = {s: 1.5 + rng.expovariate(10) for s in rng.sample(range(20, steps), steps // 150)}
     return [
         Scenario(
             "periodic: evaluation every 200 steps, checkpoint every 500",
@@ -93,6 +95,14 @@ def scenarios(steps: int = 12_000, seed: int = 0) -> list[Scenario]:
             {"eval/300": list(range(300, steps, 300))},
             {"eval/300": 0.020},
             noisy=noisy,
+        ),
+        Scenario(
+            "near 2x: a delay of one step time every 400 (x~2, either side of the strong "
+            "ratio), one step in 150 slightly slow",
+            steps,
+            {"delay/400": list(range(150, steps, 400))},
+            {"delay/400": 0.010},
+            noisy=sparse,
         ),
         Scenario(
             "mixed: evaluation every 200, a lasting slowdown, one-offs",

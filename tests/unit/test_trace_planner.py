@@ -100,16 +100,44 @@ def test_a_coincidental_series_is_dropped_at_its_first_miss() -> None:
     assert max(planned) <= 602  # its window, and nothing after it
 
 
-def test_slight_anomalies_teach_no_period_and_do_not_move_an_event() -> None:
-    planner = TracePlanner(5.0, merge_gap_steps=5)
-    slight = {s: 1.6 for s in range(100, 2000, 100)}  # periodic, but near the threshold
-    planned, _ = run(planner, 2000, slight)
-    assert not planned and planner.counts.series_learned == 0
+def test_slight_anomalies_in_dense_noise_teach_no_period_and_do_not_move_an_event() -> None:
+    # a loaded host: slight anomalies at random, one step in 30, and a slight periodic one
+    rng = random.Random(5)
+    slight = {s: rng.uniform(1.5, 1.7) for s in rng.sample(range(50, 6000), 200)}
+    slight.update({s: 1.6 for s in range(100, 6000, 100)})
+    planner = TracePlanner(1.0, merge_gap_steps=5)
+    run(planner, 6000, slight)
+    # chance triples abound at this density: none may become a series
+    assert planner.counts.series_learned == 0 and planner.counts.periodic_windows == 0
     stalls = {s: 5.0 for s in range(100, 1000, 100)}
     stalls.update({s - 3: 1.6 for s in range(100, 1000, 100)})  # noise just before each
     planner = TracePlanner(5.0, merge_gap_steps=5)
     planned, _ = run(planner, 1000, stalls)
     assert all(s in planned for s in range(400, 1000, 100))
+
+
+def test_a_delay_straddling_the_strong_ratio_is_learned_amid_sparse_noise() -> None:
+    # a periodic GPU delay of about 2x the median (the H200 e2e: some occurrences over
+    # `min_ratio`, some under) amid one-off noise near the threshold, one step in 150; noise
+    # just before an occurrence can move its start (one seed in six loses a few)
+    mixed, weak, occurrences = 0, 0, 0
+    for seed in range(6):
+        rng = random.Random(seed)
+        starts = list(range(150, 6000, 400))
+        anomalies = {s: 1.5 + rng.expovariate(10) for s in rng.sample(range(20, 6000), 40)}
+        anomalies.update({s: rng.choice((1.8, 1.9, 2.1, 2.2)) for s in starts})
+        planner = TracePlanner(1.0, merge_gap_steps=5)
+        planned, _ = run(planner, 6000, anomalies)
+        later = starts[3:]
+        mixed += sum(s in planned for s in later)
+        occurrences += len(later)
+        # all of them at 1.8: a quarter of this noise is as strong, so chance is ruled
+        # out later (after more occurrences) in some seeds
+        planner = TracePlanner(1.0, merge_gap_steps=5)
+        planned, _ = run(planner, 6000, {**anomalies, **dict.fromkeys(starts, 1.8)})
+        weak += sum(s in planned for s in later)
+    assert mixed >= 0.9 * occurrences, (mixed, occurrences)
+    assert weak >= 0.8 * occurrences, (weak, occurrences)
 
 
 def test_an_untraced_lasting_slowdown_is_traced_within_its_first_window() -> None:
@@ -128,8 +156,9 @@ def test_an_untraced_lasting_slowdown_is_traced_within_its_first_window() -> Non
 def test_short_bursts_are_no_lasting_slowdown() -> None:
     bursts = {s + d: 1.7 for s in range(100, 3000, 97) for d in range(3)}
     planner = TracePlanner(1.0, merge_gap_steps=5)
-    planned, _ = run(planner, 3000, bursts)
-    assert not planned and planner.counts.episode_windows == 0
+    run(planner, 3000, bursts)
+    assert planner.counts.episode_windows == 0
+    assert planner.counts.series_learned == 1  # they are periodic, though
 
 
 def test_an_exhausted_budget_declines_windows_and_holds() -> None:
@@ -161,12 +190,12 @@ def test_the_same_inputs_give_the_same_plan() -> None:
 
 def test_classes_of_a_run() -> None:
     anomalies = {s: 4.0 for s in (200, 400, 600, 800)}  # periodic
-    anomalies.update({s: 1.6 for s in range(1000, 1010)})  # lasting
+    anomalies.update({s: 1.6 for s in range(1050, 1060)})  # lasting
     anomalies.update({1500: 3.0, 2702: 1.6})  # one-offs
     anomalies[797] = 1.6  # just before a periodic one: the same episode, still periodic
     kinds = classify_steps(anomalies.items(), merge_gap_steps=5)
     assert {kinds[s] for s in (200, 400, 600, 797, 800)} == {PERIODIC}
-    assert {kinds[s] for s in range(1000, 1010)} == {LASTING}
+    assert {kinds[s] for s in range(1050, 1060)} == {LASTING}
     assert kinds[1500] == kinds[2702] == ONE_OFF
 
 
