@@ -7,6 +7,8 @@ on known, 0-based optimizer steps:
   --sleep-steps 100,200 --sleep-cycles 20000000   GPU delay (torch.cuda._sleep, ~10 ms
                                                   on an H200 at 1.98 GHz), on --sleep-rank
   --all-sleep-steps 150                           the same delay on every rank at once
+  --slow-steps 1800-2099 --slow-cycles 40000000   a lasting slowdown: a GPU delay on
+                                                  each of these steps, on --sleep-rank
   --matmul-steps 120 --matmul-count 2             the seed's anomaly: extra 8192^3 bf16
                                                   matmuls, on --matmul-rank
   --stall-steps 150 --stall-s 0.05                host stall before the forward pass
@@ -24,7 +26,13 @@ import torchvision.models as models
 
 
 def steps(text: str) -> set[int]:
-    return {int(part) for part in text.split(",") if part.strip()}
+    """`100,200` or a range `1800-2099` (both ends in), or both mixed."""
+    out: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        first, _, last = part.partition("-")
+        if part:
+            out.update(range(int(first), int(last or first) + 1))
+    return out
 
 
 def main() -> None:
@@ -38,6 +46,8 @@ def main() -> None:
     parser.add_argument("--matmul-rank", type=int, default=0)
     parser.add_argument("--matmul-count", type=int, default=2)
     parser.add_argument("--all-sleep-steps", type=steps, default=set(), help="every rank")
+    parser.add_argument("--slow-steps", type=steps, default=set())
+    parser.add_argument("--slow-cycles", type=int, default=40_000_000)
     parser.add_argument("--stall-steps", type=steps, default=set())
     parser.add_argument("--stall-rank", type=int, default=0)
     parser.add_argument("--stall-s", type=float, default=0.05)
@@ -65,7 +75,7 @@ def main() -> None:
     # Run each injected kernel once first: its first launch loads its module (CUDA lazy
     # loading) and, for the matmuls, sets cuBLAS up; on an H200 that stalled the host
     # 5-14 ms, which would have blurred an injected GPU delay into a host stall.
-    if args.sleep_steps or args.all_sleep_steps:
+    if args.sleep_steps or args.all_sleep_steps or args.slow_steps:
         torch.cuda._sleep(1000)
     if extra_a is not None and extra_b is not None:
         (extra_a @ extra_b).sum()
@@ -80,6 +90,8 @@ def main() -> None:
         # injections go before optimizer.step(): its return ends the step distanom counts
         if (rank == args.sleep_rank and step in args.sleep_steps) or step in args.all_sleep_steps:
             torch.cuda._sleep(args.sleep_cycles)
+        if rank == args.sleep_rank and step in args.slow_steps:
+            torch.cuda._sleep(args.slow_cycles)
         if rank == args.matmul_rank and step in args.matmul_steps:
             x = extra_a
             for _ in range(args.matmul_count):
