@@ -9,14 +9,17 @@ the plan of extra traced steps that follows from it (docs/budget.md):
   are traced at once (the detector then captures one of them).
 - Recurrence: strong events are the steps of `min_ratio` medians or more, grouped by
   `merge_gap_steps` like episodes (a slight anomaly just before one does not move its
-  start); an episode with no such step is a weak event, its start known once it has
-  ended. Event starts whose gaps repeat within 2 x `tolerance_steps` (three starts, two
-  alike gaps: each start may be off by the tolerance) make a series: three strong
-  starts always; a triple with a weak start only while events as strong as its weakest
-  are too rare to line up by chance (`chance_limit`; near the threshold a loaded host's
-  noise is dense enough to, and a delay near 2x the median straddles `min_ratio`, so it
-  must not depend on which side each occurrence fell). Any event start where a series
-  predicts one is a hit. Several series are learned at once
+  start); an episode with no such step, shorter than a lasting slowdown, is a weak
+  event, its start known once it has ended. Event starts whose gaps repeat within 2 x
+  `tolerance_steps` (three starts, two alike gaps: each start may be off by the
+  tolerance) make a series: three strong starts always; a triple with a weak start only
+  while events about as strong as its weakest are too rare, lately, to line up by
+  chance (`chance_limit`; near the threshold a loaded host's noise is dense enough to,
+  and a delay near 2x the median straddles `min_ratio`, so it must not depend on which
+  side each occurrence fell). A strong start where a series predicts one is a hit; a
+  weak one only while events as strong are too rare to land there by chance. The
+  latest strong starts are kept apart from the latest of all, so dense weak noise does
+  not push a long period's starts out. Several series are learned at once
   (an evaluation every 200 steps, a checkpoint every 500). Each predicted next start
   gets a window of 2 x tolerance + 1 traced steps (twice as wide while the series'
   starts are few or jitter); the period and phase are fitted to the series' latest
@@ -35,7 +38,8 @@ Pure and deterministic: no torch, no clock, no I/O. Every rank feeds it the same
 steps, the same gathered and host steps and the same measured costs, in the same order,
 so every rank plans the same steps. Planned steps start no earlier than `earliest` (the
 furthest rank's host step plus a lead), so every rank learns of them before reaching
-them. Memory is bounded: the last `kept_starts` event starts and `max_series` series.
+them. Memory is bounded: the last `kept_starts` event starts (and strong starts) and
+`max_series` series.
 The report (`distanom.analysis.anomalies`) classifies recorded anomalies with
 `classify_steps`, the same rule run over a whole run.
 """
@@ -94,6 +98,7 @@ class PlannerParams:
 
 FIT_POINTS = 16  # a series' latest starts its period and phase are fitted to
 SIMILAR_SHARE = 0.8  # events this share of a weak triple's excess over x1.0 count as alike
+RATE_TAILS = (8, 16)  # the latest kept starts a noise rate is also taken over
 
 
 @dataclass
@@ -151,8 +156,11 @@ class SeriesLearner:
 
     def __init__(self, params: PlannerParams) -> None:
         self.params = params
+        # the latest event starts, and the latest strong ones (weak noise must not push
+        # the strong starts of a long period out); each kept start's ratio
         self._starts: collections.deque[int] = collections.deque(maxlen=params.kept_starts)
-        self._ratios: dict[int, float] = {}  # each kept start's ratio
+        self._strong: collections.deque[int] = collections.deque(maxlen=params.kept_starts)
+        self._ratios: dict[int, float] = {}
         self.series: list[Series] = []
         # the series the latest start joined or formed, with the starts it gave each
         self.joined: list[tuple[Series, list[int]]] = []
@@ -165,7 +173,13 @@ class SeriesLearner:
         self.joined = []
         periodic: list[int] = []
         matched_periods: list[float] = []
-        for series in self.series:
+        # a weak event is a hit only where events as strong are too rare to land in a
+        # predicted window by chance (else a loaded host's noise confirms coincidences)
+        can_hit = ratio >= self.params.min_ratio or (
+            ratio > 1.0  # NaN (no median) is no ratio
+            and self._alike_rate(start, ratio, ()) * (2 * tol + 3) <= self.params.chance_limit
+        )
+        for series in self.series if can_hit else ():
             k = round((start - series.anchor) / series.period)
             expected = series.anchor + k * series.period
             # one step more than two tolerances: a period learned from three jittered
@@ -180,8 +194,8 @@ class SeriesLearner:
                 periodic = [start]
         # a start an existing series explains makes no new one: with two series, their
         # starts side by side form coincidental triples (200, 400, 500, 600: "every 100")
-        known = set(self._starts)
-        for p in reversed(self._starts if not matched_periods else ()):
+        known = set(self._starts).union(self._strong)
+        for p in sorted(known, reverse=True) if not matched_periods else ():
             gap = start - p
             if gap < self.params.min_period_steps:
                 continue
@@ -190,8 +204,8 @@ class SeriesLearner:
             # the earliest start one gap (within the tolerance) before p
             near = range(p - gap - tol, min(p, p - gap + tol + 1))
             q = next((q for q in near if q in known), None)
-            if q is None or any(abs(gap - m * round(gap / m)) <= tol for m in matched_periods):
-                continue  # none, or this round already made a series of it or of its divisor
+            if q is None or any(abs(m - gap) <= tol for m in matched_periods):
+                continue  # none, or this round already made a series of it
             if any(abs(s.period - gap) <= tol for s in self.series):
                 continue  # known (a missed start left the series' phase behind: it resyncs)
             if not self._beyond_chance(q, p, start, gap):
@@ -210,26 +224,52 @@ class SeriesLearner:
         if len(self.series) > self.params.max_series:  # keep the best-supported ones
             self.series.sort(key=lambda s: -sum(s.outcomes))
             del self.series[self.params.max_series :]
-        if len(self._starts) == self._starts.maxlen:
-            del self._ratios[self._starts[0]]
-        self._starts.append(start)
+        self._keep(start, ratio >= self.params.min_ratio)
         return periodic
+
+    def _keep(self, start: int, strong: bool) -> None:
+        """Remember `start` (its ratio is kept while it is in either deque)."""
+        for kept, other in ((self._starts, self._strong), (self._strong, self._starts)):
+            if kept is self._strong and not strong:
+                continue
+            if len(kept) == kept.maxlen and kept[0] not in other:
+                del self._ratios[kept[0]]
+            kept.append(start)
 
     def _beyond_chance(self, q: int, p: int, start: int, gap: int) -> bool:
         """Whether starts q, p, start (`gap` apart) are unlikely to line up by chance: all
-        strong, or events about as strong as the weakest of them are rare enough that a
-        chance triple at this gap is not expected. Their rate is the kept starts' with
-        this one, less q and p (whose place is what is in question). "About as strong"
-        reaches a fifth of the way down to the median (x1.0), so noise of nearly the same
-        strength counts: a stratum is not picked after the fact."""
+        strong, or events about as strong as the weakest of them (`_alike_rate`, less q
+        and p, whose place is what is in question) are rare enough that a chance triple
+        at this gap is not expected."""
         weakest = min(self._ratios[q], self._ratios[p], self._ratios[start])
         if weakest >= self.params.min_ratio:
             return True
-        floor = 1.0 + SIMILAR_SHARE * (weakest - 1.0)
-        alike = sum(1 for s in self._starts if self._ratios[s] >= floor) - 1
-        rate = alike / (start - self._starts[0] + 1)
+        if not weakest > 1.0:  # NaN (no median) is no ratio
+            return False
+        rate = self._alike_rate(start, weakest, (q, p))
         window = 4 * self.params.tolerance_steps + 1
         return rate * rate * 2 * gap * window <= self.params.chance_limit
+
+    def _alike_rate(self, start: int, ratio: float, left_out: tuple[int, ...]) -> float:
+        """Events per step about as strong as `ratio` (down to a fifth of the way to x1.0,
+        so noise of nearly the same strength counts: a stratum is not picked after the
+        fact), the new `start` included and `left_out` not: the highest rate over the
+        latest RATE_TAILS kept starts and all of them, so a quiet past does not dilute
+        the noise of a host loaded now."""
+        floor = 1.0 + SIMILAR_SHARE * (ratio - 1.0)
+        starts, ratios = list(self._starts), self._ratios
+        best = 0.0
+        for tail in (*RATE_TAILS, len(starts)):
+            if not 0 < tail <= len(starts):
+                continue
+            first = len(starts) - tail
+            alike = 1 + sum(
+                1
+                for i in range(first, len(starts))
+                if ratios[starts[i]] >= floor and starts[i] not in left_out
+            )
+            best = max(best, alike / (start - starts[first] + 1))
+        return best
 
     def expire(self, through: int) -> None:
         """Count the predictions whose window ended by step `through` with no start as
@@ -361,7 +401,8 @@ class TracePlanner:
                 episode.steps += 1
                 episode.last = step
             episode.traced = episode.traced or traced
-            episode.peak = max(episode.peak, ratio)
+            if ratio > episode.peak:  # NaN (no median) is no ratio
+                episode.peak = ratio
             if ratio >= self.params.min_ratio:
                 episode.strong = True
                 strong = self._strong_last
@@ -378,8 +419,8 @@ class TracePlanner:
         if episode is not None and through - episode.last - 1 > self.merge_gap_steps:
             self._end(episode)
         # a weak event is observed when it ends: until then its start may still be a hit
-        # that a prediction's window has passed
-        if episode is not None and not (episode.ended or episode.strong):
+        # that a prediction's window has passed (not past `lasting_min_steps`: no event)
+        if episode is not None and self._may_be_weak_event(episode) and not episode.ended:
             self.learner.expire(min(through, episode.first - 1))
         else:
             self.learner.expire(through)
@@ -408,11 +449,20 @@ class TracePlanner:
         self.counts.series_learned += max(0, len(self.learner.series) - before)
         return periodic
 
+    def _may_be_weak_event(self, episode: _Episode) -> bool:
+        """Whether `episode` is (or, not ended yet, may be) a weak event: no strong step,
+        shorter than a lasting slowdown, a finite ratio over x1.0."""
+        return (
+            not episode.strong
+            and episode.steps < self.params.lasting_min_steps
+            and 1.0 < episode.peak < math.inf
+        )
+
     def _end(self, episode: _Episode) -> None:
-        """An episode ended: one without a strong event is a weak event, observed now."""
+        """An episode ended: a weak event is observed now."""
         if not episode.ended:
             episode.ended = True
-            if not episode.strong:
+            if self._may_be_weak_event(episode):
                 episode.periodic |= self._observe(episode.first, episode.peak)
 
     def _allowance(self, recorded_steps: int) -> float:
@@ -502,12 +552,14 @@ def classify_steps(
     episodes = episodes_of(ratios, merge_gap_steps)
     for episode in episodes:
         strong = [step for step in episode if ratios[step] >= params.min_ratio]
-        # strong events as the planner sees them; an episode without one is a weak event
-        events = episodes_of(strong, merge_gap_steps) if strong else [episode]
+        # strong events as the planner sees them; else a short episode is a weak event
+        events = episodes_of(strong, merge_gap_steps)
+        peak = max((r for r in (ratios[s] for s in episode) if 1.0 < r < math.inf), default=0.0)
+        if not strong and len(episode) < params.lasting_min_steps and peak:
+            events = [episode]
         for event in events:
             learner.expire(event[0] - 1)
-            peak = ratios[event[0]] if strong else max(ratios[s] for s in episode)
-            learner.observe(event[0], peak)
+            learner.observe(event[0], ratios[event[0]] if strong else peak)
             for series, starts in learner.joined:
                 members.setdefault(id(series), (series, set()))[1].update(starts)
     periodic = {s for series, starts in members.values() if series.hits for s in starts}

@@ -22,6 +22,7 @@ from distanom.trace_planner import (
     PERIODIC,
     Costs,
     PlannerParams,
+    SeriesLearner,
     TracePlanner,
     classify_steps,
 )
@@ -138,6 +139,61 @@ def test_a_delay_straddling_the_strong_ratio_is_learned_amid_sparse_noise() -> N
         weak += sum(s in planned for s in later)
     assert mixed >= 0.9 * occurrences, (mixed, occurrences)
     assert weak >= 0.8 * occurrences, (weak, occurrences)
+
+
+def test_endless_slight_hiccups_do_not_keep_a_finished_series_alive() -> None:
+    # an episode that never ends must not hold back the learner's expiry
+    anomalies = {s: 4.0 for s in range(100, 1001, 100)}
+    anomalies.update({s: 1.6 for s in range(1010, 6000, 5)})  # 1.6x every 5 steps
+    planner = TracePlanner(5.0, merge_gap_steps=5)
+    planned, _ = run(planner, 6000, anomalies)
+    assert not planner.learner.series
+    assert max(planned) < 1500  # a window or two after the last event, then nothing
+
+
+def test_slight_noise_after_a_quiet_stretch_teaches_few_periods() -> None:
+    # the noise rate is the recent one: a quiet past does not dilute a loaded host's noise
+    rng = random.Random(0)
+    anomalies = {s: 5.0 for s in rng.sample(range(100, 10_000), 30)}  # strong one-offs
+    anomalies.update({s: rng.uniform(1.5, 1.7) for s in rng.sample(range(10_000, 16_000), 240)})
+    planner = TracePlanner(1.0, merge_gap_steps=5)
+    run(planner, 16_000, anomalies)
+    assert planner.counts.series_learned <= 6  # 15-25 when the rate was over all kept starts
+
+
+def test_dense_slight_noise_does_not_confirm_a_coincidence() -> None:
+    rng = random.Random(4)
+    anomalies = {s: rng.uniform(1.5, 1.7) for s in rng.sample(range(100, 700), 25)}
+    anomalies.update({300: 3.0, 400: 3.0, 500: 3.0, 600: 1.6})  # strong by chance, then noise
+    planner = TracePlanner(5.0, merge_gap_steps=0)
+    run(planner, 800, anomalies)
+    assert planner.counts.series_learned >= 1 and not planner.learner.series
+
+
+def test_a_short_coincidental_period_does_not_hide_its_multiple() -> None:
+    learner = SeriesLearner(PlannerParams())
+    for start in (200, 400, 500, 600):  # every 200 and every 500: "every 100" by chance
+        learner.expire(start - 1)
+        learner.observe(start)
+    assert sorted(round(s.period) for s in learner.series) == [100, 200]
+
+
+def test_a_slight_lasting_slowdown_on_a_series_phase_stays_a_lasting_slowdown() -> None:
+    anomalies = {s: 4.0 for s in range(100, 801, 100)}
+    anomalies.update({s: 1.6 for s in range(1000, 1300)})  # starts where 1000 was predicted
+    kinds = classify_steps(anomalies.items(), merge_gap_steps=5)
+    assert kinds[1000] == LASTING and kinds[800] == PERIODIC
+
+
+def test_steps_without_a_ratio_are_no_events() -> None:
+    nan = float("nan")
+    learner = SeriesLearner(PlannerParams())
+    for start in (1000, 1100, 1200, 1300):
+        learner.observe(start, nan)
+    assert not learner.series
+    planner = TracePlanner(5.0, merge_gap_steps=5)
+    planned, _ = run(planner, 2000, dict.fromkeys(range(100, 2000, 100), nan))
+    assert not planned and planner.counts.series_learned == 0
 
 
 def test_an_untraced_lasting_slowdown_is_traced_within_its_first_window() -> None:
