@@ -40,8 +40,7 @@ so every rank plans the same steps. Planned steps start no earlier than `earlies
 furthest rank's host step plus a lead), so every rank learns of them before reaching
 them. Memory is bounded: the last `kept_starts` event starts (and strong starts) and
 `max_series` series.
-The report (`distanom.analysis.anomalies`) classifies recorded anomalies with
-`classify_steps`, the same rule run over a whole run.
+The same rule run over a whole run, for the report, is `distanom.run_periods`.
 """
 
 from __future__ import annotations
@@ -50,13 +49,6 @@ import collections
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-
-PERIODIC = "periodic"
-LASTING = "lasting_slowdown"
-ONE_OFF = "one_off"
-CLASSES = (PERIODIC, LASTING, ONE_OFF)  # in the order the report lists them
-# as a reader of the report names them
-CLASS_LABELS = {PERIODIC: "periodic", LASTING: "lasting slowdown", ONE_OFF: "one-off"}
 
 
 @dataclass(frozen=True)
@@ -522,54 +514,3 @@ class TracePlanner:
         out["probation_step_times"] = round(self.counts.probation_step_times, 3)
         out["series"] = len(self.learner.series)
         return out
-
-
-def episodes_of(steps: Iterable[int], merge_gap_steps: int) -> list[list[int]]:
-    """Anomalous steps (any order) grouped into episodes as the detector groups them."""
-    out: list[list[int]] = []
-    for step in sorted(set(steps)):
-        if out and step - out[-1][-1] - 1 <= merge_gap_steps:
-            out[-1].append(step)
-        else:
-            out.append([step])
-    return out
-
-
-def classify_steps(
-    anomalies: Iterable[tuple[int, float]],
-    merge_gap_steps: int,
-    params: PlannerParams | None = None,
-) -> dict[int, str]:
-    """Each anomalous step's class (PERIODIC, LASTING or ONE_OFF), from (step, x median)
-    pairs, by the planner's rule run over the whole run: an episode holding a start of a
-    series that was learned and then came again where predicted (three starts alone may
-    line up by chance) is periodic; else one of `lasting_min_steps` or more steps is a
-    lasting slowdown."""
-    params = params or PlannerParams()
-    ratios = dict(anomalies)
-    learner = SeriesLearner(params)
-    members: dict[int, tuple[Series, set[int]]] = {}  # by id; the values keep them alive
-    episodes = episodes_of(ratios, merge_gap_steps)
-    for episode in episodes:
-        strong = [step for step in episode if ratios[step] >= params.min_ratio]
-        # strong events as the planner sees them; else a short episode is a weak event
-        events = episodes_of(strong, merge_gap_steps)
-        peak = max((r for r in (ratios[s] for s in episode) if 1.0 < r < math.inf), default=0.0)
-        if not strong and len(episode) < params.lasting_min_steps and peak:
-            events = [episode]
-        for event in events:
-            learner.expire(event[0] - 1)
-            learner.observe(event[0], ratios[event[0]] if strong else peak)
-            for series, starts in learner.joined:
-                members.setdefault(id(series), (series, set()))[1].update(starts)
-    periodic = {s for series, starts in members.values() if series.hits for s in starts}
-    out: dict[int, str] = {}
-    for episode in episodes:
-        if periodic.intersection(episode):
-            kind = PERIODIC
-        elif len(episode) >= params.lasting_min_steps:
-            kind = LASTING
-        else:
-            kind = ONE_OFF
-        out.update(dict.fromkeys(episode, kind))
-    return out

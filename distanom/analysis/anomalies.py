@@ -28,8 +28,9 @@ A captured anomaly with no record (a run from before anomalies.jsonl existed) is
 from its capture, `judged_by: "unrecorded"`.
 
 `anomaly_classes` counts them per class (periodic, lasting slowdown, one-off: the trace
-planner's rule, `distanom.trace_planner.classify_steps`): episodes detected, traced
+planner's rule, `distanom.run_periods.classify_steps`): episodes detected, traced
 (a step of it traced) and explained (a step of it with a verdict that names a cause).
+`recurring` names the periods found (`distanom.run_periods.recurrences`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ from typing import Any
 
 from distanom.config import DetectConfig
 from distanom.records.anomalies import AnomalyRecord, StepEvidence
-from distanom.trace_planner import CLASS_LABELS, CLASSES, classify_steps, episodes_of
+from distanom.run_periods import (
+    CLASS_LABELS,
+    CLASSES,
+    Recurrence,
+    classify_steps,
+    episodes_of,
+    recurrences,
+)
 
 CULPRIT_SHARE = 0.5
 GC_SHARE = 0.25
@@ -194,14 +202,46 @@ class ClassCounts:
         }
 
 
+def _merge_gap(detect_config: Mapping[str, Any] | None) -> int:
+    """The run's `detect.merge_gap_steps` (the default when its run.json lacks it)."""
+    gap = (detect_config or {}).get("merge_gap_steps")
+    if not isinstance(gap, int) or isinstance(gap, bool) or gap < 0:
+        return DetectConfig().merge_gap_steps
+    return gap
+
+
+def recurring(
+    anomalies: Sequence[Anomaly], detect_config: Mapping[str, Any] | None = None
+) -> list[Recurrence]:
+    """The periods the recorded anomalies recur with (each came again where predicted)."""
+    return recurrences(((a.step, a.ratio) for a in anomalies), _merge_gap(detect_config))
+
+
+def recurrence_json(recurrence: Recurrence) -> dict[str, Any]:
+    """The report's JSON entry of one recurrence."""
+    return {
+        "period_steps": round(recurrence.period, 1),
+        "first_step": recurrence.starts[0],
+        "last_step": recurrence.starts[-1],
+        "occurrences": len(recurrence.starts),
+    }
+
+
+def recurrence_line(recurrence: Recurrence) -> str:
+    """One recurrence as a reader gets it."""
+    starts = recurrence.starts
+    return (
+        f"every ~{recurrence.period:.0f} steps: {len(starts)} times, "
+        f"steps {starts[0]} to {starts[-1]}"
+    )
+
+
 def anomaly_classes(
     anomalies: Sequence[Anomaly], detect_config: Mapping[str, Any] | None = None
 ) -> list[ClassCounts]:
     """Per class, in `CLASSES` order: episodes (anomalous steps at most the run's
     `detect.merge_gap_steps` apart) detected, with a traced step, with an explained step."""
-    gap = (detect_config or {}).get("merge_gap_steps")
-    if not isinstance(gap, int) or isinstance(gap, bool) or gap < 0:
-        gap = DetectConfig().merge_gap_steps
+    gap = _merge_gap(detect_config)
     by_step = {a.step: a for a in anomalies}
     kinds = classify_steps(((a.step, a.ratio) for a in anomalies), gap)
     counts = {name: [0, 0, 0, 0] for name in CLASSES}

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distanom.analysis.anomalies import anomaly_classes
+from distanom.analysis.anomalies import anomaly_classes, recurrence_line, recurring
 from distanom.analysis.charts import (
     OUTSIDE,
     PART_COLORS,
@@ -295,9 +295,13 @@ def _class_table(report: Report) -> str:
         f'<td class="num">{c.steps}</td></tr>'
         for c in anomaly_classes(report.anomalies, report.detect_config)
     )
+    periods = "".join(
+        f"<p>Recurring: {_e(recurrence_line(r))}</p>"
+        for r in recurring(report.anomalies, report.detect_config)
+    )
     return (
         "<table><tr><th>class (episodes)</th><th>detected</th><th>traced</th>"
-        f"<th>explained</th><th>steps</th></tr>{rows}</table>"
+        f"<th>explained</th><th>steps</th></tr>{rows}</table>{periods}"
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distanom.analysis.anomalies import anomaly_classes
+from distanom.analysis.anomalies import anomaly_classes, recurrence_json, recurring
 from distanom.analysis.model import Capture, KernelDiff, RankEntry, Report
 from distanom.analysis.tables_io import timeline_json
 
@@ -56,6 +56,9 @@ def report_json(report: Report) -> dict[str, Any]:
         "anomalies": [anomaly.as_json() for anomaly in report.anomalies],
         "anomaly_classes": [
             counts.as_json() for counts in anomaly_classes(report.anomalies, report.detect_config)
+        ],
+        "recurrences": [
+            recurrence_json(r) for r in recurring(report.anomalies, report.detect_config)
         ],
         "stragglers": list(report.stragglers),
         "drift": report.drift,

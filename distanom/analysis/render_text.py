@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from distanom.analysis.anomalies import anomaly_classes
+from distanom.analysis.anomalies import anomaly_classes, recurrence_line, recurring
 from distanom.analysis.hangs import hang_lines
 from distanom.analysis.kernel_diff import kernel_diff_lines
 from distanom.analysis.model import BREAKDOWN_ROWS, Capture, RankEntry, Report, StepStats
 from distanom.analysis.render_json import kernel_diff_json
 from distanom.analysis.text import fmt, table
 from distanom.analysis.verdict import GC_NOTE_MS
+from distanom.run_periods import PERIODIC
 
 __all__ = [
     "OUTSIDE_NOTE",
@@ -327,11 +328,18 @@ def _anomaly_lines(report: Report) -> list[str]:
 def _class_lines(report: Report) -> list[str]:
     """Per anomaly class, its episodes detected, traced and explained."""
     counts = anomaly_classes(report.anomalies, report.detect_config)
-    return ["  by class (episodes):"] + [
-        f"    {c.label}: {c.detected} detected, {c.traced} traced, {c.explained} explained"
-        for c in counts
-        if c.detected
-    ]
+    lines = ["  by class (episodes):"]
+    for c in counts:
+        if c.detected:
+            lines.append(
+                f"    {c.label}: {c.detected} detected, {c.traced} traced, {c.explained} explained"
+            )
+        if c.name == PERIODIC and c.detected:
+            lines += [
+                f"      {recurrence_line(r)}"
+                for r in recurring(report.anomalies, report.detect_config)
+            ]
+    return lines
 
 
 def render_text(report: Report) -> str:

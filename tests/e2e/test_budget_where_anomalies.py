@@ -1,6 +1,6 @@
 """End to end (CPU, kineto, 4 gloo ranks, real torchrun): at a 1% budget, a periodic stall
 on one rank is traced on every rank from its 4th occurrence on, and the report counts it
-as periodic, detected, traced and explained."""
+as periodic, detected, traced and explained, and names its period."""
 
 from __future__ import annotations
 
@@ -54,6 +54,10 @@ def test_a_periodic_stall_is_traced_from_its_fourth_occurrence_at_a_one_percent_
     periodic = classes["periodic"]
     assert periodic["detected"] >= len(STALLS) and periodic["traced"] >= len(later)
     assert periodic["explained"] >= len(later)
+    (every,) = [r for r in report["recurrences"] if r["first_step"] == STALLS[0]]
+    assert every["period_steps"] == pytest.approx(PERIOD, abs=1)
+    assert every["occurrences"] == len(STALLS) and every["last_step"] == STALLS[-1]
     capsys.readouterr()
     assert cli_main(["report", str(tmp_path / "runs")]) == 0
-    assert "periodic" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "periodic" in text and "every ~100 steps: 8 times, steps 100 to 800" in text

@@ -46,13 +46,18 @@ def test_each_class_is_counted_in_every_rendering(tmp_path: Path) -> None:
         {"class": "lasting_slowdown", "detected": 1, "traced": 0, "explained": 0, "steps": 8},
         {"class": "one_off", "detected": 2, "traced": 0, "explained": 1, "steps": 2},
     ]
+    assert body["recurrences"] == [
+        {"period_steps": 100.0, "first_step": 100, "last_step": 800, "occurrences": 8}
+    ]
     text = render_text(report)
     assert "  by class (episodes):" in text
     assert "    periodic: 8 detected, 5 traced, 8 explained" in text
+    assert "      every ~100 steps: 8 times, steps 100 to 800" in text
     assert "    lasting slowdown: 1 detected, 0 traced, 0 explained" in text
     assert "    one-off: 2 detected, 0 traced, 1 explained" in text
     page = render_html(report).html
     assert "<th>class (episodes)</th>" in page and "<td>lasting slowdown</td>" in page
+    assert "Recurring: every ~100 steps: 8 times, steps 100 to 800" in page
 
 
 def test_classes_follow_the_runs_merge_gap() -> None:

@@ -15,16 +15,13 @@ from distanom.config import config_from_mapping
 from distanom.detect import AnomalyJudgment, StepSample
 from distanom.duty_cycle import DutyCycle
 from distanom.governor import GovernorParams, OverheadGovernor
+from distanom.run_periods import LASTING, ONE_OFF, PERIODIC, classify_steps, recurrences
 from distanom.trace_planner import (
     DEFAULT_COSTS,
-    LASTING,
-    ONE_OFF,
-    PERIODIC,
     Costs,
     PlannerParams,
     SeriesLearner,
     TracePlanner,
-    classify_steps,
 )
 
 COSTS = Costs(traced_step=0.13, switch=1.3, window=16 * 0.2)
@@ -253,6 +250,15 @@ def test_classes_of_a_run() -> None:
     assert {kinds[s] for s in (200, 400, 600, 797, 800)} == {PERIODIC}
     assert {kinds[s] for s in range(1050, 1060)} == {LASTING}
     assert kinds[1500] == kinds[2702] == ONE_OFF
+
+
+def test_a_runs_recurrences_name_their_period_and_starts() -> None:
+    anomalies = {s: 4.0 for s in range(150, 2000, 400)}  # every 400 from 150
+    anomalies.update({s: 3.0 for s in (300, 400, 500)})  # three in a row by chance
+    anomalies.update({s: 1.6 for s in range(1000, 1010)})  # a lasting slowdown
+    (found,) = recurrences(anomalies.items(), merge_gap_steps=5)
+    assert found.period == pytest.approx(400) and found.starts == (150, 550, 950, 1350, 1750)
+    assert recurrences({s: 4.0 for s in (300, 400, 500)}.items(), 5) == []  # never came again
 
 
 def test_params_are_checked() -> None:
