@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from distanom.trace_planner import PlannerParams, Series, SeriesLearner
+from distanom.trace_planner import PlannerParams, Series, SeriesLearner, weak_event_start
 
 PERIODIC = "periodic"
 LASTING = "lasting_slowdown"
@@ -60,7 +60,7 @@ def recurrences(
         events = episodes_of(strong, merge_gap_steps)
         peak = max((r for r in (ratios[s] for s in episode) if 1.0 < r < math.inf), default=0.0)
         if not strong and len(episode) < params.lasting_min_steps and peak:
-            events = [episode]
+            events = [[weak_event_start([(s, ratios[s]) for s in episode], peak)]]
         for event in events:
             learner.expire(event[0] - 1)
             learner.observe(event[0], ratios[event[0]] if strong else peak)

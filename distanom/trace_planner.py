@@ -10,16 +10,17 @@ the plan of extra traced steps that follows from it (docs/budget.md):
 - Recurrence: strong events are the steps of `min_ratio` medians or more, grouped by
   `merge_gap_steps` like episodes (a slight anomaly just before one does not move its
   start); an episode with no such step, shorter than a lasting slowdown, is a weak
-  event, its start known once it has ended. Event starts whose gaps repeat within 2 x
-  `tolerance_steps` (three starts, two alike gaps: each start may be off by the
-  tolerance) make a series: three strong starts always; a triple with a weak start only
-  while events about as strong as its weakest are too rare, lately, to line up by
-  chance (`chance_limit`; near the threshold a loaded host's noise is dense enough to,
-  and a delay near 2x the median straddles `min_ratio`, so it must not depend on which
-  side each occurrence fell). A strong start where a series predicts one is a hit; a
-  weak one only while events as strong are too rare to land there by chance. The
-  latest strong starts are kept apart from the latest of all, so dense weak noise does
-  not push a long period's starts out. Several series are learned at once
+  event, its start (its first step about as strong as its peak) known once it has
+  ended. Event starts whose gaps repeat within 2 x `tolerance_steps` (three starts, two
+  alike gaps: each start may be off by the tolerance) make a series: three strong
+  starts always; a triple with a weak start only while events about as strong as its
+  weakest are too rare, lately, to line up by chance (`chance_limit`; near the
+  threshold a loaded host's noise is dense enough to, and a delay near 2x the median
+  straddles `min_ratio`, so it must not depend on which side each occurrence fell). A
+  strong start where a series predicts one is a hit; a weak one only while events as
+  strong are too rare to land there by chance. The latest strong starts are kept apart
+  from the latest of all, so dense weak noise does not push a long period's starts
+  out. Several series are learned at once
   (an evaluation every 200 steps, a checkpoint every 500). Each predicted next start
   gets a window of 2 x tolerance + 1 traced steps (twice as wide while the series'
   starts are few or jitter); the period and phase are fitted to the series' latest
@@ -283,6 +284,13 @@ class SeriesLearner:
         self.series = kept
 
 
+def weak_event_start(ratios: Sequence[tuple[int, float]], peak: float) -> int:
+    """Where a weak event starts: its first step about as strong as its peak (as
+    `SeriesLearner` reckons alike), so a slighter anomaly just before it does not move it."""
+    floor = 1.0 + SIMILAR_SHARE * (peak - 1.0)
+    return next(step for step, ratio in ratios if ratio >= floor)
+
+
 @dataclass(frozen=True)
 class Costs:
     """What tracing costs, in step times: a traced step's extra time, switching on and
@@ -349,6 +357,7 @@ class _Episode:
     strong: bool = False  # holds a strong event (observed as it came)
     peak: float = 0.0  # the largest ratio of its steps
     ended: bool = False
+    ratios: list[tuple[int, float]] = field(default_factory=list)  # of its first steps
 
 
 @dataclass
@@ -395,6 +404,8 @@ class TracePlanner:
             episode.traced = episode.traced or traced
             if ratio > episode.peak:  # NaN (no median) is no ratio
                 episode.peak = ratio
+            if len(episode.ratios) < self.params.lasting_min_steps:
+                episode.ratios.append((step, ratio))
             if ratio >= self.params.min_ratio:
                 episode.strong = True
                 strong = self._strong_last
@@ -455,7 +466,8 @@ class TracePlanner:
         if not episode.ended:
             episode.ended = True
             if self._may_be_weak_event(episode):
-                episode.periodic |= self._observe(episode.first, episode.peak)
+                start = weak_event_start(episode.ratios, episode.peak)
+                episode.periodic |= self._observe(start, episode.peak)
 
     def _allowance(self, recorded_steps: int) -> float:
         """What the planner may have spent by now, in step times."""

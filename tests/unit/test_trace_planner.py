@@ -116,8 +116,7 @@ def test_slight_anomalies_in_dense_noise_teach_no_period_and_do_not_move_an_even
 
 def test_a_delay_straddling_the_strong_ratio_is_learned_amid_sparse_noise() -> None:
     # a periodic GPU delay of about 2x the median (the H200 e2e: some occurrences over
-    # `min_ratio`, some under) amid one-off noise near the threshold, one step in 150; noise
-    # just before an occurrence can move its start (one seed in six loses a few)
+    # `min_ratio`, some under) amid one-off noise near the threshold, one step in 150
     mixed, weak, occurrences = 0, 0, 0
     for seed in range(6):
         rng = random.Random(seed)
@@ -130,12 +129,22 @@ def test_a_delay_straddling_the_strong_ratio_is_learned_amid_sparse_noise() -> N
         mixed += sum(s in planned for s in later)
         occurrences += len(later)
         # all of them at 1.8: a quarter of this noise is as strong, so chance is ruled
-        # out later (after more occurrences) in some seeds
+        # out later (after more occurrences) in one seed of six
         planner = TracePlanner(1.0, merge_gap_steps=5)
         planned, _ = run(planner, 6000, {**anomalies, **dict.fromkeys(starts, 1.8)})
         weak += sum(s in planned for s in later)
-    assert mixed >= 0.9 * occurrences, (mixed, occurrences)
-    assert weak >= 0.8 * occurrences, (weak, occurrences)
+    assert mixed >= 0.95 * occurrences, (mixed, occurrences)
+    assert weak >= 0.9 * occurrences, (weak, occurrences)
+
+
+def test_slight_noise_just_before_a_weak_event_does_not_move_its_start() -> None:
+    anomalies = {s: 1.8 for s in range(150, 3000, 400)}
+    anomalies.update({s - 4: 1.55 for s in range(150, 3000, 400)[1::2]})  # every other
+    planner = TracePlanner(5.0, merge_gap_steps=5)
+    planned, _ = run(planner, 3000, anomalies)
+    assert all(s in planned for s in range(1350, 3000, 400))
+    (found,) = recurrences(anomalies.items(), merge_gap_steps=5)
+    assert found.starts == tuple(range(150, 3000, 400))
 
 
 def test_endless_slight_hiccups_do_not_keep_a_finished_series_alive() -> None:
