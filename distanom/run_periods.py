@@ -71,7 +71,24 @@ def recurrences(
         for series, starts in members.values()
         if series.hits
     ]
-    return sorted(found, key=lambda r: r.starts)
+    return sorted(_without_multiples(found, params), key=lambda r: r.starts)
+
+
+def _without_multiples(found: list[Recurrence], params: PlannerParams) -> list[Recurrence]:
+    """Drop a recurrence whose starts all belong to recurrences with a period dividing
+    its own: after a pause the learner forms series at 2, 3, ... times the period from
+    the same starts, which the real one explains."""
+    tol = 2 * params.tolerance_steps + 1
+    kept: list[Recurrence] = []
+    for recurrence in sorted(found, key=lambda r: r.period):
+        covered: set[int] = set()
+        for shorter in kept:
+            times = round(recurrence.period / shorter.period)
+            if times >= 2 and abs(recurrence.period - times * shorter.period) <= tol:
+                covered.update(shorter.starts)
+        if not covered.issuperset(recurrence.starts):
+            kept.append(recurrence)
+    return kept
 
 
 def classify_steps(

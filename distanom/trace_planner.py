@@ -166,18 +166,17 @@ class SeriesLearner:
         self.joined = []
         periodic: list[int] = []
         matched_periods: list[float] = []
-        # a weak event is a hit only where events as strong are too rare to land in a
-        # predicted window by chance (else a loaded host's noise confirms coincidences)
-        can_hit = ratio >= self.params.min_ratio or (
-            ratio > 1.0  # NaN (no median) is no ratio
-            and self._alike_rate(start, ratio, ()) * (2 * tol + 3) <= self.params.chance_limit
-        )
-        for series in self.series if can_hit else ():
+        strong = ratio >= self.params.min_ratio
+        for series in self.series:
             k = round((start - series.anchor) / series.period)
             expected = series.anchor + k * series.period
             # one step more than two tolerances: a period learned from three jittered
             # starts is off by up to a step, and the first prediction carries that too
-            if k >= 1 and abs(start - expected) <= tol + 1:
+            if (
+                k >= 1
+                and abs(start - expected) <= tol + 1
+                and (strong or self._weak_hits(start, ratio, series))
+            ):
                 series.add(series.points[-1][0] + k, start)
                 series.missed_since_anchor = 0
                 series.outcomes.append(True)
@@ -217,8 +216,18 @@ class SeriesLearner:
         if len(self.series) > self.params.max_series:  # keep the best-supported ones
             self.series.sort(key=lambda s: -sum(s.outcomes))
             del self.series[self.params.max_series :]
-        self._keep(start, ratio >= self.params.min_ratio)
+        self._keep(start, strong)
         return periodic
+
+    def _weak_hits(self, start: int, ratio: float, series: Series) -> bool:
+        """Whether a weak event where `series` predicts one counts as a hit: only where
+        events as strong (the series' own starts aside) are too rare to land in the
+        match window by chance, else a loaded host's noise confirms coincidences."""
+        if not ratio > 1.0:  # NaN (no median) is no ratio
+            return False
+        own = tuple(step for _, step in series.points)
+        window = 4 * self.params.tolerance_steps + 3
+        return self._alike_rate(start, ratio, own) * window <= self.params.chance_limit
 
     def _keep(self, start: int, strong: bool) -> None:
         """Remember `start` (its ratio is kept while it is in either deque)."""
@@ -244,11 +253,11 @@ class SeriesLearner:
         return rate * rate * 2 * gap * window <= self.params.chance_limit
 
     def _alike_rate(self, start: int, ratio: float, left_out: tuple[int, ...]) -> float:
-        """Events per step about as strong as `ratio` (down to a fifth of the way to x1.0,
-        so noise of nearly the same strength counts: a stratum is not picked after the
-        fact), the new `start` included and `left_out` not: the highest rate over the
-        latest RATE_TAILS kept starts and all of them, so a quiet past does not dilute
-        the noise of a host loaded now."""
+        """Kept events per step about as strong as `ratio` (down to a fifth of the way to
+        x1.0, so noise of nearly the same strength counts: a stratum is not picked after
+        the fact), `left_out` aside, up to `start`: the highest rate over the latest
+        RATE_TAILS kept starts and all of them, so a quiet past does not dilute the noise
+        of a host loaded now."""
         floor = 1.0 + SIMILAR_SHARE * (ratio - 1.0)
         starts, ratios = list(self._starts), self._ratios
         best = 0.0
@@ -256,7 +265,7 @@ class SeriesLearner:
             if not 0 < tail <= len(starts):
                 continue
             first = len(starts) - tail
-            alike = 1 + sum(
+            alike = sum(
                 1
                 for i in range(first, len(starts))
                 if ratios[starts[i]] >= floor and starts[i] not in left_out
@@ -288,7 +297,7 @@ def weak_event_start(ratios: Sequence[tuple[int, float]], peak: float) -> int:
     """Where a weak event starts: its first step about as strong as its peak (as
     `SeriesLearner` reckons alike), so a slighter anomaly just before it does not move it."""
     floor = 1.0 + SIMILAR_SHARE * (peak - 1.0)
-    return next(step for step, ratio in ratios if ratio >= floor)
+    return next((step for step, ratio in ratios if ratio >= floor), ratios[0][0])
 
 
 @dataclass(frozen=True)
@@ -446,7 +455,10 @@ class TracePlanner:
         return self._afford(wanted, recorded_steps, costs())
 
     def _observe(self, start: int, ratio: float) -> bool:
-        """Feed an event start to the learner; whether it showed the start periodic."""
+        """Feed an event start to the learner; whether it showed the start periodic.
+        Predictions whose window ended before it are counted first, as `run_periods`
+        does, so what is learned does not depend on how steps fall into rounds."""
+        self.learner.expire(start - 1)
         before = len(self.learner.series)
         periodic = bool(self.learner.observe(start, ratio))
         self.counts.series_learned += max(0, len(self.learner.series) - before)

@@ -325,6 +325,9 @@ def _anomaly_lines(report: Report) -> list[str]:
     return lines
 
 
+RECURRENCE_LINES = 3  # periods named in the text; --json has them all
+
+
 def _class_lines(report: Report) -> list[str]:
     """Per anomaly class, its episodes detected, traced and explained."""
     counts = anomaly_classes(report.anomalies, report.detect_config)
@@ -335,10 +338,13 @@ def _class_lines(report: Report) -> list[str]:
                 f"    {c.label}: {c.detected} detected, {c.traced} traced, {c.explained} explained"
             )
         if c.name == PERIODIC and c.detected:
-            lines += [
-                f"      {recurrence_line(r)}"
-                for r in recurring(report.anomalies, report.detect_config)
-            ]
+            # the best-supported first; a cadence detected only now and then can show as
+            # several multiples of its period
+            found = recurring(report.anomalies, report.detect_config)
+            found.sort(key=lambda r: -len(r.starts))
+            lines += [f"      {recurrence_line(r)}" for r in found[:RECURRENCE_LINES]]
+            if len(found) > RECURRENCE_LINES:
+                lines.append(f"      and {len(found) - RECURRENCE_LINES} more (--json)")
     return lines
 
 

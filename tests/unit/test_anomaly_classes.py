@@ -3,6 +3,7 @@ detected, traced and explained, in the JSON, the text and the HTML page."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from distanom.analysis.anomalies import Anomaly, AnomalyVerdict, anomaly_classes
@@ -68,3 +69,22 @@ def test_classes_follow_the_runs_merge_gap() -> None:
     (_, lasting, one_off) = anomaly_classes(close, {"merge_gap_steps": 1})
     assert (lasting.detected, one_off.detected) == (0, 4)
     assert anomaly_classes(close, {"merge_gap_steps": "bad"})[1].detected == 1  # the default
+
+
+def test_the_text_names_the_best_supported_periods_and_counts_the_rest(tmp_path: Path) -> None:
+    # an evaluation every 200 steps detected only now and then: the learner finds it at
+    # several multiples of 200 (each came again where predicted)
+    rng = random.Random(3)
+    steps = [s for s in range(200, 10_001, 200) if rng.random() < 0.6]
+    run = make_run(tmp_path, [], hosts=["a", "a"], steps=10_100)
+    writer = AnomalyWriter(run)
+    for step in steps:
+        writer.write(record(step, 3.0, traced=False, culprit=True))
+    writer.close()
+    report = build_report(load_run(str(run.path)))
+    found = report_json(report)["recurrences"]
+    assert len(found) > 3
+    lines = [line for line in render_text(report).splitlines() if "      every ~" in line]
+    most = sorted((r["occurrences"] for r in found), reverse=True)[:3]
+    assert [int(line.split(": ")[1].split(" times")[0]) for line in lines] == most
+    assert f"      and {len(found) - 3} more (--json)" in render_text(report)

@@ -202,6 +202,50 @@ def test_steps_without_a_ratio_are_no_events() -> None:
     assert not planned and planner.counts.series_learned == 0
 
 
+def test_what_is_learned_does_not_depend_on_how_steps_fall_into_rounds() -> None:
+    anomalies = {100: 4.0, 200: 4.0, 300: 4.0, 402: 1.2, 403: 1.8, 503: 4.0, 603: 4.0}
+    anomalies.update({401: 1.5, 703: 4.0, 903: 1.8, 1003: 4.0})
+    learned = []
+    for size in (1, 8, 130):
+        planner = TracePlanner(5.0, merge_gap_steps=5)
+        for end in range(size, 1040 + 1, size):  # rounds of `size` judged steps, to 1040
+            judged = [(s, False, anomalies[s]) for s in range(end - size + 1, end + 1)
+                      if s in anomalies]  # fmt: skip
+            planner.plan(judged, end, end + LAG, end, lambda: COSTS)
+        learned.append([(round(s.period), s.hits, s.points[0][1]) for s in planner.learner.series])
+    assert learned[0] == learned[1] == learned[2]
+    (found,) = recurrences(anomalies.items(), merge_gap_steps=5)  # the report agrees
+    assert [(round(found.period), found.starts[0])] == [(p, first) for p, _, first in learned[0]]
+
+
+def test_a_weak_series_is_learned_among_weaker_dense_noise() -> None:
+    starts = list(range(300, 8000, 300))
+    anomalies = {s: 1.5 for s in range(20, 8000, 20) if all(abs(s - t) > 6 for t in starts)}
+    anomalies.update(dict.fromkeys(starts, 1.9))  # the noise is not as strong: no chance
+    planner = TracePlanner(5.0, merge_gap_steps=5)
+    planned, _ = run(planner, 8000, anomalies)
+    later = starts[3:]
+    assert sum(s in planned for s in later) >= 0.9 * len(later)
+
+
+def test_a_short_clean_weak_series_hits() -> None:
+    for period in (40, 60):
+        starts = list(range(period, 3000, period))
+        planner = TracePlanner(5.0, merge_gap_steps=5)
+        planned, _ = run(planner, 3000, dict.fromkeys(starts, 1.8))
+        later = starts[3:]
+        assert sum(s in planned for s in later) >= 0.9 * len(later), period
+
+
+def test_a_pause_does_not_report_multiples_of_the_period() -> None:
+    anomalies = dict.fromkeys([*range(200, 2001, 200), *range(3000, 6001, 200)], 3.0)
+    found = recurrences(anomalies.items(), merge_gap_steps=5)
+    assert [(round(r.period), r.starts[0], len(r.starts)) for r in found] == [
+        (200, 200, 10),
+        (200, 3000, 16),
+    ]
+
+
 def test_an_untraced_lasting_slowdown_is_traced_within_its_first_window() -> None:
     slow = {s: 1.7 for s in range(1000, 1300)}
     planner = TracePlanner(1.0, merge_gap_steps=5)
