@@ -9,11 +9,10 @@ torch, no I/O.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from distanom.trace_planner import PlannerParams, Series, SeriesLearner, weak_event_start
+from distanom.trace_planner import PlannerParams, Series, SeriesLearner, weak_event
 
 PERIODIC = "periodic"
 LASTING = "lasting_slowdown"
@@ -57,13 +56,13 @@ def recurrences(
     for episode in episodes_of(ratios, merge_gap_steps):
         strong = [step for step in episode if ratios[step] >= params.min_ratio]
         # strong events as the planner sees them; else a short episode is a weak event
-        events = episodes_of(strong, merge_gap_steps)
-        peak = max((r for r in (ratios[s] for s in episode) if 1.0 < r < math.inf), default=0.0)
-        if not strong and len(episode) < params.lasting_min_steps and peak:
-            events = [[weak_event_start([(s, ratios[s]) for s in episode], peak)]]
-        for event in events:
-            learner.expire(event[0] - 1)
-            learner.observe(event[0], ratios[event[0]] if strong else peak)
+        events = [(event[0], ratios[event[0]]) for event in episodes_of(strong, merge_gap_steps)]
+        if not strong and len(episode) < params.lasting_min_steps:
+            weak = weak_event([(step, ratios[step]) for step in episode])
+            events = [weak] if weak is not None else []
+        for start, ratio in events:
+            learner.expire(start - 1)
+            learner.observe(start, ratio)
             for series, starts in learner.joined:
                 members.setdefault(id(series), (series, set()))[1].update(starts)
     found = [

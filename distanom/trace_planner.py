@@ -293,11 +293,16 @@ class SeriesLearner:
         self.series = kept
 
 
-def weak_event_start(ratios: Sequence[tuple[int, float]], peak: float) -> int:
-    """Where a weak event starts: its first step about as strong as its peak (as
-    `SeriesLearner` reckons alike), so a slighter anomaly just before it does not move it."""
+def weak_event(ratios: Sequence[tuple[int, float]]) -> tuple[int, float] | None:
+    """A weak event's start and ratio from its episode's (step, x median) pairs: its peak
+    (NaN, infinite and x1.0 or less are no ratio) and its first step about as strong (as
+    `SeriesLearner` reckons alike), so a slighter anomaly just before it does not move
+    it; None when no step has a ratio. The planner and the report's replay both use it."""
+    peak = max((ratio for _, ratio in ratios if 1.0 < ratio < math.inf), default=0.0)
+    if not peak:
+        return None
     floor = 1.0 + SIMILAR_SHARE * (peak - 1.0)
-    return next((step for step, ratio in ratios if ratio >= floor), ratios[0][0])
+    return next(step for step, ratio in ratios if ratio >= floor), peak
 
 
 @dataclass(frozen=True)
@@ -364,7 +369,6 @@ class _Episode:
     periodic: bool = False
     asked: bool = False
     strong: bool = False  # holds a strong event (observed as it came)
-    peak: float = 0.0  # the largest ratio of its steps
     ended: bool = False
     ratios: list[tuple[int, float]] = field(default_factory=list)  # of its first steps
 
@@ -411,8 +415,6 @@ class TracePlanner:
                 episode.steps += 1
                 episode.last = step
             episode.traced = episode.traced or traced
-            if ratio > episode.peak:  # NaN (no median) is no ratio
-                episode.peak = ratio
             if len(episode.ratios) < self.params.lasting_min_steps:
                 episode.ratios.append((step, ratio))
             if ratio >= self.params.min_ratio:
@@ -432,7 +434,7 @@ class TracePlanner:
             self._end(episode)
         # a weak event is observed when it ends: until then its start may still be a hit
         # that a prediction's window has passed (not past `lasting_min_steps`: no event)
-        if episode is not None and self._may_be_weak_event(episode) and not episode.ended:
+        if episode is not None and not episode.ended and self._weak_event(episode):
             self.learner.expire(min(through, episode.first - 1))
         else:
             self.learner.expire(through)
@@ -464,22 +466,20 @@ class TracePlanner:
         self.counts.series_learned += max(0, len(self.learner.series) - before)
         return periodic
 
-    def _may_be_weak_event(self, episode: _Episode) -> bool:
-        """Whether `episode` is (or, not ended yet, may be) a weak event: no strong step,
-        shorter than a lasting slowdown, a finite ratio over x1.0."""
-        return (
-            not episode.strong
-            and episode.steps < self.params.lasting_min_steps
-            and 1.0 < episode.peak < math.inf
-        )
+    def _weak_event(self, episode: _Episode) -> tuple[int, float] | None:
+        """`episode` as a weak event (or, not ended yet, as one so far): no strong step,
+        shorter than a lasting slowdown, a step with a ratio (`weak_event`)."""
+        if episode.strong or episode.steps >= self.params.lasting_min_steps:
+            return None
+        return weak_event(episode.ratios)
 
     def _end(self, episode: _Episode) -> None:
         """An episode ended: a weak event is observed now."""
         if not episode.ended:
             episode.ended = True
-            if self._may_be_weak_event(episode):
-                start = weak_event_start(episode.ratios, episode.peak)
-                episode.periodic |= self._observe(start, episode.peak)
+            event = self._weak_event(episode)
+            if event is not None:
+                episode.periodic |= self._observe(*event)
 
     def _allowance(self, recorded_steps: int) -> float:
         """What the planner may have spent by now, in step times."""
