@@ -109,9 +109,7 @@ class AnomalyJournal:
             return False
         if block.first.count(first) != self.world_size:
             return False
-        rows, times, world = self._rows, self._times, self.world_size
-        pending, recent, scorer = self._pending, self._recent, self.scorer
-        isfinite = math.isfinite
+        rows, times, world, pending = self._rows, self._times, self.world_size, self._pending
         per_rank = [block.fields(rank) for rank in range(world)]
         for offset, fields in enumerate(zip(*per_rank, strict=True)):
             step = first + offset
@@ -123,13 +121,8 @@ class AnomalyJournal:
                     self._maybe_complete(step)
                     continue
                 # _complete, for a row never stored (no judgment to write from it)
-                step_times = times.pop(step)
-                finite = [t for t in step_times if isfinite(t)]
-                if finite:
-                    step_ms = max(finite)
-                    late = self._late(values, step_ms) if world > 1 else None
-                    scorer.add_late(step, late, step_ms)
-                recent.append(values)
+                self._score(step, values, times.pop(step))
+                self._keep(values)
                 continue
             for rank, f in enumerate(fields):  # a step sent before (a repeat): as before
                 row.values[rank] = list(f)
@@ -197,19 +190,27 @@ class AnomalyJournal:
             return
         times = self._times.get(step)
         if times is not None:
-            finite = [t for t in times if math.isfinite(t)]
-            if finite:
-                step_ms = max(finite)
-                self.scorer.add_late(step, self._late(row.values, step_ms), step_ms)
+            self._score(step, row.values, times)
         judgment = self._pending.pop(step, None)
         if judgment is not None:
-            self._write(judgment)
+            self._write(judgment)  # with the medians of the steps before this one
         del self._rows[step]
         self._times.pop(step, None)
+        self._keep(row.values)
+
+    def _score(self, step: int, values: Any, times: tuple[float, ...]) -> None:
+        """A complete step's lateness, for the straggler scores."""
+        finite = [t for t in times if math.isfinite(t)]
+        if finite:
+            step_ms = max(finite)
+            self.scorer.add_late(step, self._late(values, step_ms), step_ms)
+
+    def _keep(self, values: Any) -> None:
+        """A complete step's fields, for the medians later judgments are written with."""
         if self.small:  # kept whole (never changed after): `_medians` reads two fields
-            self._recent.append(row.values)
+            self._recent.append(values)
         else:
-            kept = row.values[:, [0, 2]]  # infinities read as unknown, as in the list form
+            kept = values[:, [0, 2]]  # infinities read as unknown, as in the list form
             self._history[self._history_at % MEDIAN_STEPS] = kept.where(kept.isfinite(), math.nan)
             self._history_at += 1
 
