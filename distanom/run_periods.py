@@ -94,14 +94,17 @@ def classify_steps(
     anomalies: Iterable[tuple[int, float]],
     merge_gap_steps: int,
     params: PlannerParams | None = None,
+    found: Iterable[Recurrence] | None = None,
 ) -> dict[int, str]:
     """Each anomalous step's class (PERIODIC, LASTING or ONE_OFF), from (step, x median)
     pairs, by the planner's rule run over the whole run: an episode holding a start of one
-    of the run's `recurrences` is periodic; else one of `lasting_min_steps` or more steps
-    is a lasting slowdown."""
+    of the run's `recurrences` (`found`, when the caller has them already) is periodic;
+    else one of `lasting_min_steps` or more steps is a lasting slowdown."""
     params = params or PlannerParams()
     ratios = dict(anomalies)
-    periodic = {s for r in recurrences(ratios.items(), merge_gap_steps, params) for s in r.starts}
+    if found is None:
+        found = recurrences(ratios.items(), merge_gap_steps, params)
+    periodic = {s for r in found for s in r.starts}
     out: dict[int, str] = {}
     for episode in episodes_of(ratios, merge_gap_steps):
         if periodic.intersection(episode):

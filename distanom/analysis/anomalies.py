@@ -237,13 +237,16 @@ def recurrence_line(recurrence: Recurrence) -> str:
 
 
 def anomaly_classes(
-    anomalies: Sequence[Anomaly], detect_config: Mapping[str, Any] | None = None
+    anomalies: Sequence[Anomaly],
+    detect_config: Mapping[str, Any] | None = None,
+    found: Sequence[Recurrence] | None = None,
 ) -> list[ClassCounts]:
     """Per class, in `CLASSES` order: episodes (anomalous steps at most the run's
-    `detect.merge_gap_steps` apart) detected, with a traced step, with an explained step."""
+    `detect.merge_gap_steps` apart) detected, with a traced step, with an explained step.
+    `found`: the run's `recurring` periods, when the caller has them already."""
     gap = _merge_gap(detect_config)
     by_step = {a.step: a for a in anomalies}
-    kinds = classify_steps(((a.step, a.ratio) for a in anomalies), gap)
+    kinds = classify_steps(((a.step, a.ratio) for a in anomalies), gap, found=found)
     counts = {name: [0, 0, 0, 0] for name in CLASSES}
     for episode in episodes_of(by_step, gap):
         count = counts[kinds[episode[0]]]

@@ -288,17 +288,15 @@ def _slowness_sections(report: Report) -> list[str]:
 
 
 def _class_table(report: Report) -> str:
-    """Per anomaly class, its episodes detected, traced and explained."""
+    """Per anomaly class, its episodes detected, traced and explained; the periods."""
+    found = recurring(report.anomalies, report.detect_config)
     rows = "".join(
         f'<tr><td>{_e(c.label)}</td><td class="num">{c.detected}</td>'
         f'<td class="num">{c.traced}</td><td class="num">{c.explained}</td>'
         f'<td class="num">{c.steps}</td></tr>'
-        for c in anomaly_classes(report.anomalies, report.detect_config)
+        for c in anomaly_classes(report.anomalies, report.detect_config, found)
     )
-    periods = "".join(
-        f"<p>Recurring: {_e(recurrence_line(r))}</p>"
-        for r in recurring(report.anomalies, report.detect_config)
-    )
+    periods = "".join(f"<p>Recurring: {_e(recurrence_line(r))}</p>" for r in found)
     return (
         "<table><tr><th>class (episodes)</th><th>detected</th><th>traced</th>"
         f"<th>explained</th><th>steps</th></tr>{rows}</table>{periods}"

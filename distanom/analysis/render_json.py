@@ -23,6 +23,7 @@ def report_json(report: Report) -> dict[str, Any]:
         report.capture_state,
         report.capture_cost,
     )
+    found = recurring(report.anomalies, report.detect_config)
     return {
         "run_id": facts.run_id,
         "run_dir": facts.run_dir,
@@ -55,11 +56,10 @@ def report_json(report: Report) -> dict[str, Any]:
         "captures": [capture_json(capture) for capture in report.captures],
         "anomalies": [anomaly.as_json() for anomaly in report.anomalies],
         "anomaly_classes": [
-            counts.as_json() for counts in anomaly_classes(report.anomalies, report.detect_config)
+            counts.as_json()
+            for counts in anomaly_classes(report.anomalies, report.detect_config, found)
         ],
-        "recurrences": [
-            recurrence_json(r) for r in recurring(report.anomalies, report.detect_config)
-        ],
+        "recurrences": [recurrence_json(r) for r in found],
         "stragglers": list(report.stragglers),
         "drift": report.drift,
         "capture_cost": None

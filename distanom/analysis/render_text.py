@@ -330,7 +330,8 @@ RECURRENCE_LINES = 3  # periods named in the text; --json has them all
 
 def _class_lines(report: Report) -> list[str]:
     """Per anomaly class, its episodes detected, traced and explained."""
-    counts = anomaly_classes(report.anomalies, report.detect_config)
+    found = recurring(report.anomalies, report.detect_config)
+    counts = anomaly_classes(report.anomalies, report.detect_config, found)
     lines = ["  by class (episodes):"]
     for c in counts:
         if c.detected:
@@ -340,11 +341,10 @@ def _class_lines(report: Report) -> list[str]:
         if c.name == PERIODIC and c.detected:
             # the best-supported first; a cadence detected only now and then can show as
             # several multiples of its period
-            found = recurring(report.anomalies, report.detect_config)
-            found.sort(key=lambda r: -len(r.starts))
-            lines += [f"      {recurrence_line(r)}" for r in found[:RECURRENCE_LINES]]
-            if len(found) > RECURRENCE_LINES:
-                lines.append(f"      and {len(found) - RECURRENCE_LINES} more (--json)")
+            best = sorted(found, key=lambda r: -len(r.starts))
+            lines += [f"      {recurrence_line(r)}" for r in best[:RECURRENCE_LINES]]
+            if len(best) > RECURRENCE_LINES:
+                lines.append(f"      and {len(best) - RECURRENCE_LINES} more (--json)")
     return lines
 
 
