@@ -130,7 +130,6 @@ class AdaptiveState:
     check_device: Any = None
     check_generation: int = 0  # the stream generation the pair so far was recorded on
     host_steps: int = 0
-    switches: int = 0
 
 
 class StepClock:
@@ -388,7 +387,7 @@ class StepClock:
             self._spare_events.append(previous[1])
         self._previous_event = None
         state.on_host, state.want_host, state.agreeing = True, False, 0
-        state.until_check, state.switches = CHECK_EVERY, state.switches + 1
+        state.until_check = CHECK_EVERY
         state.host_ns.clear()
         return out, True
 
@@ -397,7 +396,7 @@ class StepClock:
     ) -> Sequence[tuple[int, float]]:
         """Leave the host clock at this boundary: this step is host-timed, its event
         starts the next step's duration."""
-        state.on_host, state.agreeing, state.switches = False, 0, state.switches + 1
+        state.on_host, state.agreeing = False, 0
         state.host_not_before = hold_until
         state.check.clear()
         state.host_ns.clear()
