@@ -50,6 +50,18 @@ VARIANTS: dict[str, list[str]] = {
     "default": [],
     "none": ["--set", "tracer.backend=none"],
     "none_adaptive": ["--set", "tracer.backend=none", "--set", "clock.mode=adaptive"],
+    # bisecting detection's cost: no CUDA event per step (host clock); rounds ~8x rarer
+    "none_host": ["--set", "tracer.backend=none", "--set", "clock.mode=host"],
+    "none_rare": [
+        "--set",
+        "tracer.backend=none",
+        "--set",
+        "consensus.interval_ms=4000",
+        "--set",
+        "consensus.batch_steps=1000",
+        "--set",
+        "tracer.history_steps=2000",
+    ],
     "default_adaptive": ["--set", "clock.mode=adaptive"],
     "budget": ["--set", "tracer.overhead_budget_pct=1"],
     "trace_all": ["--set", "tracer.overhead_budget_pct=null"],
