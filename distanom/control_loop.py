@@ -52,7 +52,7 @@ from distanom.hang import HangWatch
 from distanom.health import Health
 from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
-from distanom.pacing import pace_s, yield_gil
+from distanom.pacing import RoundPacer
 from distanom.records.run_info import build_run_info, write_run_info
 from distanom.records.status import TracerReport, write_status
 from distanom.records.steps import StepsWriter
@@ -119,7 +119,7 @@ class ControlLoop:
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
         self.hang_watch: HangWatch | None = None  # told when a round fails
         self.rounds = 0  # rounds run
-        self._pace_s = 0.0  # pause between a round's phases; 0 once training ended
+        self.pacer = RoundPacer()  # pauses between a round's phases, where they are needed
         self._cpu_ns = 0  # this (control) thread's CPU time, as last read on it
         self._cpu_setup_ns = 0  # of which forming the group and the run directory
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
@@ -288,13 +288,14 @@ class ControlLoop:
             items = self.inbox.take(self._sleep_s(due))
             records = [item for item in items if item is not FINAL]
             final = final or len(records) != len(items)
+            rounds_before = self.rounds
+            self.pacer.begin(self.detector.median_ms, self._round_steps(), final=final)
             if records:  # by columns: no tuple made per step (zip reuses its result)
                 steps, durations, flags, own, gc_ms, *_ = zip(*records, strict=True)
                 builder.add_many(zip(steps, durations, flags, own, strict=True))
                 self.evidence.add_gc_many(zip(steps, gc_ms, strict=True))
             self._log_steps(records)
-            self._pace_s = 0.0 if final else pace_s(self.detector.median_ms, self._round_steps())
-            yield_gil(self._pace_s)
+            self.pacer.pause()
             builder.add_evidence(self.evidence.poll(final))
             now = time.monotonic()
             if now >= next_flush or final:  # a write per second, not per round
@@ -322,6 +323,7 @@ class ControlLoop:
             if self.world.rank == 0 and (now >= next_status or final):
                 next_status = now + control.status_interval_s
                 self._write_status("running")
+            self.pacer.end(ran_round=self.rounds != rounds_before)
         return True
 
     def _sleep_s(self, due: list[float]) -> float:
@@ -337,7 +339,7 @@ class ControlLoop:
         """After a round some rank sent as its final one: the rounds that carry the
         evidence left, as long as any rank says it has more (every rank runs the same
         number, decided from the same gathered flags)."""
-        self._pace_s = 0.0  # training is over somewhere: nothing to pace for, exit soon
+        self.pacer.stop()  # training is over somewhere: nothing to pace for, exit soon
         for _ in range(MAX_EVIDENCE_ROUNDS):
             if not result.ranks_with(FLAG_MORE_EVIDENCE):
                 return
@@ -370,6 +372,7 @@ class ControlLoop:
         if median is not None and math.isfinite(median) and median > 0:
             pct = round((boundary_us + control_us) / 1e3 / median * 100, 4)
         clock = self.boundaries.clock
+        work_ms = self.pacer.work_ms
         return {
             "steps": steps,
             "boundary_ns": self.boundaries.own_ns,
@@ -379,6 +382,9 @@ class ControlLoop:
             "pct_of_median_step": pct,
             # clock.mode adaptive: steps it timed with the host clock instead of events
             "host_timed_steps": clock.host_timed_steps if clock is not None else None,
+            # pauses between rounds' phases so far (none where a round's work is small)
+            "round_pauses": self.pacer.pauses,
+            "round_work_ms": None if work_ms is None else round(work_ms, 3),
         }
 
     def _round_steps(self) -> int:
@@ -454,9 +460,9 @@ class ControlLoop:
         self._submit_captures(decisions)
         # paused only after the decisions are out: a captured step must still be in the
         # tracer's history when the capture worker looks for it
-        yield_gil(self._pace_s)
+        self.pacer.pause()
         self._fold_evidence(result)
-        yield_gil(self._pace_s)
+        self.pacer.pause()
 
     def _submit_captures(self, decisions: list[CaptureDecision]) -> None:
         if not decisions or self.run is None or self.health.capture_off_reason is not None:

@@ -7,33 +7,85 @@ stretches one training step by all of it: the step then looks like an anomaly (1
 census). A bare `time.sleep(0)` between phases does not prevent that: it drops the GIL
 and takes it back before a waiting thread has woken up. Sleeping about one training step
 between phases puts each phase in a different step (docs/agent.md).
+
+Pauses are not free: each is a timed wake-up (0.15-0.28 ms of the thread's CPU on the
+H200 VM) and a GIL hand-over each way. Where a round's whole work is a small share of a
+step (short rounds, long steps: a tracer's 16-step rounds on 10 ms steps) there is
+nothing to spread, so the round runs in one piece. `RoundPacer` measures that work
+itself: the control thread's CPU time per loop pass, pauses left out.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 
 PACE_MAX_S = 0.01
-
-
-def yield_gil(pause_s: float = 0.0) -> None:
-    """Drop the GIL for `pause_s` (with 0 it is taken straight back: see above)."""
-    time.sleep(pause_s)
-
-
 # A round's pauses (three) take at most this share of the time its steps take, so the
 # control thread keeps up with rounds of a few steps (`consensus.batch_steps: 1`).
 ROUND_SHARE = 0.375
+# A round whose work is at most this share of the median step runs without pauses: in
+# one piece it stretches one step by at most this much (an anomaly is 1.5x the median).
+UNPACED_SHARE = 0.1
+# the pause decision looks at the heaviest of this many latest passes that ran a round
+# (a status write or a steps-file flush makes some passes heavier than others)
+WORK_MEMORY = 8
 
 
-def pace_s(median_ms: float | None, round_steps: int) -> float:
+def pace_s(median_ms: float | None, round_steps: int, work_ms: float | None = None) -> float:
     """The pause between a round's phases: one step at the median step time, at most
     PACE_MAX_S (longer steps hide a phase anyway) and at most an eighth of the round's
-    steps; 0 before a median is known. Never more than a step: each pause delays the
-    round's evidence by one step, and a round with a tracer covers half of the steps
-    the tracer keeps."""
+    steps; 0 before a median is known, and 0 when the round's work (`work_ms`, CPU ms;
+    None: not measured yet) is at most UNPACED_SHARE of the median step. Never more than
+    a step: each pause delays the round's evidence by one step, and a round with a
+    tracer covers half of the steps the tracer keeps."""
     if median_ms is None or not math.isfinite(median_ms) or median_ms <= 0:
+        return 0.0
+    if work_ms is not None and work_ms <= UNPACED_SHARE * median_ms:
         return 0.0
     step_s = median_ms / 1e3
     return min(PACE_MAX_S, step_s, ROUND_SHARE / 3 * round_steps * step_s)
+
+
+class RoundPacer:
+    """The pauses of one control thread: `begin` at the top of each loop pass decides
+    the pass's pause from the work measured in earlier ones, `pause` between phases,
+    `end` records the pass's work (its CPU time, the pauses' own left out)."""
+
+    def __init__(self) -> None:
+        self.pause_s = 0.0  # the pause between phases in this pass; 0: none
+        self.pauses = 0  # pauses slept so far
+        self._works: collections.deque[float] = collections.deque(maxlen=WORK_MEMORY)
+        self._began_ns = 0
+        self._paused_ns = 0
+
+    @property
+    def work_ms(self) -> float | None:
+        """The heaviest recent pass that ran a round (CPU ms), None before one."""
+        return max(self._works) if self._works else None
+
+    def begin(self, median_ms: float | None, round_steps: int, *, final: bool) -> None:
+        """Start a pass: no pause at the end of training (nothing to pace for)."""
+        self._began_ns = time.thread_time_ns()
+        self._paused_ns = 0
+        self.pause_s = 0.0 if final else pace_s(median_ms, round_steps, self.work_ms)
+
+    def stop(self) -> None:
+        """No more pauses in this pass (training ended somewhere: exit soon)."""
+        self.pause_s = 0.0
+
+    def pause(self) -> None:
+        """Drop the GIL for the pass's pause, if it has one."""
+        if self.pause_s <= 0:
+            return
+        before = time.thread_time_ns()
+        time.sleep(self.pause_s)
+        self._paused_ns += time.thread_time_ns() - before
+        self.pauses += 1
+
+    def end(self, *, ran_round: bool) -> None:
+        """End a pass; only a pass that ran a round says what a round's work costs."""
+        if ran_round:
+            spent = time.thread_time_ns() - self._began_ns - self._paused_ns
+            self._works.append(max(0, spent) / 1e6)

@@ -254,21 +254,80 @@ def test_the_start_line_says_how_much_is_traced(
     assert expected in agent.boundaries._start_notes()
 
 
+def record_pauses(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The pause of every `RoundPacer.pause` call (0: none slept), in order."""
+    pauses: list[float] = []
+    original = pacing.RoundPacer.pause
+
+    def pause(self: pacing.RoundPacer) -> None:
+        pauses.append(self.pause_s)
+        original(self)
+
+    monkeypatch.setattr(pacing.RoundPacer, "pause", pause)
+    return pauses
+
+
 def test_a_round_pauses_about_a_step_between_its_phases(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a round of many steps is milliseconds of Python: in one piece it would stretch one
     # training step by all of it; a pause of about a step puts each phase in another
-    pauses: list[float] = []
-    monkeypatch.setattr(control_loop, "yield_gil", lambda s=0.0: pauses.append(s))
+    pauses = record_pauses(monkeypatch)
     agent = run_agent(tmp_path, 400, 0.004)  # rounds of 128 steps: the median known by the 2nd
     assert agent.control.rounds >= 3
     assert len(pauses) >= 3 * agent.control.rounds
     paced = [s for s in pauses if s > 0]
     assert len(paced) >= 4  # two per round once a median is known (none before, nor at the end)
+    assert agent.control.pacer.pauses == len(paced)
     assert all(s <= pacing.PACE_MAX_S for s in paced)
     assert max(paced) == pytest.approx(0.004, rel=0.5)  # ~ the median step, once known
     assert pauses[-1] == 0.0  # the final round: training is over, nothing to pace for
+    # a 128-step round is well over a tenth of a 4 ms step on any CPU
+    work = agent.control.pacer.work_ms
+    assert work is not None and work > pacing.UNPACED_SHARE * 4
+
+
+def test_a_round_whose_work_is_small_beside_a_step_runs_in_one_piece(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 50 ms steps: rounds of ~20 steps, well under a millisecond of work each; pausing
+    # would only cost wake-ups (the first round, before any work is measured, has no
+    # median yet, so it does not pause either)
+    pauses = record_pauses(monkeypatch)
+    agent = run_agent(tmp_path, 60, 0.05)
+    assert agent.control.rounds >= 2
+    assert len(pauses) >= 3 * agent.control.rounds
+    assert agent.control.pacer.pauses == 0 and not any(pauses)
+    work = agent.control.pacer.work_ms
+    assert work is not None and 0 < work <= pacing.UNPACED_SHARE * 50
+    cost = agent.own_cost()
+    assert cost["round_pauses"] == 0 and cost["round_work_ms"] == pytest.approx(work, abs=1e-3)
+
+
+def test_the_pacer_pauses_until_the_heaviest_recent_pass_is_small(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(pacing.time, "sleep", slept.append)
+    clock = iter(range(0, 10**12, 10**6))  # each thread-time read 1 ms after the last
+    monkeypatch.setattr(pacing.time, "thread_time_ns", lambda: next(clock))
+    pacer = pacing.RoundPacer()
+    pacer.begin(4.0, 128, final=False)  # nothing measured yet: paced
+    assert pacer.pause_s == pytest.approx(0.004)
+    pacer.pause()
+    assert slept == [pytest.approx(0.004)] and pacer.pauses == 1
+    pacer.end(ran_round=True)  # 3 ms between begin and end, 1 ms of it in the pause
+    assert pacer.work_ms == pytest.approx(2.0)
+    pacer.begin(40.0, 25, final=False)  # 2 ms of work beside 40 ms steps: no pause
+    assert pacer.pause_s == 0.0
+    pacer.pause()
+    assert pacer.pauses == 1 and len(slept) == 1  # nothing slept
+    pacer.end(ran_round=False)  # a pass without a round measures nothing
+    assert pacer.work_ms == pytest.approx(2.0)
+    pacer.begin(10.0, 100, final=False)  # 2 ms is a fifth of a 10 ms step: paced
+    assert pacer.pause_s == pytest.approx(0.01)
+    pacer.begin(4.0, 128, final=True)  # the end of training: never
+    assert pacer.pause_s == 0.0
 
 
 def test_the_pause_is_one_median_step_at_most_10_ms_and_an_eighth_of_a_round() -> None:
@@ -279,6 +338,9 @@ def test_the_pause_is_one_median_step_at_most_10_ms_and_an_eighth_of_a_round() -
     # rounds of one step (consensus.batch_steps: 1): three pauses in a round must not
     # outlast its step, or the thread falls behind for good
     assert 3 * pacing.pace_s(5.0, 1) <= 0.005 * 0.5
+    # a round whose work is at most a tenth of a step is not paced at all
+    assert pacing.pace_s(10.0, 16, work_ms=1.0) == 0.0
+    assert pacing.pace_s(10.0, 16, work_ms=1.01) == pytest.approx(0.01)
 
 
 def test_the_round_loop_reads_step_records_by_column_in_this_order() -> None:
