@@ -52,6 +52,8 @@ VARIANTS: dict[str, list[str]] = {
     "none_adaptive": ["--set", "tracer.backend=none", "--set", "clock.mode=adaptive"],
     # bisecting detection's cost: no CUDA event per step (host clock); rounds ~8x rarer
     "none_host": ["--set", "tracer.backend=none", "--set", "clock.mode=host"],
+    # detection with a tracer's round length (16 steps at the default history_steps)
+    "none16": ["--set", "tracer.backend=none", "--set", "consensus.batch_steps=16"],
     "none_rare": [
         "--set",
         "tracer.backend=none",
