@@ -288,7 +288,7 @@ class ControlLoop:
             items = self.inbox.take(self._sleep_s(due))
             records = [item for item in items if item is not FINAL]
             final = final or len(records) != len(items)
-            rounds_before = self.rounds
+            gathered_before = self._gathered_step
             self.pacer.begin(self.detector.median_ms, self._round_steps(), final=final)
             if records:  # by columns: no tuple made per step (zip reuses its result)
                 steps, durations, flags, own, gc_ms, *_ = zip(*records, strict=True)
@@ -323,7 +323,7 @@ class ControlLoop:
             if self.world.rank == 0 and (now >= next_status or final):
                 next_status = now + control.status_interval_s
                 self._write_status("running")
-            self.pacer.end(ran_round=self.rounds != rounds_before)
+            self.pacer.end(steps=self._gathered_step - gathered_before)
         return True
 
     def _sleep_s(self, due: list[float]) -> float:

@@ -10,9 +10,12 @@ between phases puts each phase in a different step (docs/agent.md).
 
 Pauses are not free: each is a timed wake-up (0.15-0.28 ms of the thread's CPU on the
 H200 VM) and a GIL hand-over each way. Where a round's whole work is a small share of a
-step (short rounds, long steps: a tracer's 16-step rounds on 10 ms steps) there is
-nothing to spread, so the round runs in one piece. `RoundPacer` measures that work
-itself: the control thread's CPU time per loop pass, pauses left out.
+step (short rounds, long steps) there is nothing to spread, so the round runs in one
+piece. `RoundPacer` measures that work itself: the control thread's CPU time per loop
+pass, pauses left out, from passes whose rounds were at least half as long as the next
+one (rounds start at one step each, before a median is known; until a round about as
+long has been measured, it is paced). Work measured while paced reads a little heavier
+(the cold start after each wake-up), so near the limit a paced job tends to stay paced.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ PACE_MAX_S = 0.01
 # A round's pauses (three) take at most this share of the time its steps take, so the
 # control thread keeps up with rounds of a few steps (`consensus.batch_steps: 1`).
 ROUND_SHARE = 0.375
-# A round whose work is at most this share of the median step runs without pauses: in
-# one piece it stretches one step by at most this much (an anomaly is 1.5x the median).
+# A round whose expected work is at most this share of the median step runs without
+# pauses: in one piece it stretches one step by about this much (an anomaly is 1.5x).
 UNPACED_SHARE = 0.1
 # the pause decision looks at the heaviest of this many latest passes that ran a round
 # (a status write or a steps-file flush makes some passes heavier than others)
@@ -56,20 +59,34 @@ class RoundPacer:
     def __init__(self) -> None:
         self.pause_s = 0.0  # the pause between phases in this pass; 0: none
         self.pauses = 0  # pauses slept so far
-        self._works: collections.deque[float] = collections.deque(maxlen=WORK_MEMORY)
+        # (CPU ms, steps its rounds covered) of the latest passes that ran a round
+        self._works: collections.deque[tuple[float, int]] = collections.deque(maxlen=WORK_MEMORY)
         self._began_ns = 0
         self._paused_ns = 0
+        self._final = False
 
     @property
     def work_ms(self) -> float | None:
         """The heaviest recent pass that ran a round (CPU ms), None before one."""
-        return max(self._works) if self._works else None
+        return max(work for work, _ in self._works) if self._works else None
+
+    def expected_work_ms(self, round_steps: int) -> float | None:
+        """What a pass with a round of `round_steps` is expected to cost (CPU ms): the
+        heaviest recent pass whose rounds covered at least half as many steps; None when
+        there is none (rounds start at one step each, before a median is known, and a
+        round many times longer costs many times more)."""
+        comparable = [work for work, steps in self._works if 2 * steps >= round_steps]
+        return max(comparable) if comparable else None
 
     def begin(self, median_ms: float | None, round_steps: int, *, final: bool) -> None:
         """Start a pass: no pause at the end of training (nothing to pace for)."""
         self._began_ns = time.thread_time_ns()
         self._paused_ns = 0
-        self.pause_s = 0.0 if final else pace_s(median_ms, round_steps, self.work_ms)
+        self._final = final
+        if final:
+            self.pause_s = 0.0
+        else:
+            self.pause_s = pace_s(median_ms, round_steps, self.expected_work_ms(round_steps))
 
     def stop(self) -> None:
         """No more pauses in this pass (training ended somewhere: exit soon)."""
@@ -84,8 +101,9 @@ class RoundPacer:
         self._paused_ns += time.thread_time_ns() - before
         self.pauses += 1
 
-    def end(self, *, ran_round: bool) -> None:
-        """End a pass; only a pass that ran a round says what a round's work costs."""
-        if ran_round:
+    def end(self, *, steps: int) -> None:
+        """End a pass whose rounds covered `steps` steps; only a pass that ran a round
+        (and not the last ones, at the end of training) says what a round costs."""
+        if steps > 0 and not self._final:
             spent = time.thread_time_ns() - self._began_ns - self._paused_ns
-            self._works.append(max(0, spent) / 1e6)
+            self._works.append((max(0, spent) / 1e6, steps))

@@ -80,9 +80,11 @@ def test_the_builder_takes_rounds_of_the_size_asked() -> None:
     assert builder.next_first == 8
 
 
-def run_agent(tmp_path: Path, steps: int, step_s: float) -> Agent:
+def run_agent(
+    tmp_path: Path, steps: int, step_s: float, overrides: tuple[str, ...] | list[str] = ()
+) -> Agent:
     config = load_config(
-        None, ["tracer.backend=none", "detect.warmup_steps=0", "detect.min_steps=5"]
+        None, ["tracer.backend=none", "detect.warmup_steps=0", "detect.min_steps=5", *overrides]
     )
     agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
     agent.install()
@@ -290,44 +292,76 @@ def test_a_round_pauses_about_a_step_between_its_phases(
 def test_a_round_whose_work_is_small_beside_a_step_runs_in_one_piece(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 50 ms steps: rounds of ~20 steps, well under a millisecond of work each; pausing
-    # would only cost wake-ups (the first round, before any work is measured, has no
-    # median yet, so it does not pause either)
+    # 50 ms steps, rounds of ~5 steps: well under a millisecond of work each; pausing
+    # would only cost wake-ups
     pauses = record_pauses(monkeypatch)
-    agent = run_agent(tmp_path, 60, 0.05)
-    assert agent.control.rounds >= 2
+    agent = run_agent(tmp_path, 60, 0.05, ["consensus.interval_ms=250"])  # 5-step rounds
+    assert agent.control.rounds >= 8
     assert len(pauses) >= 3 * agent.control.rounds
-    assert agent.control.pacer.pauses == 0 and not any(pauses)
+    # the first round of full length is paced (nothing as long measured yet), no other
+    assert agent.control.pacer.pauses <= 3 and not any(pauses[-9:])
     work = agent.control.pacer.work_ms
     assert work is not None and 0 < work <= pacing.UNPACED_SHARE * 50
     cost = agent.own_cost()
     assert cost["round_pauses"] == 0 and cost["round_work_ms"] == pytest.approx(work, abs=1e-3)
 
 
+def fake_thread_clock(monkeypatch: pytest.MonkeyPatch, step_ms: float = 1.0) -> list[float]:
+    """Make `pacing`'s thread-time reads advance `step_ms` each and its sleeps only
+    recorded; returns the sleeps."""
+    slept: list[float] = []
+    monkeypatch.setattr(pacing.time, "sleep", slept.append)
+    clock = iter(range(0, 10**15, int(step_ms * 1e6)))
+    monkeypatch.setattr(pacing.time, "thread_time_ns", lambda: next(clock))
+    return slept
+
+
 def test_the_pacer_pauses_until_the_heaviest_recent_pass_is_small(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    slept: list[float] = []
-    monkeypatch.setattr(pacing.time, "sleep", slept.append)
-    clock = iter(range(0, 10**12, 10**6))  # each thread-time read 1 ms after the last
-    monkeypatch.setattr(pacing.time, "thread_time_ns", lambda: next(clock))
+    slept = fake_thread_clock(monkeypatch)  # each thread-time read 1 ms after the last
     pacer = pacing.RoundPacer()
     pacer.begin(4.0, 128, final=False)  # nothing measured yet: paced
     assert pacer.pause_s == pytest.approx(0.004)
     pacer.pause()
     assert slept == [pytest.approx(0.004)] and pacer.pauses == 1
-    pacer.end(ran_round=True)  # 3 ms between begin and end, 1 ms of it in the pause
+    pacer.end(steps=25)  # 3 ms between begin and end, 1 ms of it in the pause
     assert pacer.work_ms == pytest.approx(2.0)
     pacer.begin(40.0, 25, final=False)  # 2 ms of work beside 40 ms steps: no pause
     assert pacer.pause_s == 0.0
     pacer.pause()
     assert pacer.pauses == 1 and len(slept) == 1  # nothing slept
-    pacer.end(ran_round=False)  # a pass without a round measures nothing
+    pacer.end(steps=0)  # a pass without a round measures nothing
     assert pacer.work_ms == pytest.approx(2.0)
-    pacer.begin(10.0, 100, final=False)  # 2 ms is a fifth of a 10 ms step: paced
+    pacer.begin(10.0, 25, final=False)  # 2 ms is a fifth of a 10 ms step: paced
     assert pacer.pause_s == pytest.approx(0.01)
-    pacer.begin(4.0, 128, final=True)  # the end of training: never
+    pacer.end(steps=25)  # 1 ms
+    pacer.begin(4.0, 128, final=True)  # the end of training: never paced ...
     assert pacer.pause_s == 0.0
+    pacer.end(steps=128)  # ... and its last rounds decide nothing
+    assert pacer.work_ms == pytest.approx(2.0)
+
+
+def test_small_rounds_work_does_not_unpace_a_round_many_times_longer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # before a median is known rounds are one step each: their fraction of a millisecond
+    # must not let the first 128-step round run in one piece
+    fake_thread_clock(monkeypatch, step_ms=0.15)
+    pacer = pacing.RoundPacer()
+    for _ in range(6):
+        pacer.begin(None, 1, final=False)
+        pacer.end(steps=1)  # 0.15 ms each
+    assert pacer.work_ms == pytest.approx(0.15)
+    assert pacer.expected_work_ms(2) == pytest.approx(0.15)
+    assert pacer.expected_work_ms(128) is None  # nothing comparable measured
+    pacer.begin(4.0, 128, final=False)
+    assert pacer.pause_s == pytest.approx(0.004)
+    pacer.end(steps=128)  # 0.15 ms again: now a 128-step round is known to be light
+    pacer.begin(4.0, 128, final=False)
+    assert pacer.pause_s == 0.0
+    # a shorter round is expected to cost what the longer ones did (its fixed part)
+    assert pacer.expected_work_ms(16) == pytest.approx(0.15)
 
 
 def test_the_pause_is_one_median_step_at_most_10_ms_and_an_eighth_of_a_round() -> None:
