@@ -16,7 +16,10 @@ Pure (no torch, no files). Rules, in order (slowdown = step time - median):
    `CPU_SHARE` of the lateness (`host_busy`: the thread was computing); otherwise
    `host_stall` (late, off the CPU: sleeping, I/O, a lock, waiting on the device).
    No rank late while the step was slow: `slow_collective` (the time went inside the
-   collective or after it, on every rank alike).
+   collective or after it, on every rank alike). Several ranks late by about as much
+   (the most grown leads the next by under `CULPRIT_SHARE` of the slowdown): no culprit,
+   the time went before the collective on each of them; the cause is the host cause
+   most of them share.
 3. Without arrival (no collectives recorded): the rank with the longest duration, if it
    leads the next by `CULPRIT_SHARE` of the slowdown (`source: "durations"`); otherwise
    `unknown`. Its cause: `gpu_work` when its step took longer on its GPU clock than on
@@ -304,6 +307,10 @@ def _by_arrival(
             "arrival",
             details,
         )
+    late = sorted(r for r in grown if grown[r] >= CULPRIT_SHARE * slowdown)
+    runner_up = max((grown[r] for r in grown if r != culprit), default=-math.inf)
+    if len(late) > 1 and grown[culprit] - runner_up < CULPRIT_SHARE * slowdown:
+        return _late_together(record, evidence, late, grown, slowdown, details)
     cause, why = _host_cause(record, evidence, culprit, grown[culprit], slowdown)
     text = (
         f"rank {culprit} reached the step's last collective {late_ms:.1f} ms after the first "
@@ -311,6 +318,36 @@ def _by_arrival(
         f"slow); {why}"
     )
     return AnomalyVerdict(culprit, cause, text, "arrival", details)
+
+
+def _late_together(
+    record: AnomalyRecord,
+    evidence: list[StepEvidence],
+    late: list[int],
+    grown: dict[int, float],
+    slowdown: float,
+    details: dict[str, Any],
+) -> AnomalyVerdict:
+    """Several ranks (maybe all) reached the last collective about equally later than
+    usual: the time went before it on each of them, so no one rank is the culprit. The
+    cause is the host cause most of them share (the lowest rank's on a tie)."""
+    causes = {rank: _host_cause(record, evidence, rank, grown[rank], slowdown) for rank in late}
+    names = [causes[rank][0] for rank in late]
+    cause = max(names, key=lambda name: (names.count(name), -names.index(name)))
+    first = next(rank for rank in late if causes[rank][0] == cause)
+    who = "every rank" if len(late) == len(grown) else "ranks " + _rank_list(late)
+    least = min(grown[rank] for rank in late)
+    text = (
+        f"{who} reached the step's last collective at least {least:.1f} ms later than usual, "
+        f"about equally (the step was {slowdown:.1f} ms slow): the time went before it on "
+        f"each; on rank {first}, {causes[first][1]}"
+    )
+    return AnomalyVerdict(None, cause, text, "arrival", {**details, "late_ranks": late})
+
+
+def _rank_list(ranks: list[int]) -> str:
+    shown = ", ".join(str(rank) for rank in ranks[:8])
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
 def _by_durations(

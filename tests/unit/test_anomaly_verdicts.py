@@ -37,6 +37,29 @@ def test_the_late_rank_is_the_culprit_and_sleeping_is_a_host_stall() -> None:
     assert "rank 2 reached the step's last collective" in verdict.evidence
 
 
+def test_ranks_late_together_have_no_culprit_and_share_a_cause() -> None:
+    # every rank slept ~300 ms before the collective (a stall in the data loader, a
+    # checkpoint on every rank): blaming the one that happened to arrive last is wrong
+    ev = [StepEvidence(310.0, 1, 1.0, 0.0), StepEvidence(310.2, 1, 1.1, 0.0)]
+    verdict = judge(record(ev))
+    assert (verdict.culprit_rank, verdict.cause, verdict.source) == (None, "host_stall", "arrival")
+    assert verdict.evidence.startswith("every rank reached the step's last collective")
+    assert verdict.details["late_ranks"] == [0, 1]
+    # two of four late together, the others on time: those two, no single culprit
+    ev4 = [
+        StepEvidence(10.2, 1, 1.0, 0.0),
+        StepEvidence(305.0, 1, 280.0, 0.0),
+        StepEvidence(10.1, 1, 1.0, 0.0),
+        StepEvidence(309.0, 1, 290.0, 0.0),
+    ]
+    verdict = judge(record(ev4))
+    assert (verdict.culprit_rank, verdict.cause) == (None, "host_busy")
+    assert verdict.evidence.startswith("ranks 1, 3 reached")
+    # one rank clearly later than another late one: that one is still the culprit
+    ev = [StepEvidence(120.0, 1, 1.0, 0.0), StepEvidence(310.0, 1, 1.0, 0.0)]
+    assert judge(record(ev)).culprit_rank == 1
+
+
 def test_cpu_time_and_gc_name_the_cause() -> None:
     busy = [StepEvidence(10.0, 1, 1.0, 0.0), StepEvidence(300.0, 1, 280.0, 0.0)]
     assert judge(record(busy)).cause == "host_busy"
