@@ -57,6 +57,8 @@ __all__ = ["HtmlPage", "render_html", "write_html"]
 TOP_KERNELS = 8
 # op changes under this share of the step are left out of the table (counted in a note)
 MIN_CHANGE_SHARE = 0.01
+# when every change is under that share, the largest this many are shown all the same
+SMALL_TOP_KERNELS = 5
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;
@@ -153,18 +155,22 @@ def _kernel_table(capture: Capture) -> str:
     idle = entry.get("idle_change_ms")
     title = (
         f"<p>{what} of rank {_e(rank)} against reference step {_e(diff['reference_step'])}"
-        + (f", idle {_fmt(idle, 1)} ms change" if isinstance(idle, (int, float)) else "")
+        + (f", idle {idle:+.1f} ms change" if isinstance(idle, (int, float)) else "")
         + ":</p>"
     )
     if not changes:
         return title + "<p>nothing grew</p>"
-    changes, left_out, left_us = trimmed(changes, capture.step_ms, TOP_KERNELS, MIN_CHANGE_SHARE)
+    every = changes
+    changes, left_out, left_us = trimmed(every, capture.step_ms, TOP_KERNELS, MIN_CHANGE_SHARE)
+    why = f"each under {MIN_CHANGE_SHARE:.0%} of the step or past the top {TOP_KERNELS}"
+    if not changes:  # all small beside the step: the largest few, as the text report lists
+        changes, left_out, left_us = trimmed(every, None, SMALL_TOP_KERNELS, 0.0)
+        why = f"past the top {SMALL_TOP_KERNELS}"
     note = ""
     if left_out:
         note = (
             f'<p class="facts">{left_out} smaller change(s), {_fmt(left_us / 1000)} ms in all, '
-            f"not shown (each under {MIN_CHANGE_SHARE:.0%} of the step or past the top "
-            f"{TOP_KERNELS})</p>"
+            f"not shown ({why})</p>"
         )
     if not changes:
         return title + note
@@ -263,6 +269,11 @@ def _merged_link(capture: Capture) -> str:
     )
 
 
+def _or_dash(value: object) -> object:
+    """A value as a cell shows it: '-' for none (as the text report prints it)."""
+    return "-" if value is None else value
+
+
 def _slowness_sections(report: Report) -> list[str]:
     """The anomalies table (every judged step, traced or not) and the stragglers."""
     body = [f"<h2>Anomalies ({len(report.anomalies)})</h2>"]
@@ -272,7 +283,7 @@ def _slowness_sections(report: Report) -> list[str]:
             f"<tr><td>{_e(a.step)}</td>"
             f'<td class="num">{_fmt(a.step_ms, 1)}</td><td class="num">{_fmt(a.ratio)}</td>'
             f"<td>{_e('yes' if a.traced else 'no')}</td><td>{_e(a.judged_by)}</td>"
-            f"<td>{_e(a.verdict.culprit_rank)}</td><td>{_e(a.verdict.cause)}</td>"
+            f"<td>{_e(_or_dash(a.verdict.culprit_rank))}</td><td>{_e(a.verdict.cause)}</td>"
             f"<td>{_e(a.verdict.evidence)}</td></tr>"
             for a in report.anomalies[:500]
         )

@@ -286,3 +286,34 @@ def test_captures_are_listed_most_severe_first_and_op_changes_are_trimmed(
     assert [c["added_us"] for c in shown] == [5000.0]
     assert (left_out, left_us) == (3, -868.0)
     assert PART_COLORS["idle_time"] != PART_COLORS["exposed_comm_time"]  # a stall stands out
+
+
+def test_an_op_table_of_only_small_changes_still_lists_the_largest_and_signs_idle(
+    tmp_path: Path,
+) -> None:
+    # a step slowed by idle time (a stall) whose ops barely changed: the text report
+    # lists its top op changes, so the page must not show an empty table
+    from distanom.analysis.kernel_diff import kernel_diff_lines
+    from distanom.analysis.render_json import kernel_diff_json
+
+    make_run(
+        tmp_path,
+        [
+            Capture(20, "reference", gpu_job(), 1.1, 1.2),
+            Capture(
+                40, "anomaly", gpu_job(all_gap_us=200_000.0, extra_compute_us={1: 30.0}), 200.0
+            ),
+        ],
+        hosts=["a"] * 4,
+    )
+    report = build_report(load_run(str(tmp_path)))
+    capture = next(c for c in report.captures if c.step == 40)
+    diff = kernel_diff_json(capture.kernel_diff)
+    text = "\n".join(kernel_diff_lines(diff, capture.verdict.culprit_rank))
+    assert "(idle +" in text
+    html = render_html(report, use_matplotlib=False).html
+    section = html[html.index('id="step-40"') :]
+    assert "idle +" in section  # signed, as the text report prints it
+    title = section.index("against reference step")
+    table = section[title : section.index("</table>", title)]
+    assert "<tr><td" in table  # at least one change listed, though all are under 1%

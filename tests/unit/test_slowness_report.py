@@ -42,3 +42,26 @@ def test_untraced_anomalies_and_stragglers_in_every_rendering(tmp_path: Path) ->
     html = render_html(report, use_matplotlib=False).html
     assert "<h2>Anomalies (1)</h2>" in html and "<h2>Stragglers (1)</h2>" in html
     assert "host_stall" in html
+
+
+def test_an_anomaly_without_a_culprit_shows_a_dash_in_text_and_html(tmp_path: Path) -> None:
+    # both ranks late to the collective together: no culprit, and no "None" on the page
+    run = make_run(tmp_path, [], hosts=["a", "a"])
+    writer = AnomalyWriter(run)
+    writer.write(
+        AnomalyRecord(
+            step=40, step_ms=300.0, median_ms=15.0, threshold_ms=22.5, traced=False,
+            judged_by="condition", slowest_rank=0, durations_ms=(300.0, 299.0),
+            evidence=(StepEvidence(290.0, 1, 1.0, 0.0), StepEvidence(290.1, 1, 1.0, 0.0)),
+            arrive_median_ms=(10.0, 10.0), cpu_median_ms=(1.0, 1.0),
+        )
+    )  # fmt: skip
+    writer.close()
+    report = build_report(load_run(run.path))
+    (anomaly,) = report.anomalies
+    assert anomaly.verdict.culprit_rank is None and anomaly.verdict.cause == "host_stall"
+    html = render_html(report, use_matplotlib=False).html
+    row = html[html.index("<tr><td>40</td>") :]
+    row = row[: row.index("</tr>")]
+    assert "<td>-</td><td>host_stall</td>" in row and "None" not in row
+    assert "every rank reached the step's last collective" in render_text(report)
