@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        raise DistanomError(f"{self.prog}: {message}")
+        # `main` prints "distanom: " before every error; a subcommand names itself
+        command = self.prog.removeprefix("distanom").strip()
+        raise DistanomError(f"{command}: {message}" if command else message)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ writes the commented reference file `configs/default.yaml`. Nothing here imports
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -318,8 +319,14 @@ def _format_validation_error(source: str, err: ValidationError) -> str:
         return f"{source}: unknown key '{key}' (allowed here: {', '.join(allowed)})"
     got = first.get("input")
     shown = "" if isinstance(got, dict) else f" (got {got!r})"
-    more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
-    return f"{source}: {key}: {_clean_message(first['msg'])}{shown}{more}"
+    message = _clean_message(first["msg"])
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        message = "must be a section of keys (key: value lines), not a single value"
+    others = [".".join(str(part) for part in e["loc"]) or "(top level)" for e in err.errors()[1:]]
+    more = ""
+    if others:
+        more = f" (also wrong: {', '.join(others[:4])}{', ...' if len(others) > 4 else ''})"
+    return f"{source}: {key}: {message}{shown}{more}"
 
 
 # pydantic prefixes the message of an error raised in a validator with its kind
@@ -412,12 +419,24 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     """Build the validated config from an optional YAML file and `key=value` overrides."""
     source = str(path) if path is not None else "config"
     data: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
-    for text in overrides:
+    from_file = copy.deepcopy(data)
+    sets = list(overrides)
+    for text in sets:
         parts, value = parse_override(text)
         _apply_override(data, parts, value, text)
-        if path is None:
-            source = "--set"
-    return config_from_mapping(data, source)
+    if path is None:
+        return config_from_mapping(data, "--set" if sets else source)
+    try:
+        return config_from_mapping(data, source)
+    except ConfigError:
+        if not sets:
+            raise
+    # which of the two is wrong: the --set values alone, when the file is valid without them
+    try:
+        config_from_mapping(from_file, source)
+    except ConfigError:
+        return config_from_mapping(data, f"{source} with --set")
+    return config_from_mapping(data, "--set")
 
 
 def config_from_mapping(data: Mapping[str, Any], source: str = "config") -> Config:

@@ -178,3 +178,32 @@ def test_readme_lists_every_config_key() -> None:
         model = fields.annotation
         for key in model.model_fields:  # type: ignore[union-attr]
             assert f"`{section}.{key}`" in readme, f"README lacks {section}.{key}"
+
+
+def test_an_error_names_the_file_or_the_set_values_that_caused_it(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text("detect:\n  multiplier: 2\n")
+    with pytest.raises(ConfigError, match=r"^--set: detect\.multiplier: "):
+        load_config(good, ["detect.multiplier=0.5"])  # the file is fine: --set broke it
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("detect:\n  multiplier: -3\ntracer:\n  backend: foo\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)  # every wrong key is named, the first with its reason
+    assert str(info.value) == (
+        f"{bad}: detect.multiplier: Input should be greater than 1 (got -3) "
+        "(also wrong: tracer.backend)"
+    )
+    with pytest.raises(ConfigError, match=r"with --set: tracer\.backend: "):
+        load_config(bad, ["detect.multiplier=2"])  # what is still wrong once --set applied
+    assert load_config(bad, ["detect.multiplier=2", "tracer.backend=none"]).detect.multiplier == 2
+    with pytest.raises(ConfigError, match=r"^--set: detect: must be a section of keys"):
+        load_config(None, ["detect=2"])
+
+
+def test_cli_usage_errors_say_distanom_once(capsys: pytest.CaptureFixture[str]) -> None:
+    from distanom.cli import main
+
+    assert main([]) == 2
+    assert capsys.readouterr().err == "distanom: the following arguments are required: command\n"
+    assert main(["report"]) == 2
+    assert capsys.readouterr().err.startswith("distanom: report: the following arguments")
