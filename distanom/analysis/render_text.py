@@ -144,7 +144,7 @@ def _overhead_lines(tracer: dict[str, Any]) -> list[str]:
     measured = (
         f"measured overhead {overhead:.1f}% of step time while tracing"
         if isinstance(overhead, (int, float))
-        else "overhead not measured yet (no untraced window so far)"
+        else "overhead not measured yet (no traced window compared with an untraced one so far)"
     )
     line = f"  tracing: {measured}, {100 * fraction:.1f}% of steps traced"
     effective = duty.get("effective_overhead_pct")
