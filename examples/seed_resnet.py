@@ -22,7 +22,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torchvision.models as models
 
 
 def steps(text: str) -> set[int]:
@@ -36,7 +35,9 @@ def steps(text: str) -> set[int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=5)
     parser.add_argument("--sleep-steps", type=steps, default=set())
@@ -52,6 +53,12 @@ def main() -> None:
     parser.add_argument("--stall-rank", type=int, default=0)
     parser.add_argument("--stall-s", type=float, default=0.05)
     args = parser.parse_args()
+    try:
+        import torchvision.models as models
+    except ImportError:
+        raise SystemExit("seed_resnet.py: needs torchvision (pip install torchvision)") from None
+    if not torch.cuda.is_available():
+        raise SystemExit("seed_resnet.py: needs a CUDA GPU per rank")
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)

@@ -30,7 +30,9 @@ def parse_steps(text: str) -> set[int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
