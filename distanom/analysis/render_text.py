@@ -7,9 +7,16 @@ shares with it (`median_parts`, `ranks_cell`, `gc_sentence`, `breakdown_numbers`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from distanom.analysis.anomalies import anomaly_classes, recurrence_line, recurring
+from distanom.analysis.anomalies import (
+    Anomaly,
+    AnomalyVerdict,
+    anomaly_classes,
+    recurrence_line,
+    recurring,
+)
 from distanom.analysis.hangs import hang_lines
 from distanom.analysis.kernel_diff import kernel_diff_lines
 from distanom.analysis.model import BREAKDOWN_ROWS, Capture, RankEntry, Report, StepStats
@@ -103,9 +110,17 @@ def _breakdown_lines(capture: Capture) -> list[str]:
     return lines + ([f"  {OUTSIDE_NOTE}"] if outside else [])
 
 
-def _cross_rank_lines(capture: Capture) -> list[str]:
-    """The verdict line and the top kernel changes of one capture."""
+def _cross_rank_lines(capture: Capture, stands: AnomalyVerdict | None = None) -> list[str]:
+    """The verdict line and the top kernel changes of one capture; `stands`: the
+    evidence verdict that replaced a trace verdict naming no cause (the anomalies list
+    shows that one)."""
     lines = [f"  verdict: {capture.verdict.sentence()}"]
+    if stands is not None:
+        who = "no single rank" if stands.culprit_rank is None else f"rank {stands.culprit_rank}"
+        lines.append(
+            f"  the trace names no cause; the step's evidence does (as in the anomalies "
+            f"list): {who} — {stands.cause.replace('_', ' ')}"
+        )
     culprit = capture.verdict.culprit_rank
     lines += kernel_diff_lines(kernel_diff_json(capture.kernel_diff), culprit, top=5)
     if capture.merged_trace:
@@ -238,8 +253,9 @@ def _run_lines(report: Report) -> list[str]:
     return lines
 
 
-def _capture_lines(captures: list[Capture]) -> list[str]:
+def _capture_lines(captures: list[Capture], anomalies: Sequence[Anomaly] = ()) -> list[str]:
     """The captures table, then each capture's breakdown, collections and verdict."""
+    stands = {a.step: a.verdict for a in anomalies if "trace_verdict" in a.verdict.details}
     if not captures:
         return ["no captures"]
     rows = []
@@ -262,7 +278,7 @@ def _capture_lines(captures: list[Capture]) -> list[str]:
         lines += _breakdown_lines(capture)
         sentence = gc_sentence(capture)
         lines += [f"  {sentence}"] if sentence else []
-        lines += _cross_rank_lines(capture)
+        lines += _cross_rank_lines(capture, stands.get(capture.step))
     for capture in captures:
         if capture.missing_ranks:
             missing = ",".join(str(r) for r in capture.missing_ranks)
@@ -353,7 +369,7 @@ def render_text(report: Report) -> str:
     lines = [*_run_lines(report), ""]
     if report.anomalies or report.stragglers or report.drift:
         lines += [*_anomaly_lines(report), ""]
-    lines += _capture_lines(report.captures)
+    lines += _capture_lines(report.captures, report.anomalies)
     for hang in report.hangs:
         lines += ["", *hang_lines(hang)]
     problems = report.problems

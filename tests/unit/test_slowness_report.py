@@ -65,3 +65,40 @@ def test_an_anomaly_without_a_culprit_shows_a_dash_in_text_and_html(tmp_path: Pa
     row = row[: row.index("</tr>")]
     assert "<td>-</td><td>host_stall</td>" in row and "None" not in row
     assert "every rank reached the step's last collective" in render_text(report)
+
+
+def test_a_capture_whose_trace_names_no_cause_points_to_the_evidence_verdict(
+    tmp_path: Path,
+) -> None:
+    # the capture section shows the trace's verdict; where the evidence replaced it in
+    # the anomalies list, the section says so instead of contradicting the list
+    from tests.unit.rungen import Capture
+    from tests.unit.stepgen import gpu_job
+
+    run = make_run(
+        tmp_path,
+        [
+            Capture(20, "reference", gpu_job(world=2), 1.1, 1.2),
+            Capture(40, "anomaly", gpu_job(world=2), 3.0, 1.2),  # its trace explains nothing
+        ],
+        hosts=["a", "a"],
+    )
+    writer = AnomalyWriter(run)
+    writer.write(
+        AnomalyRecord(
+            step=40, step_ms=3.0, median_ms=1.2, threshold_ms=1.8, traced=True,
+            judged_by="condition", slowest_rank=0, durations_ms=(3.0, 3.0),
+            evidence=(StepEvidence(2.9, 1, 1.0, 0.0), StepEvidence(1.0, 1, 1.0, 0.0)),
+            arrive_median_ms=(1.0, 1.0), cpu_median_ms=(1.0, 1.0),
+        )
+    )  # fmt: skip
+    writer.close()
+    report = build_report(load_run(run.path))
+    (anomaly,) = report.anomalies
+    assert (anomaly.verdict.culprit_rank, anomaly.verdict.cause) == (0, "host_stall")
+    text = render_text(report)
+    section = text[text.index("step 40 (anomaly)") :]
+    assert "verdict: no single rank — unknown" in section
+    assert "the step's evidence does (as in the anomalies list): rank 0 — host stall" in section
+    # a capture whose trace verdict stands gets no such line
+    assert text.count("the step's evidence does") == 1
