@@ -192,6 +192,7 @@ class Agent:
             where=str(run.path) if run is not None else None,
             overhead_pct=duty.get("measured_overhead_pct"),
             capture_ms=self.boundaries.last_busy_ns / 1e6,
+            dropped=stats.dropped if stats else 0,
         )
 
     def close(self, *, outcome: str = "finished", exit_code: int = 0) -> None:

@@ -53,15 +53,21 @@ def end_line(
     where: str | None,
     overhead_pct: float | None,
     capture_ms: float = 0.0,
+    dropped: int = 0,
 ) -> str:
-    """The rank's last line: how training ended, what was captured, where, at what cost."""
+    """The rank's last line: how training ended, what was captured, where, at what cost.
+    `written` counts every trace file written, `dropped` those removed since (a newer
+    reference step, a more severe capture when full): the line counts the files kept,
+    as `bytes_written` does."""
     parts = [f"{outcome}: {steps} steps"]
     if skipped:
         parts[0] += f" ({skipped} with the optimizer step skipped)"
     size = (
         f"{bytes_written / 1e6:.1f} MB" if bytes_written >= 1e6 else f"{bytes_written / 1e3:.0f} kB"
     )
-    captured = f"{written} trace files ({size})"
+    captured = f"{written - dropped} trace files ({size})"
+    if dropped:
+        captured += f" after {dropped} replaced"
     if missed:
         captured += f", {missed} captures missed"
     parts.append(captured + (f" in {where}" if where else ""))

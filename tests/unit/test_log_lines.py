@@ -38,6 +38,11 @@ def test_end_line_says_what_was_captured_where_and_at_what_cost() -> None:
         where=None, overhead_pct=None,
     )  # fmt: skip
     assert small == "finished: 9 steps; 2 trace files (48 kB); 0.0 ms of capture work"
+    kept = end_line(
+        outcome="finished", steps=160, skipped=0, written=7, bytes_written=21_000, missed=0,
+        where=None, overhead_pct=None, dropped=2,
+    )  # fmt: skip
+    assert kept.startswith("finished: 160 steps; 5 trace files (21 kB) after 2 replaced;")
     assert line == (
         "finished: 200 steps (3 with the optimizer step skipped); 6 trace files (2.5 MB), "
         "1 captures missed in runs/x; 12.3 ms of capture work; tracing cost 1.2% of step time"
