@@ -225,6 +225,11 @@ def _run_lines(report: Report) -> list[str]:
                 if detector.get("anomalous_untraced")
                 else ""
             )
+            + (
+                f"; {detector['disturbed']} held distanom's own capture work, judged without it"
+                if detector.get("disturbed")
+                else ""
+            )
         )
     cost = report.capture_cost
     if cost:

@@ -41,7 +41,13 @@ def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> Non
                 },
             },
             "captures": {"written": 3, "skipped_disk": 2, "missed": 1},
-            "detector": {"judged": 90, "anomalous": 5, "captured": 3, "skipped_budget": 2},
+            "detector": {
+                "judged": 90,
+                "anomalous": 5,
+                "captured": 3,
+                "skipped_budget": 2,
+                "disturbed": 4,
+            },
             "agent_cost": {
                 "boundary_us_per_step": 33.5,
                 "control_us_per_step": 25.2,
@@ -67,6 +73,7 @@ def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> Non
     assert "disk budget (capture.max_disk_mb) reached: 2 capture(s)" in text
     assert "1 capture(s) decided after the tracer had dropped the step" in text
     assert "2 over budget" in text
+    assert "; 4 held distanom's own capture work, judged without it" in text
 
 
 def test_no_overhead_line_before_any_untraced_window(tmp_path: Path) -> None:
@@ -76,7 +83,7 @@ def test_no_overhead_line_before_any_untraced_window(tmp_path: Path) -> None:
         {"state": "finished", "world_size": 1, "tracer": {"duty_cycle": {"traced_fraction": 1.0}}},
     )
     text = render_text(run_report(load_run(str(run.path))))
-    assert "overhead not measured yet" in text
+    assert "overhead not measured yet (no traced window compared with an untraced one" in text
 
 
 def test_header_names_which_median_the_threshold_multiplies(tmp_path: Path) -> None:
