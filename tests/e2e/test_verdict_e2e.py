@@ -76,7 +76,14 @@ def test_every_rank_slow_at_once_is_global(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     script = ["--steps", "70", "--all-slow-steps", "35,55", "--all-slow-s", "0.3"]
-    _, captures, slow = run_job(tmp_path, capsys, script, {35, 55})
+    report, captures, slow = run_job(tmp_path, capsys, script, {35, 55})
+    # the per-step evidence agrees: every rank reached the collective late together, so
+    # no rank is blamed (the one that happened to arrive last once was)
+    anomalies = {a["step"]: a for a in report["anomalies"]}
+    for step in (35, 55):
+        evidence = anomalies[step]["verdict"]["details"]["evidence_verdict"]
+        assert evidence["culprit_rank"] is None, evidence
+        assert evidence["evidence"].startswith("every rank reached"), evidence
     for step in slow:
         verdict = captures[step]["verdict"]
         assert (verdict["culprit_rank"], verdict["culprit_node"], verdict["cause"]) == (
