@@ -43,6 +43,8 @@ def test_segments_switch_the_agent_and_drop_each_on_segments_first_step(tmp_path
     finally:
         agent.close()
     segments = result["ab_segments"]
+    cost = result["agent_cost_at_end"]
+    assert cost["rounds"] >= 1 and "round_pauses" in cost and "round_work_ms" in cost
     assert [s["on"] for s in segments] == [True, False, False, True] * 2
     assert all(s["steps"] == SEGMENT for s in segments)
     assert all(s["boundary_us_per_step"] == 0 for s in segments if not s["on"])

@@ -170,6 +170,11 @@ class SegmentedAB:
             duty = self.agent.duty.report()  # traced share, measured overhead, switches
         except Exception as err:  # a bench figure, not worth failing the job for
             duty = {"error": repr(err)}
+        cost: dict[str, Any]
+        try:  # the agent's own account, with the pacer's pauses and measured round work
+            cost = {**self.agent.own_cost(), "rounds": self.agent.control.rounds}
+        except Exception as err:  # a bench figure, not worth failing the job for
+            cost = {"error": repr(err)}
         clock = self.agent.boundaries.clock
         clock_state = None
         if clock is not None:  # which clock timed the steps (an adaptive one switches)
@@ -181,6 +186,7 @@ class SegmentedAB:
         return {
             "clock_at_end": clock_state,
             "duty_cycle_at_end": duty,
+            "agent_cost_at_end": cost,
             "ab_segment": self.segment,
             "ab_segments": self.segments,
             "ab_steps_extended": self.extended,
