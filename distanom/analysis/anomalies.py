@@ -17,9 +17,10 @@ Pure (no torch, no files). Rules, in order (slowdown = step time - median):
    `host_stall` (late, off the CPU: sleeping, I/O, a lock, waiting on the device).
    No rank late while the step was slow: `slow_collective` (the time went inside the
    collective or after it, on every rank alike). Several ranks late by about as much
-   (the most grown leads the next by under `CULPRIT_SHARE` of the slowdown): no culprit,
-   the time went before the collective on each of them; the cause is the host cause
-   most of them share.
+   (grown by at least `TOGETHER_SHARE` of the latest one's growth, and by at least
+   `CULPRIT_SHARE` of the slowdown): no culprit, the time went before the collective on
+   each of them; the cause is the strongest host signal among them (GC, then busy,
+   then stall).
 3. Without arrival (no collectives recorded): the rank with the longest duration, if it
    leads the next by `CULPRIT_SHARE` of the slowdown (`source: "durations"`); otherwise
    `unknown`. Its cause: `gpu_work` when its step took longer on its GPU clock than on
@@ -58,6 +59,10 @@ CULPRIT_SHARE = 0.5
 GC_SHARE = 0.25
 CPU_SHARE = 0.5
 DEVICE_SHARE = 0.5
+# ranks whose lateness is at least this share of the latest one's are late together
+TOGETHER_SHARE = 0.8
+# which host cause names ranks late together: the most specific signal first
+CAUSE_STRENGTH = {"python_gc": 0, "host_busy": 1, "host_stall": 2}
 
 
 @dataclass(frozen=True)
@@ -230,6 +235,21 @@ def recurrence_json(recurrence: Recurrence) -> dict[str, Any]:
     }
 
 
+def standing_evidence(anomalies: Sequence[Anomaly]) -> dict[int, AnomalyVerdict]:
+    """Per captured step, the evidence verdict that replaced a trace verdict naming no
+    cause (rule 1): the capture's own section shows the trace's, the anomalies list this."""
+    return {a.step: a.verdict for a in anomalies if "trace_verdict" in a.verdict.details}
+
+
+def standing_evidence_sentence(verdict: AnomalyVerdict) -> str:
+    """What a capture's section says of the evidence verdict that stands for its step."""
+    who = "no single rank" if verdict.culprit_rank is None else f"rank {verdict.culprit_rank}"
+    return (
+        "the trace names no cause; the step's evidence does (as in the anomalies list): "
+        f"{who} — {verdict.cause.replace('_', ' ')}"
+    )
+
+
 def recurrence_line(recurrence: Recurrence) -> str:
     """One recurrence as a reader gets it."""
     starts = recurrence.starts
@@ -307,9 +327,10 @@ def _by_arrival(
             "arrival",
             details,
         )
-    late = sorted(r for r in grown if grown[r] >= CULPRIT_SHARE * slowdown)
-    runner_up = max((grown[r] for r in grown if r != culprit), default=-math.inf)
-    if len(late) > 1 and grown[culprit] - runner_up < CULPRIT_SHARE * slowdown:
+    # as late as the culprit, give or take a fifth: no one of them is the culprit
+    floor = max(CULPRIT_SHARE * slowdown, TOGETHER_SHARE * grown[culprit])
+    late = sorted(r for r in grown if grown[r] >= floor)
+    if len(late) > 1:
         return _late_together(record, evidence, late, grown, slowdown, details)
     cause, why = _host_cause(record, evidence, culprit, grown[culprit], slowdown)
     text = (
@@ -330,12 +351,14 @@ def _late_together(
 ) -> AnomalyVerdict:
     """Several ranks (maybe all) reached the last collective about equally later than
     usual: the time went before it on each of them, so no one rank is the culprit. The
-    cause is the host cause most of them share (the lowest rank's on a tie)."""
+    cause is the strongest host signal among them (a GC pause, then a busy host, over
+    `host_stall`, which only says a rank was late and off the CPU), the lowest such rank
+    named: ranks that waited on one rank's GC pause earlier in the step show only that."""
     causes = {rank: _host_cause(record, evidence, rank, grown[rank], slowdown) for rank in late}
-    names = [causes[rank][0] for rank in late]
-    cause = max(names, key=lambda name: (names.count(name), -names.index(name)))
-    first = next(rank for rank in late if causes[rank][0] == cause)
-    who = "every rank" if len(late) == len(grown) else "ranks " + _rank_list(late)
+    first = min(late, key=lambda rank: (CAUSE_STRENGTH.get(causes[rank][0], 9), rank))
+    cause = causes[first][0]
+    ranks = len(record.evidence)
+    who = "every rank" if len(late) == ranks else "ranks " + _rank_list(late)
     least = min(grown[rank] for rank in late)
     text = (
         f"{who} reached the step's last collective at least {least:.1f} ms later than usual, "

@@ -58,6 +58,22 @@ def test_ranks_late_together_have_no_culprit_and_share_a_cause() -> None:
     # one rank clearly later than another late one: that one is still the culprit
     ev = [StepEvidence(120.0, 1, 1.0, 0.0), StepEvidence(310.0, 1, 1.0, 0.0)]
     assert judge(record(ev)).culprit_rank == 1
+    # a straggler that set the step's time, another rank with a smaller hiccup: the
+    # straggler (half the slowdown is not "as late")
+    ev = [StepEvidence(170.0, 1, 1.0, 0.0), StepEvidence(310.0, 1, 1.0, 0.0)]
+    assert judge(record(ev)).culprit_rank == 1
+    # all late because they waited on one rank's GC pause earlier in the step: the GC
+    # pause names the cause, not the plain lateness of the others
+    ev8 = [StepEvidence(310.0, 1, 1.0, 0.0) for _ in range(8)]
+    ev8[5] = StepEvidence(309.0, 1, 1.0, 290.0)
+    verdict = judge(record(ev8))
+    assert (verdict.culprit_rank, verdict.cause) == (None, "python_gc")
+    assert "on rank 5, a Python GC pause of 290.0 ms" in verdict.evidence
+    # ranks that sent no arrival are not claimed as late
+    ev = [StepEvidence(310.0, 1, 1.0, 0.0), StepEvidence(310.2, 1, 1.0, 0.0)]
+    ev += [StepEvidence(NAN, 0, 1.0, 0.0), StepEvidence(NAN, 0, 1.0, 0.0)]
+    verdict = judge(record(ev))
+    assert verdict.culprit_rank is None and verdict.evidence.startswith("ranks 0, 1 reached")
 
 
 def test_cpu_time_and_gc_name_the_cause() -> None:
@@ -172,3 +188,11 @@ def test_status_shows_stragglers_and_drift(tmp_path: Path) -> None:
     text = render_status(RunDir(tmp_path), status)
     assert "straggler: rank 3 since step 40" in text and "40%" in text
     assert "drift: median step 10.0 ms -> 20.0 ms" in text
+
+
+def test_status_counts_the_trace_files_kept(tmp_path: Path) -> None:
+    status = {"state": "running", "captures": {"written": 5, "replaced": 2, "bytes": 21_000}}
+    text = render_status(RunDir(tmp_path), status)
+    assert "trace files kept 5 (0.0 MB on rank 0, 2 replaced)" in text
+    status["captures"] = {"written": 3, "bytes": 2_500_000}  # a status from before `replaced`
+    assert "trace files kept 3 (2.5 MB on rank 0)" in render_status(RunDir(tmp_path), status)
