@@ -23,7 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distanom.analysis.anomalies import anomaly_classes, recurrence_line, recurring
+from distanom.analysis.anomalies import (
+    AnomalyVerdict,
+    anomaly_classes,
+    recurrence_line,
+    recurring,
+    standing_evidence,
+    standing_evidence_sentence,
+)
 from distanom.analysis.charts import (
     OUTSIDE,
     PART_COLORS,
@@ -233,8 +240,9 @@ def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
         )
     if report.anomalies or report.stragglers or report.drift:
         body += _slowness_sections(report)
+    stands = standing_evidence(report.anomalies)
     for capture in captures:
-        body += _capture_section(capture, figure_class, pngs)
+        body += _capture_section(capture, figure_class, pngs, stands.get(capture.step))
     if report.hangs:
         body.append(f"<h2>Hangs ({len(report.hangs)})</h2>")
         body += ["<pre>" + _e("\n".join(hang_lines(hang))) + "</pre>" for hang in report.hangs]
@@ -314,12 +322,21 @@ def _class_table(report: Report) -> str:
     )
 
 
-def _capture_section(capture: Capture, figure_class: Any, pngs: dict[str, bytes]) -> list[str]:
-    """One capture's heading, verdict, collections, bars, tables and notes."""
+def _capture_section(
+    capture: Capture,
+    figure_class: Any,
+    pngs: dict[str, bytes],
+    stands: AnomalyVerdict | None = None,
+) -> list[str]:
+    """One capture's heading, verdict, collections, bars, tables and notes; `stands`:
+    the evidence verdict that replaced a trace verdict naming no cause."""
     step = capture.step
     body = [f'<h2 id="step-{_e(step)}">Step {_e(step)} ({_e(", ".join(capture.kinds))})</h2>']
     css = "verdict" if capture.verdict.culprit_rank is not None else "verdict none"
     body.append(f'<p class="{css}">Verdict: {_e(capture.verdict.sentence())}</p>')
+    if stands is not None:
+        sentence = standing_evidence_sentence(stands)
+        body.append(f'<p class="facts">{_e(sentence[0].upper() + sentence[1:])}</p>')
     collections = gc_sentence(capture)
     if collections:
         body.append(f'<p class="facts">{_e(collections[0].upper() + collections[1:])}</p>')

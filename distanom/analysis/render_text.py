@@ -16,6 +16,8 @@ from distanom.analysis.anomalies import (
     anomaly_classes,
     recurrence_line,
     recurring,
+    standing_evidence,
+    standing_evidence_sentence,
 )
 from distanom.analysis.hangs import hang_lines
 from distanom.analysis.kernel_diff import kernel_diff_lines
@@ -116,11 +118,7 @@ def _cross_rank_lines(capture: Capture, stands: AnomalyVerdict | None = None) ->
     shows that one)."""
     lines = [f"  verdict: {capture.verdict.sentence()}"]
     if stands is not None:
-        who = "no single rank" if stands.culprit_rank is None else f"rank {stands.culprit_rank}"
-        lines.append(
-            f"  the trace names no cause; the step's evidence does (as in the anomalies "
-            f"list): {who} — {stands.cause.replace('_', ' ')}"
-        )
+        lines.append(f"  {standing_evidence_sentence(stands)}")
     culprit = capture.verdict.culprit_rank
     lines += kernel_diff_lines(kernel_diff_json(capture.kernel_diff), culprit, top=5)
     if capture.merged_trace:
@@ -226,7 +224,8 @@ def _run_lines(report: Report) -> list[str]:
                 else ""
             )
             + (
-                f"; {detector['disturbed']} held distanom's own capture work, judged without it"
+                f"; {detector['disturbed']} held distanom's own work (captures, heavy "
+                "rounds), judged without it"
                 if detector.get("disturbed")
                 else ""
             )
@@ -260,7 +259,7 @@ def _run_lines(report: Report) -> list[str]:
 
 def _capture_lines(captures: list[Capture], anomalies: Sequence[Anomaly] = ()) -> list[str]:
     """The captures table, then each capture's breakdown, collections and verdict."""
-    stands = {a.step: a.verdict for a in anomalies if "trace_verdict" in a.verdict.details}
+    stands = standing_evidence(anomalies)
     if not captures:
         return ["no captures"]
     rows = []

@@ -73,7 +73,7 @@ def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> Non
     assert "disk budget (capture.max_disk_mb) reached: 2 capture(s)" in text
     assert "1 capture(s) decided after the tracer had dropped the step" in text
     assert "2 over budget" in text
-    assert "; 4 held distanom's own capture work, judged without it" in text
+    assert "; 4 held distanom's own work (captures, heavy rounds), judged without it" in text
 
 
 def test_no_overhead_line_before_any_untraced_window(tmp_path: Path) -> None:

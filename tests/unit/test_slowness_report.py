@@ -102,3 +102,7 @@ def test_a_capture_whose_trace_names_no_cause_points_to_the_evidence_verdict(
     assert "the step's evidence does (as in the anomalies list): rank 0 — host stall" in section
     # a capture whose trace verdict stands gets no such line
     assert text.count("the step's evidence does") == 1
+    html = render_html(report, use_matplotlib=False).html
+    section = html[html.index('id="step-40"') :]
+    assert "The trace names no cause; the step&#x27;s evidence does" in section
+    assert "rank 0 — host stall" in section[: section.index("</p>", section.index("The trace"))]
