@@ -314,18 +314,18 @@ def _format_validation_error(source: str, err: ValidationError) -> str:
     first = err.errors()[0]
     key = ".".join(str(part) for part in first["loc"]) or "(top level)"
     kind = first["type"]
+    others = [".".join(str(part) for part in e["loc"]) or "(top level)" for e in err.errors()[1:]]
+    more = ""
+    if others:
+        more = f" (also wrong: {', '.join(others[:4])}{', ...' if len(others) > 4 else ''})"
     if kind == "extra_forbidden":
         allowed = _allowed_keys(first["loc"][:-1])
-        return f"{source}: unknown key '{key}' (allowed here: {', '.join(allowed)})"
+        return f"{source}: unknown key '{key}' (allowed here: {', '.join(allowed)}){more}"
     got = first.get("input")
     shown = "" if isinstance(got, dict) else f" (got {got!r})"
     message = _clean_message(first["msg"])
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         message = "must be a section of keys (key: value lines), not a single value"
-    others = [".".join(str(part) for part in e["loc"]) or "(top level)" for e in err.errors()[1:]]
-    more = ""
-    if others:
-        more = f" (also wrong: {', '.join(others[:4])}{', ...' if len(others) > 4 else ''})"
     return f"{source}: {key}: {message}{shown}{more}"
 
 
@@ -423,7 +423,12 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     sets = list(overrides)
     for text in sets:
         parts, value = parse_override(text)
-        _apply_override(data, parts, value, text)
+        try:
+            _apply_override(data, parts, value, text)
+        except ConfigError:
+            if path is not None:  # `--set a.b=...` where the file made `a` a value: its error
+                config_from_mapping(from_file, source)
+            raise
     if path is None:
         return config_from_mapping(data, "--set" if sets else source)
     try:

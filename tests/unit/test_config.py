@@ -198,6 +198,16 @@ def test_an_error_names_the_file_or_the_set_values_that_caused_it(tmp_path: Path
     assert load_config(bad, ["detect.multiplier=2", "tracer.backend=none"]).detect.multiplier == 2
     with pytest.raises(ConfigError, match=r"^--set: detect: must be a section of keys"):
         load_config(None, ["detect=2"])
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("detect: 2\n")  # the file's mistake, though --set reaches into it
+    with pytest.raises(ConfigError, match=rf"^{scalar}: detect: must be a section of keys"):
+        load_config(scalar, ["detect.multiplier=3"])
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("run:\n  nme: x\ntracer:\n  backend: foo\n")
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'run.nme' .*\(also wrong: tracer.backend\)$"
+    ):
+        load_config(typo)
 
 
 def test_cli_usage_errors_say_distanom_once(capsys: pytest.CaptureFixture[str]) -> None:
