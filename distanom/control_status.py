@@ -64,7 +64,9 @@ def status_body(
         key=lambda r: -max((t for t in recent[r] if t is not None), default=0.0),
     )
     captures: CaptureCounts = {
-        "written": stats.written if stats else 0,
+        # the files kept, as `bytes` counts them (replaced ones are gone from the run)
+        "written": stats.written - stats.dropped if stats else 0,
+        "replaced": stats.dropped if stats else 0,
         "bytes": stats.bytes_written if stats else 0,
         "missed": stats.missed if stats else 0,
         "skipped_disk": stats.skipped_disk if stats else 0,

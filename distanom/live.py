@@ -59,9 +59,12 @@ def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
     detector = _obj(status.get("detector"))
     written_bytes = captures.get("bytes")
     written_mb = written_bytes / 1e6 if _number(written_bytes) else 0.0
+    replaced = captures.get("replaced")
     lines.append(
-        f"  anomalous steps {_int(detector.get('anomalous', 0))}, captures written "
-        f"{_int(captures.get('written', 0))} ({written_mb:.1f} MB on rank 0)"
+        f"  anomalous steps {_int(detector.get('anomalous', 0))}, trace files kept "
+        f"{_int(captures.get('written', 0))} ({written_mb:.1f} MB on rank 0"
+        + (f", {_int(replaced)} replaced" if _number(replaced) and replaced > 0 else "")
+        + ")"
     )
     if _number(captures.get("errors")) and captures["errors"] > 0:
         lines.append(f"  captures failed: {_int(captures['errors'])} (capture went on)")

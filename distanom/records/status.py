@@ -27,7 +27,8 @@ STALE_AFTER_S = 30.0  # a running job rewrites status.json every control.status_
 class CaptureCounts(TypedDict, total=False):
     """Rank 0's capture worker counters."""
 
-    written: int
+    written: int  # trace files kept (written, less those replaced since)
+    replaced: int  # trace files removed for a newer reference or a more severe capture
     bytes: int
     missed: int
     skipped_disk: int
