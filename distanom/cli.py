@@ -176,14 +176,15 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from distanom.config import load_config, render_defaults_yaml
+    from distanom.config import load_config, render_config_yaml, render_defaults_yaml
 
     if args.check or args.overrides:
         config = load_config(args.check, args.overrides)
         if args.check:
             print(f"{args.check}: valid")
-        else:
-            _print_json(config.model_dump(mode="json"))
+        else:  # the resolved config, in the form --config takes
+            changed = " ".join(f"--set {text}" for text in args.overrides)
+            sys.stdout.write(render_config_yaml(config, changed_by=changed))
         return 0
     sys.stdout.write(render_defaults_yaml())
     return 0

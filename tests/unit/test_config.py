@@ -217,3 +217,22 @@ def test_cli_usage_errors_say_distanom_once(capsys: pytest.CaptureFixture[str]) 
     assert capsys.readouterr().err == "distanom: the following arguments are required: command\n"
     assert main(["report"]) == 2
     assert capsys.readouterr().err.startswith("distanom: report: the following arguments")
+
+
+def test_config_set_prints_the_resolved_config_as_a_config_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from distanom.cli import main
+
+    assert main(["config", "--set", "detect.multiplier=2", "--set", "run.name=a\nb"]) != 0
+    capsys.readouterr()  # a run name with a line break is refused
+    assert main(["config", "--set", "detect.multiplier=2", "--set", "tracer.backend=none"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "# distanom configuration: every key, with --set detect.multiplier=2 "
+        "--set tracer.backend=none.\n"
+    )
+    assert "  multiplier: 2.0  #" in out and "  backend: none  #" in out
+    path = tmp_path / "resolved.yaml"
+    path.write_text(out)  # what it prints is a config file that gives the same config
+    assert load_config(path) == load_config(None, ["detect.multiplier=2", "tracer.backend=none"])
