@@ -122,16 +122,9 @@ def test_grad_scaler_loop_with_overflows_keeps_the_loops_step_numbers(
         assert capture["optimizer_step_skipped"] == (capture["step"] in overflow)
         assert capture["culprit_rank"] == capture["verdict"]["culprit_rank"]
         assert capture["longest_step_rank"] == capture["slowest_rank"]
-    # iterations 20-22 merged into one step would take about three steps' time; a noise
-    # spike on this 2-core machine once made step 20 2.3x the median, which is not that
-    merged = [
-        c
-        for c in found["captures"]
-        if c["step"] in (20, 21, 22)
-        and "anomaly" in c["kinds"]
-        and c["step_ms"] >= 2.8 * c["median_ms"]
-    ]
-    assert not merged  # no merged multi-iteration step looks slow
+    # iterations 20-22 are three steps, not one merged step: `skipped_steps` above finds
+    # a row for each (a check on step 20's time, ~3x if merged, was dropped: on a loaded
+    # 2-core machine noise alone made that step 2.3x and once 3.2x the median)
 
 
 def test_plain_loop_with_gradient_accumulation(
