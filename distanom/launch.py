@@ -41,7 +41,7 @@ log = logging.getLogger("distanom")
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        raise DistanomError(f"distanom.launch: {message} (see --help)")
+        raise DistanomError(f"{message} (see python -m distanom.launch --help)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -113,7 +113,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = _parser().parse_args(ours)
     args.script_args = script_args
     if args.module is None and args.script is None:
-        raise DistanomError("distanom.launch: no training script given (see --help)")
+        raise DistanomError("no training script given (see python -m distanom.launch --help)")
     return args
 
 
@@ -131,7 +131,7 @@ def _check_script(args: argparse.Namespace) -> None:
     if args.script is not None:
         path = Path(args.script)
         if not path.is_file():
-            raise DistanomError(f"distanom.launch: training script {args.script}: no such file")
+            raise DistanomError(f"training script {args.script}: no such file")
         return
     import importlib.util
 
@@ -140,7 +140,7 @@ def _check_script(args: argparse.Namespace) -> None:
     except (ImportError, ValueError):
         found = None
     if found is None:
-        raise DistanomError(f"distanom.launch: module {args.module}: not found")
+        raise DistanomError(f"module {args.module}: not found")
 
 
 def _run_script(args: argparse.Namespace) -> None:
