@@ -277,11 +277,6 @@ def _merged_link(capture: Capture) -> str:
     )
 
 
-def _or_dash(value: object) -> object:
-    """A value as a cell shows it: '-' for none (as the text report prints it)."""
-    return "-" if value is None else value
-
-
 def _slowness_sections(report: Report) -> list[str]:
     """The anomalies table (every judged step, traced or not) and the stragglers."""
     body = [f"<h2>Anomalies ({len(report.anomalies)})</h2>"]
@@ -291,7 +286,7 @@ def _slowness_sections(report: Report) -> list[str]:
             f"<tr><td>{_e(a.step)}</td>"
             f'<td class="num">{_fmt(a.step_ms, 1)}</td><td class="num">{_fmt(a.ratio)}</td>'
             f"<td>{_e('yes' if a.traced else 'no')}</td><td>{_e(a.judged_by)}</td>"
-            f"<td>{_e(_or_dash(a.verdict.culprit_rank))}</td><td>{_e(a.verdict.cause)}</td>"
+            f"<td>{_fmt(a.verdict.culprit_rank, 0)}</td><td>{_e(a.verdict.cause)}</td>"
             f"<td>{_e(a.verdict.evidence)}</td></tr>"
             for a in report.anomalies[:500]
         )
