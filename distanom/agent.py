@@ -186,13 +186,13 @@ class Agent:
             outcome=outcome if outcome == "finished" else f"{outcome} (exit status {exit_code})",
             steps=self.boundaries.current_step,
             skipped=self.boundaries.skipped_steps,
-            written=stats.written if stats else 0,
+            kept=stats.kept if stats else 0,
             bytes_written=stats.bytes_written if stats else 0,
             missed=stats.missed if stats else 0,
             where=str(run.path) if run is not None else None,
             overhead_pct=duty.get("measured_overhead_pct"),
             capture_ms=self.boundaries.last_busy_ns / 1e6,
-            dropped=stats.dropped if stats else 0,
+            replaced=stats.dropped if stats else 0,
         )
 
     def close(self, *, outcome: str = "finished", exit_code: int = 0) -> None:

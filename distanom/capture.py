@@ -76,6 +76,12 @@ class CaptureStats:
     last_error: str | None = None
     missed_steps: list[int] = field(default_factory=list)
 
+    @property
+    def kept(self) -> int:
+        """Trace files in the run now: those written less those dropped since (a newer
+        reference, a more severe capture when full); `bytes_written` counts the same."""
+        return self.written - self.dropped
+
 
 class CaptureWorker:
     """One per rank; see the module docstring."""

@@ -64,8 +64,7 @@ def status_body(
         key=lambda r: -max((t for t in recent[r] if t is not None), default=0.0),
     )
     captures: CaptureCounts = {
-        # the files kept, as `bytes` counts them (replaced ones are gone from the run)
-        "written": stats.written - stats.dropped if stats else 0,
+        "written": stats.kept if stats else 0,  # the files in the run, as `bytes` counts
         "replaced": stats.dropped if stats else 0,
         "bytes": stats.bytes_written if stats else 0,
         "missed": stats.missed if stats else 0,

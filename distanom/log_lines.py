@@ -47,27 +47,26 @@ def end_line(
     outcome: str,
     steps: int,
     skipped: int,
-    written: int,
+    kept: int,
     bytes_written: int,
     missed: int,
     where: str | None,
     overhead_pct: float | None,
     capture_ms: float = 0.0,
-    dropped: int = 0,
+    replaced: int = 0,
 ) -> str:
     """The rank's last line: how training ended, what was captured, where, at what cost.
-    `written` counts every trace file written, `dropped` those removed since (a newer
-    reference step, a more severe capture when full): the line counts the files kept,
-    as `bytes_written` does."""
+    `kept`: the trace files in the run (`CaptureStats.kept`), whose size `bytes_written`
+    is; `replaced`: those written and removed since."""
     parts = [f"{outcome}: {steps} steps"]
     if skipped:
         parts[0] += f" ({skipped} with the optimizer step skipped)"
     size = (
         f"{bytes_written / 1e6:.1f} MB" if bytes_written >= 1e6 else f"{bytes_written / 1e3:.0f} kB"
     )
-    captured = f"{written - dropped} trace files ({size})"
-    if dropped:
-        captured += f" after {dropped} replaced"
+    captured = f"{kept} trace files ({size})"
+    if replaced:
+        captured += f" after {replaced} replaced"
     if missed:
         captured += f", {missed} captures missed"
     parts.append(captured + (f" in {where}" if where else ""))

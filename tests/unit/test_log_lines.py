@@ -30,19 +30,22 @@ def test_info_lines_are_start_end_and_rank_zeros_anomaly_captures() -> None:
 
 def test_end_line_says_what_was_captured_where_and_at_what_cost() -> None:
     line = end_line(
-        outcome="finished", steps=200, skipped=3, written=6, bytes_written=2_500_000,
+        outcome="finished", steps=200, skipped=3, kept=6, bytes_written=2_500_000,
         missed=1, where="runs/x", overhead_pct=1.25, capture_ms=12.34,
     )  # fmt: skip
     small = end_line(
-        outcome="finished", steps=9, skipped=0, written=2, bytes_written=48_200, missed=0,
+        outcome="finished", steps=9, skipped=0, kept=2, bytes_written=48_200, missed=0,
         where=None, overhead_pct=None,
     )  # fmt: skip
     assert small == "finished: 9 steps; 2 trace files (48 kB); 0.0 ms of capture work"
     kept = end_line(
-        outcome="finished", steps=160, skipped=0, written=7, bytes_written=21_000, missed=0,
-        where=None, overhead_pct=None, dropped=2,
+        outcome="finished", steps=160, skipped=0, kept=5, bytes_written=21_000, missed=0,
+        where=None, overhead_pct=None, replaced=2,
     )  # fmt: skip
     assert kept.startswith("finished: 160 steps; 5 trace files (21 kB) after 2 replaced;")
+    from distanom.capture import CaptureStats
+
+    assert CaptureStats(written=7, dropped=2).kept == 5
     assert line == (
         "finished: 200 steps (3 with the optimizer step skipped); 6 trace files (2.5 MB), "
         "1 captures missed in runs/x; 12.3 ms of capture work; tracing cost 1.2% of step time"
