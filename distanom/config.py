@@ -419,29 +419,34 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     """Build the validated config from an optional YAML file and `key=value` overrides."""
     source = str(path) if path is not None else "config"
     data: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
-    from_file = copy.deepcopy(data)
     sets = list(overrides)
+    if path is None or not sets:
+        for text in sets:
+            _apply_override(data, *parse_override(text), text)
+        return config_from_mapping(data, "--set" if sets else source)
+    # a file and --set values: an error names the file when the file alone has one
+    from_file = copy.deepcopy(data)
     for text in sets:
         parts, value = parse_override(text)
         try:
             _apply_override(data, parts, value, text)
-        except ConfigError:
-            if path is not None:  # `--set a.b=...` where the file made `a` a value: its error
-                config_from_mapping(from_file, source)
+        except ConfigError:  # `--set a.b=...` where the file made `a` a value
+            config_from_mapping(from_file, source)  # raises the file's own error, if any
             raise
-    if path is None:
-        return config_from_mapping(data, "--set" if sets else source)
     try:
         return config_from_mapping(data, source)
     except ConfigError:
-        if not sets:
-            raise
-    # which of the two is wrong: the --set values alone, when the file is valid without them
+        file_ok = _is_valid(from_file)
+    return config_from_mapping(data, "--set" if file_ok else f"{source} with --set")
+
+
+def _is_valid(data: Mapping[str, Any]) -> bool:
+    """Whether `data` validates as a config."""
     try:
-        config_from_mapping(from_file, source)
+        config_from_mapping(data)
     except ConfigError:
-        return config_from_mapping(data, f"{source} with --set")
-    return config_from_mapping(data, "--set")
+        return False
+    return True
 
 
 def config_from_mapping(data: Mapping[str, Any], source: str = "config") -> Config:
