@@ -4,6 +4,7 @@ files rank 0 wrote."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from distanom.analysis.html_report import render_html
 from distanom.analysis.render_json import report_json
@@ -11,21 +12,27 @@ from distanom.analysis.render_text import render_text
 from distanom.analysis.report import build_report
 from distanom.analysis.run import load_run
 from distanom.records.anomalies import AnomalyRecord, AnomalyWriter, StepEvidence, write_stragglers
+from distanom.rundir import RunDir
 from tests.unit.rungen import make_run
+
+
+def write_anomaly(run: RunDir, evidence: tuple[StepEvidence, ...], **fields: Any) -> None:
+    """Rank 0's record of one anomalous step 40 of a two-rank run; `fields` change it."""
+    record: dict[str, Any] = dict(
+        step=40, step_ms=300.0, median_ms=15.0, threshold_ms=22.5, traced=False,
+        judged_by="condition", slowest_rank=0, durations_ms=(300.0, 299.0),
+        evidence=evidence, arrive_median_ms=(10.0, 10.0), cpu_median_ms=(1.0, 1.0),
+    )  # fmt: skip
+    record.update(fields)
+    writer = AnomalyWriter(run)
+    writer.write(AnomalyRecord(**record))
+    writer.close()
 
 
 def test_untraced_anomalies_and_stragglers_in_every_rendering(tmp_path: Path) -> None:
     run = make_run(tmp_path, [], hosts=["a", "a"])
-    writer = AnomalyWriter(run)
-    writer.write(
-        AnomalyRecord(
-            step=40, step_ms=300.0, median_ms=15.0, threshold_ms=22.5, traced=False,
-            judged_by="all_conditions", slowest_rank=0, durations_ms=(300.0, 299.0),
-            evidence=(StepEvidence(10.0, 1, 1.0, 0.0), StepEvidence(290.0, 1, 1.0, 0.0)),
-            arrive_median_ms=(10.0, 10.0), cpu_median_ms=(1.0, 1.0),
-        )
-    )  # fmt: skip
-    writer.close()
+    late = (StepEvidence(10.0, 1, 1.0, 0.0), StepEvidence(290.0, 1, 1.0, 0.0))
+    write_anomaly(run, late, judged_by="all_conditions")
     straggler = {"rank": 1, "score": 0.4, "since_step": 50, "evidence": {"late_steps": 60}}
     drift = {"first_ms": 10.0, "last_ms": 20.0, "ratio": 2.0}
     write_stragglers(run, {"stragglers": [straggler], "drift": drift})
@@ -47,16 +54,7 @@ def test_untraced_anomalies_and_stragglers_in_every_rendering(tmp_path: Path) ->
 def test_an_anomaly_without_a_culprit_shows_a_dash_in_text_and_html(tmp_path: Path) -> None:
     # both ranks late to the collective together: no culprit, and no "None" on the page
     run = make_run(tmp_path, [], hosts=["a", "a"])
-    writer = AnomalyWriter(run)
-    writer.write(
-        AnomalyRecord(
-            step=40, step_ms=300.0, median_ms=15.0, threshold_ms=22.5, traced=False,
-            judged_by="condition", slowest_rank=0, durations_ms=(300.0, 299.0),
-            evidence=(StepEvidence(290.0, 1, 1.0, 0.0), StepEvidence(290.1, 1, 1.0, 0.0)),
-            arrive_median_ms=(10.0, 10.0), cpu_median_ms=(1.0, 1.0),
-        )
-    )  # fmt: skip
-    writer.close()
+    write_anomaly(run, (StepEvidence(290.0, 1, 1.0, 0.0), StepEvidence(290.1, 1, 1.0, 0.0)))
     report = build_report(load_run(run.path))
     (anomaly,) = report.anomalies
     assert anomaly.verdict.culprit_rank is None and anomaly.verdict.cause == "host_stall"
@@ -83,16 +81,11 @@ def test_a_capture_whose_trace_names_no_cause_points_to_the_evidence_verdict(
         ],
         hosts=["a", "a"],
     )
-    writer = AnomalyWriter(run)
-    writer.write(
-        AnomalyRecord(
-            step=40, step_ms=3.0, median_ms=1.2, threshold_ms=1.8, traced=True,
-            judged_by="condition", slowest_rank=0, durations_ms=(3.0, 3.0),
-            evidence=(StepEvidence(2.9, 1, 1.0, 0.0), StepEvidence(1.0, 1, 1.0, 0.0)),
-            arrive_median_ms=(1.0, 1.0), cpu_median_ms=(1.0, 1.0),
-        )
+    write_anomaly(
+        run, (StepEvidence(2.9, 1, 1.0, 0.0), StepEvidence(1.0, 1, 1.0, 0.0)),
+        step_ms=3.0, median_ms=1.2, threshold_ms=1.8, traced=True, durations_ms=(3.0, 3.0),
+        arrive_median_ms=(1.0, 1.0),
     )  # fmt: skip
-    writer.close()
     report = build_report(load_run(run.path))
     (anomaly,) = report.anomalies
     assert (anomaly.verdict.culprit_rank, anomaly.verdict.cause) == (0, "host_stall")
