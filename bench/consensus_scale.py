@@ -33,7 +33,6 @@ from distanom.anomaly_journal import AnomalyJournal
 from distanom.config import CaptureConfig, DetectConfig
 from distanom.consensus import (
     LocalRound,
-    RoundBuilder,
     decide,
     decode_round,
     encode_round,
@@ -41,6 +40,7 @@ from distanom.consensus import (
 )
 from distanom.detect import Detector
 from distanom.records.anomalies import StepEvidence
+from distanom.rounds import RoundBuilder
 
 
 def simulate(world: int, batch: int, rounds: int, seed: int = 0) -> dict[str, Any]:

@@ -128,8 +128,9 @@ class ConsensusConfig(_Section):
         ge=1,
         le=1000,
         description="at most this many steps per all-gather round of step times across "
-        "ranks (and at most half of tracer.history_steps, so a step's trace is still kept "
-        "when the decision about it arrives); the gathered row has room for that many",
+        "ranks; a round holding a step the tracer may record ends within half of "
+        "tracer.history_steps of it, so its trace is still kept when the decision about it "
+        "arrives",
     )
     timeout_s: float = Field(
         120.0,

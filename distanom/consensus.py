@@ -1,11 +1,9 @@
 """Cross-rank agreement: gather every rank's step times in rounds, decide the same on all.
 
 Runs on distanom's background thread, never on the training thread. Rounds cover
-consecutive steps from step 1 (step 0 has no duration), each as many as take about
-`consensus.interval_ms` at the median step time, at most `batch_steps` (B, the row's
-room): `steps_per_round`, the same on every rank since it is computed from gathered data.
-Each rank submits a round once its clock has resolved the round's last step, as one
-fixed-shape float64 row:
+consecutive steps from step 1 (step 0 has no duration), as many as every rank agreed
+(`distanom.rounds`; B, at most `batch_steps`, is the row's room). Each rank submits a
+round once its clock has resolved the round's last step, as one fixed-shape float64 row:
 
     [magic, first_step, n_steps, flags, req_id, host_step, req_n_steps, req_n_ranges,
      ranges (16: start,end pairs), durations (B), step flags (B), self ms (B),
@@ -31,12 +29,11 @@ agent), which logs once and steps capture aside.
 from __future__ import annotations
 
 import array
-import collections
 import functools
 import math
 import operator
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -98,6 +95,9 @@ class LocalRound:
     self_ms: tuple[float, ...] = ()  # per step; () = none
     host_step: int = -1  # the training loop's current step when submitted (-1: unknown)
     evidence: tuple[tuple[int, StepEvidence], ...] = ()  # consecutive steps
+    # the row's room in steps: the round's agreed length (a final round may hold fewer
+    # steps); 0: the caller's batch_steps
+    room: int = 0
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,7 @@ def _evidence_of_rows(rows: list[list[float]], batch_steps: int) -> EvidenceBloc
     return EvidenceBlock(tuple(first), tuple(count), lists=tuple(lists))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=32)  # a round's room varies: near traced steps, rows are shorter
 def _empty_row(batch_steps: int) -> array.array[float]:
     return array.array("d", [math.nan] * row_length(batch_steps))
 
@@ -498,102 +498,3 @@ def decide(result: RoundResult, detector: Detector, world_size: int) -> list[Cap
                 )
             )
     return decisions
-
-
-def max_round_steps(batch_steps: int, history_steps: int, traced: bool) -> int:
-    """The most steps a round may cover: `batch_steps` (the row's room), and with a tracer
-    at most half its history, so a step's trace is still kept when the decision about
-    it arrives."""
-    return min(batch_steps, max(1, history_steps // 2)) if traced else batch_steps
-
-
-def steps_per_round(median_ms: float | None, interval_ms: float, max_steps: int) -> int:
-    """How many steps the next round covers: as many as take about `interval_ms` at the
-    median step time, 1 to `max_steps` (1 before a median exists). Every rank computes
-    it from the same gathered data, so the rounds stay aligned."""
-    if median_ms is None or not math.isfinite(median_ms) or median_ms <= 0:
-        return 1
-    return max(1, min(max_steps, int(interval_ms // median_ms)))
-
-
-@dataclass
-class RoundBuilder:
-    """Collects this rank's resolved step durations into rounds (consensus thread only).
-
-    A round covers `n` consecutive steps from `next_first` (n <= `batch_steps`, the row's
-    room), the same n on every rank (`steps_per_round`)."""
-
-    batch_steps: int
-    next_first: int = 1
-    _durations: dict[int, tuple[float, int, float]] = field(default_factory=dict)
-    _max_step: int = 0
-    _evidence: collections.deque[tuple[int, StepEvidence]] = field(
-        default_factory=lambda: collections.deque(maxlen=MAX_EVIDENCE_BACKLOG)
-    )
-
-    def add_evidence(self, items: Sequence[tuple[int, StepEvidence]]) -> None:
-        """Steps whose evidence became final, in step order; sent with the next rounds."""
-        self._evidence.extend(items)
-
-    def evidence_backlog(self) -> int:
-        """Steps of evidence still waiting for a round."""
-        return len(self._evidence)
-
-    def _take_evidence(self) -> tuple[tuple[int, StepEvidence], ...]:
-        out: list[tuple[int, StepEvidence]] = []
-        slots = evidence_slots(self.batch_steps)
-        while self._evidence and len(out) < slots:
-            if out and self._evidence[0][0] != out[-1][0] + 1:
-                break  # a gap: the rest goes with the next round
-            out.append(self._evidence.popleft())
-        return tuple(out)
-
-    def add(self, step: int, duration_ms: float, step_flags: int, self_ms: float = 0.0) -> None:
-        """Record a resolved step's duration and flags (steps already sent are ignored)."""
-        if step >= self.next_first:
-            self._durations[step] = (duration_ms, step_flags, self_ms)
-            self._max_step = max(self._max_step, step)
-
-    def add_many(self, steps: Iterable[tuple[int, float, int, float]]) -> None:
-        """`add` for each (step, duration_ms, step_flags, self_ms), in one loop: a round's
-        steps at once on the control thread."""
-        durations, first, top = self._durations, self.next_first, self._max_step
-        for step, duration_ms, step_flags, self_ms in steps:
-            if step >= first:
-                durations[step] = (duration_ms, step_flags, self_ms)
-                if step > top:
-                    top = step
-        self._max_step = top
-
-    def ready(self, n: int | None = None) -> bool:
-        """A round of `n` steps (default `batch_steps`) is ready once a step at or past its
-        end has resolved (gaps become NaN)."""
-        return self.missing(n) == 0
-
-    def missing(self, n: int | None = None) -> int:
-        """Steps still to resolve before a round of `n` steps is ready."""
-        end = self.next_first + (n or self.batch_steps) - 1
-        return max(0, end - self._max_step)
-
-    def pending_steps(self) -> int:
-        """How many steps (gaps included) are waiting for the next rounds."""
-        return max(0, self._max_step - self.next_first + 1)
-
-    def take(self, n: int | None = None, *, final: bool = False) -> LocalRound:
-        """The next round of `n` steps (default `batch_steps`); with `final`, a possibly
-        partial one covering what is left of them."""
-        first = self.next_first
-        size = min(n or self.batch_steps, self.batch_steps)
-        count = max(0, min(size, self._max_step - first + 1)) if final else size
-        durations: list[float] = []
-        flags: list[int] = []
-        own: list[float] = []
-        for step in range(first, first + count):
-            duration, step_flags, self_ms = self._durations.pop(step, (math.nan, 0, 0.0))
-            durations.append(duration)
-            flags.append(step_flags)
-            own.append(self_ms)
-        self.next_first = first + size
-        evidence = self._take_evidence()
-        own_ms = tuple(own)
-        return LocalRound(first, tuple(durations), tuple(flags), self_ms=own_ms, evidence=evidence)

@@ -32,7 +32,6 @@ from distanom.consensus import (
     REQUEST_LEAD_STEPS,
     SMALL_WORLD,
     LocalRound,
-    RoundBuilder,
     RoundResult,
     decide,
     decode_round,
@@ -40,8 +39,6 @@ from distanom.consensus import (
     encode_round,
     encode_row,
     lead_steps,
-    max_round_steps,
-    steps_per_round,
 )
 from distanom.control_status import status_body, tracer_report
 from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, CaptureDecision, Detector, StepSample
@@ -57,6 +54,7 @@ from distanom.records.run_info import build_run_info, write_run_info
 from distanom.records.status import TracerReport, write_status
 from distanom.records.steps import StepsWriter
 from distanom.request_desk import RequestDesk
+from distanom.rounds import RoundBuilder, cut_at_trace, steps_per_round
 from distanom.rundir import RunDir, create_run, update_latest
 from distanom.version import __version__
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
@@ -123,12 +121,10 @@ class ControlLoop:
         self._cpu_ns = 0  # this (control) thread's CPU time, as last read on it
         self._cpu_setup_ns = 0  # of which forming the group and the run directory
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
-        # the gathered row's room: the most steps a round may cover, so a tracer's shorter
-        # rounds gather shorter rows (the same on every rank: it comes from the config)
-        consensus, tracer = config.consensus, config.tracer
-        self._row_steps = max_round_steps(
-            consensus.batch_steps, tracer.history_steps, tracer.backend != "none"
-        )
+        # the gathered row's room: the most steps a round may cover
+        self._row_steps = config.consensus.batch_steps
+        # (first step, what it depended on, steps) of the last round length worked out
+        self._round_plan: tuple[int, tuple[object, ...], int] | None = None
 
     # -- life cycle (called from the training thread) ----------------------------------
 
@@ -281,7 +277,7 @@ class ControlLoop:
         while not final:
             # sleep until this rank's part of the next round is in (or a poll is due):
             # one wake-up per round, not per step
-            self.inbox.wake_at = max(1, builder.missing(self._round_steps()))
+            self.inbox.wake_at = max(1, builder.missing(self._round_steps(builder)))
             due = [next_flush]
             if self.world.rank == 0:
                 due += [next_poll, next_status]
@@ -289,7 +285,7 @@ class ControlLoop:
             records = [item for item in items if item is not FINAL]
             final = final or len(records) != len(items)
             gathered_before = self._gathered_step
-            self.pacer.begin(self.detector.median_ms, self._round_steps(), final=final)
+            self.pacer.begin(self.detector.median_ms, self._round_steps(builder), final=final)
             if records:  # by columns: no tuple made per step (zip reuses its result)
                 steps, durations, flags, own, gc_ms, *_ = zip(*records, strict=True)
                 builder.add_many(zip(steps, durations, flags, own, strict=True))
@@ -305,8 +301,8 @@ class ControlLoop:
                 next_poll = now + control.poll_interval_s
                 self.requests.poll(self.run)
             # the round size follows the median, which each round may move
-            while builder.ready(self._round_steps()):
-                result = self._run_round(builder.take(self._round_steps()), final=False)
+            while builder.ready(self._round_steps(builder)):
+                result = self._run_round(builder.take(self._round_steps(builder)), final=False)
                 ended = result.ranks_with(FLAG_FINAL)
                 if ended:  # another rank's training is over: it joins no round after these
                     self._last_rounds(builder, result)
@@ -316,7 +312,9 @@ class ControlLoop:
                 # every rank runs one final round, so the others learn this one is done;
                 # the last steps' evidence rides in it and the rounds after it
                 result = self._run_round(
-                    builder.take(self._round_steps(), final=True), final=True, builder=builder
+                    builder.take(self._round_steps(builder), final=True),
+                    final=True,
+                    builder=builder,
                 )
                 self._last_rounds(builder, result)
             self._cpu_ns = time.thread_time_ns()
@@ -343,7 +341,7 @@ class ControlLoop:
         for _ in range(MAX_EVIDENCE_ROUNDS):
             if not result.ranks_with(FLAG_MORE_EVIDENCE):
                 return
-            round_ = builder.take(self._round_steps(), final=True)
+            round_ = builder.take(self._round_steps(builder), final=True)
             result = self._run_round(round_, final=True, builder=builder)
 
     def _peers_ended(self, ranks: list[int], step: int) -> None:
@@ -387,10 +385,27 @@ class ControlLoop:
             "round_work_ms": None if work_ms is None else round(work_ms, 3),
         }
 
-    def _round_steps(self) -> int:
-        """Steps the next round covers (the same on every rank: see `steps_per_round`)."""
+    def _round_steps(self, builder: RoundBuilder | None = None) -> int:
+        """Steps the next round covers: `steps_per_round`, cut short near a step the
+        duty cycle may trace (`cut_at_trace`). The same on every rank: the median, the
+        governor's data and the scheduled steps all come from gathered rounds."""
         interval = self.config.consensus.interval_ms
-        return steps_per_round(self.detector.median_ms, interval, self._row_steps)
+        n = steps_per_round(self.detector.median_ms, interval, self._row_steps)
+        if builder is None or self.config.tracer.backend == "none":
+            return n  # (not whether this rank's tracer started: that differs by rank)
+        first = builder.next_first
+        duty = self.duty
+        governor = duty.governor
+        # asked several times per round: worked out again only when what it reads moved
+        recorded = governor.steps_recorded if governor is not None else -1
+        key = (n, governor, recorded, duty.schedule_version)
+        plan = self._round_plan
+        if plan is not None and plan[0] == first and plan[1] == key:
+            return plan[2]
+        traced = duty.first_traced(first, first + n - 1)
+        steps = cut_at_trace(n, first, traced, self.config.tracer.history_steps)
+        self._round_plan = (first, key, steps)
+        return steps
 
     def _run_round(
         self, local: LocalRound, *, final: bool, builder: RoundBuilder | None = None
@@ -414,8 +429,11 @@ class ControlLoop:
             local.self_ms,
             host_step=self.boundaries.current_step,
             evidence=local.evidence,
+            room=local.room,
         )
-        batch = self._row_steps
+        # the row holds the round's agreed length: a 16-step round next to a traced step
+        # gathers 16 steps' room from every rank, not batch_steps'
+        batch = local.room or self._row_steps
         timeout = None
         if final:
             timeout = min(self.config.consensus.timeout_s, FINAL_ROUND_TIMEOUT_S)

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from distanom.config import Config
-from distanom.consensus import REQUEST_LEAD_STEPS, max_round_steps
+from distanom.consensus import REQUEST_LEAD_STEPS
 from distanom.detect import AnomalyJudgment, StepSample
 from distanom.governor import GovernorNotReadyError, GovernorParams, OverheadGovernor
 from distanom.trace_planner import (
@@ -41,13 +41,11 @@ class DutyCycle:
         # the governor is replaced or removed only between steps (tests; a failure)
         self.governor: OverheadGovernor | None = None
         if config.tracer.backend != "none":
-            # decisions wait for gathered data: with rounds of up to this many steps, a lag
-            # shorter than a round would leave the governor unready at window boundaries,
-            # and the switch would come late, mid-window
-            most = max_round_steps(
-                config.consensus.batch_steps, config.tracer.history_steps, traced=True
-            )
-            params = GovernorParams(lag_steps=most + 4)
+            # decisions wait for gathered data: with rounds of up to batch_steps steps, a
+            # lag shorter than a round would leave the governor unready at window
+            # boundaries, and the switch would come late, mid-window; a round's length is
+            # also chosen from the decisions for all its steps (`first_traced`)
+            params = GovernorParams(lag_steps=config.consensus.batch_steps + 4)
             self.governor = OverheadGovernor.from_config(config.tracer, params, first_step=1)
         # without a budget every window but the probes is traced: nothing to plan (and a
         # planned step in a probe window would spoil the measurement it is there for)
@@ -60,6 +58,10 @@ class DutyCycle:
         self._cached_costs: tuple[int, Costs] | None = None  # (windows recorded, costs)
         self._lock = threading.Lock()
         self._forced_on: set[int] = set()  # requested steps: traced whatever the governor says
+        # the same steps as the control thread scheduled them: the training thread drops
+        # steps from `_forced_on` as it passes them, rounds still need to know of them
+        self._scheduled: set[int] = set()
+        self.schedule_version = 0  # counts `force` calls: what `first_traced` reads moved
         # (governor, window's first step, step after it, decision) of the last window asked
         # about: the training thread asks at every boundary, the answer changes per window
         self._decided: tuple[OverheadGovernor, int, int, bool] | None = None
@@ -97,7 +99,38 @@ class DutyCycle:
 
     def force(self, steps: Iterable[int]) -> None:
         """Trace these steps whatever the governor decides."""
+        steps = set(steps)
+        self._scheduled |= steps
+        self.schedule_version += 1
         self._forced_on.update(steps)
+
+    def first_traced(self, first: int, last: int) -> int | None:
+        """The first step of `first`..`last` that may be traced, None if none will be: a
+        round holding one must end soon after it (`consensus.cut_at_trace`).
+
+        Counted as traced: requested and planned steps, windows the governor traces or
+        cannot decide yet, and the `window_steps` steps after each of those (where a
+        decision that reached the training thread late kept tracing on for a few
+        steps). Without a governor tracing stays as it is: every step counts. Every rank
+        gets the same answer: it reads the steps scheduled in rounds and the governor's
+        gathered data, and is asked between rounds."""
+        governor = self.governor
+        if governor is None:
+            return first
+        pad = governor.params.window_steps
+        for past in [s for s in self._scheduled if s + pad < first]:
+            self._scheduled.discard(past)
+        found = min((s for s in self._scheduled if s <= last), default=None)
+        if found is not None:
+            found = max(first, found)
+        with self._lock:
+            window_first = max(governor.first_step, first - pad)
+            while window_first <= last and (found is None or window_first < found):
+                start, end = governor.window_bounds(window_first)
+                if _maybe_traced(governor, start):
+                    return max(first, start) if found is None else min(found, max(first, start))
+                window_first = end
+        return found
 
     def request(self, steps: list[int]) -> None:
         """Trace requested steps (on demand, a straggler's) and, with a budget, charge
@@ -172,6 +205,16 @@ class DutyCycle:
             if planner is not None:  # flat: status.json's tracer holds scalars two deep
                 report.update({f"planner_{k}": v for k, v in planner.summary().items()})
             return report
+
+
+def _maybe_traced(governor: OverheadGovernor, step: int) -> bool:
+    """Whether `step`'s window is traced, or cannot be told yet (lock held)."""
+    if not governor.ready(step):
+        return True
+    try:
+        return governor.tracing_on(step)
+    except GovernorNotReadyError:
+        return True
 
 
 def costs_of(governor: OverheadGovernor) -> Costs:

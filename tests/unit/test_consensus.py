@@ -13,13 +13,13 @@ from distanom.consensus import (
     FLAG_CAPTURE_OFF,
     CaptureRequest,
     LocalRound,
-    RoundBuilder,
     decide,
     decode_round,
     encode_round,
 )
 from distanom.control_status import recent_times
 from distanom.detect import Detector, StepSample
+from distanom.rounds import RoundBuilder
 
 
 def gathered(rows: list[LocalRound], batch: int) -> torch.Tensor:
@@ -109,7 +109,7 @@ def test_recent_times_per_rank() -> None:
 
 
 def test_evidence_rides_in_the_round_per_rank_and_lagging() -> None:
-    from distanom.consensus import RoundBuilder, evidence_slots
+    from distanom.consensus import evidence_slots
     from distanom.records.anomalies import StepEvidence
 
     builder = RoundBuilder(2)

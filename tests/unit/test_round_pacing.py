@@ -17,8 +17,8 @@ import torch
 from distanom import control_loop, pacing
 from distanom.agent import Agent
 from distanom.config import load_config
-from distanom.consensus import RoundBuilder, steps_per_round
 from distanom.inbox import StepInbox
+from distanom.rounds import RoundBuilder, steps_per_round
 from distanom.world import WorldInfo
 
 END = object()
@@ -146,13 +146,18 @@ def test_the_agent_measures_its_own_time_per_step(tmp_path: Path) -> None:
     assert status["agent_cost"]["steps"] == 120
 
 
-def test_rounds_stay_within_half_the_trace_history() -> None:
-    from distanom.consensus import max_round_steps
+def test_a_round_ends_within_half_the_trace_history_of_its_first_traced_step() -> None:
+    from distanom.rounds import cut_at_trace, traced_round_steps
 
-    assert max_round_steps(16, 16, traced=True) == 8
-    assert max_round_steps(16, 16, traced=False) == 16  # no trace to keep: the row's room
-    assert max_round_steps(4, 64, traced=True) == 4
-    assert max_round_steps(16, 2, traced=True) == 1
+    assert traced_round_steps(32) == 16
+    assert traced_round_steps(2) == 1
+    assert cut_at_trace(128, 100, None, 32) == 128  # nothing traced: as long as it is
+    assert cut_at_trace(128, 100, 100, 32) == 16
+    assert cut_at_trace(128, 100, 150, 32) == 66  # 50 untraced steps, then 16
+    assert cut_at_trace(128, 100, 220, 32) == 128  # the first traced step is past its end
+    assert cut_at_trace(128, 100, 227, 32) == 128  # its last step
+    assert cut_at_trace(128, 100, 226, 32) == 128  # its last but one: 126 + 16 > 128
+    assert cut_at_trace(10, 100, 100, 32) == 10  # short anyway
 
 
 def test_a_round_waiting_without_working_is_not_charged(
@@ -213,15 +218,12 @@ def test_a_control_thread_abandoned_at_exit_writes_nothing_to_the_closed_steps_f
     agent.close()
 
 
-@pytest.mark.parametrize(("backend", "room"), [("none", 128), ("kineto", 16)])
-def test_the_gathered_row_has_room_for_the_longest_round_only(
-    tmp_path: Path, backend: str, room: int
-) -> None:
-    # with a tracer, rounds are at most half of tracer.history_steps (32): a row sized by
-    # batch_steps (128) would gather 8x the bytes from every rank for nothing
+@pytest.mark.parametrize("backend", ["none", "kineto"])
+def test_the_gathered_row_has_room_for_batch_steps(tmp_path: Path, backend: str) -> None:
+    # with a tracer too: rounds away from traced steps are as long as detection's
     config = load_config(None, [f"tracer.backend={backend}"])
     agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
-    assert agent.control._row_steps == room
+    assert agent.control._row_steps == 128
     assert agent.control._round_steps() == 1  # before a median exists
 
 
