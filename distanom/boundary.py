@@ -305,7 +305,7 @@ class StepBoundaries:
                 self._tracer_failed(err)
             self._next_after_flush = tracer.boundary_flushes != flushes
         for resolved_step, duration in resolved:
-            self.inbox.put(self._resolved(resolved_step, duration))
+            self.inbox.put_step(self._resolved(resolved_step, duration), duration)
         if not step % KEEP_UNRESOLVED:
             self._forget_unresolved(step - KEEP_UNRESOLVED)
 

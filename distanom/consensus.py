@@ -56,6 +56,9 @@ RANGE_SLOTS = 2 * MAX_RANGES
 FLAG_CAPTURE_OFF = 1
 FLAG_FINAL = 2
 FLAG_MORE_EVIDENCE = 4  # the rank has evidence left after this round: one more at the end
+# the rank sent the steps it had, fewer than the round's length, because its steps slowed
+# down: the round covers the fewest steps any rank sent (unless a rank sent its final)
+FLAG_EARLY = 8
 # Requested steps start this many steps after the round that carried the request, so
 # every rank learns of them before it reaches them and can make sure they are traced.
 REQUEST_LEAD_STEPS = 4
@@ -302,10 +305,23 @@ def decode_round(
     head = matrix[0].tolist()
     samples = _samples_of_matrix(matrix, int(head[1]), batch_steps)
     flags = tuple(int(f) for f in matrix[:, 3].tolist())
+    samples = _early_cut(samples, matrix[:, 2].tolist(), flags)
     host = matrix[:, 5]
     host_steps = tuple(int(h) for h in torch.where(host.isfinite(), host, -1.0).tolist())
     evidence = _decode_evidence(matrix, batch_steps) if with_evidence else None
     return RoundResult(tuple(samples), flags, _request_of(head), host_steps, evidence)
+
+
+def _early_cut(
+    samples: list[StepSample], counts: list[float], flags: tuple[int, ...]
+) -> list[StepSample]:
+    """A round some rank ended early (`FLAG_EARLY`) covers the fewest steps any rank
+    sent; every rank sends the rest again in the next round. A final round is not cut:
+    its rank sends no more."""
+    if not any(f & FLAG_EARLY for f in flags) or any(f & FLAG_FINAL for f in flags):
+        return samples
+    fewest = min((int(c) if math.isfinite(c) else 0 for c in counts), default=0)
+    return samples[: max(0, fewest)]
 
 
 def decode_rows(rows: list[list[float]], batch_steps: int, *, with_evidence: bool) -> RoundResult:
@@ -332,6 +348,7 @@ def _decode_rows(rows: list[list[float]], batch_steps: int, with_evidence: bool)
         batch_steps,
     )
     flags = tuple(int(row[3]) for row in rows)
+    samples = _early_cut(samples, [row[2] for row in rows], flags)
     host_steps = tuple(int(row[5]) if math.isfinite(row[5]) else -1 for row in rows)
     evidence = _evidence_of_rows(rows, batch_steps) if with_evidence else None
     return RoundResult(tuple(samples), flags, _request_of(head), host_steps, evidence)

@@ -27,6 +27,7 @@ from distanom.capture import CaptureWorker
 from distanom.config import Config
 from distanom.consensus import (
     FLAG_CAPTURE_OFF,
+    FLAG_EARLY,
     FLAG_FINAL,
     FLAG_MORE_EVIDENCE,
     REQUEST_LEAD_STEPS,
@@ -54,7 +55,7 @@ from distanom.records.run_info import build_run_info, write_run_info
 from distanom.records.status import TracerReport, write_status
 from distanom.records.steps import StepsWriter
 from distanom.request_desk import RequestDesk
-from distanom.rounds import RoundBuilder, cut_at_trace, steps_per_round
+from distanom.rounds import RoundBuilder, RoundSizer
 from distanom.rundir import RunDir, create_run, update_latest
 from distanom.version import __version__
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
@@ -123,8 +124,9 @@ class ControlLoop:
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
         # the gathered row's room: the most steps a round may cover
         self._row_steps = config.consensus.batch_steps
-        # (first step, what it depended on, steps) of the last round length worked out
-        self._round_plan: tuple[int, tuple[object, ...], int] | None = None
+        self._sizer = RoundSizer(config.consensus, config.tracer)
+        # with a tracer, a slowdown ends a long round early: it is traced a few steps in
+        self._early_rounds = config.tracer.backend != "none"
 
     # -- life cycle (called from the training thread) ----------------------------------
 
@@ -300,9 +302,15 @@ class ControlLoop:
             if self.world.rank == 0 and now >= next_poll:
                 next_poll = now + control.poll_interval_s
                 self.requests.poll(self.run)
+            # a slowdown on this rank: what it has goes now, not a long round late
+            early = self.inbox.urgent and not final and builder.pending_steps() > 0
+            self.inbox.urgent = False
             # the round size follows the median, which each round may move
-            while builder.ready(self._round_steps(builder)):
-                result = self._run_round(builder.take(self._round_steps(builder)), final=False)
+            while early or builder.ready(self._round_steps(builder)):
+                n = self._round_steps(builder)
+                local = builder.take(n, early=early and not builder.ready(n))
+                early = False
+                result = self._run_round(local, final=False, builder=builder)
                 ended = result.ranks_with(FLAG_FINAL)
                 if ended:  # another rank's training is over: it joins no round after these
                     self._last_rounds(builder, result)
@@ -386,26 +394,9 @@ class ControlLoop:
         }
 
     def _round_steps(self, builder: RoundBuilder | None = None) -> int:
-        """Steps the next round covers: `steps_per_round`, cut short near a step the
-        duty cycle may trace (`cut_at_trace`). The same on every rank: the median, the
-        governor's data and the scheduled steps all come from gathered rounds."""
-        interval = self.config.consensus.interval_ms
-        n = steps_per_round(self.detector.median_ms, interval, self._row_steps)
-        if builder is None or self.config.tracer.backend == "none":
-            return n  # (not whether this rank's tracer started: that differs by rank)
-        first = builder.next_first
-        duty = self.duty
-        governor = duty.governor
-        # asked several times per round: worked out again only when what it reads moved
-        recorded = governor.steps_recorded if governor is not None else -1
-        key = (n, governor, recorded, duty.schedule_version)
-        plan = self._round_plan
-        if plan is not None and plan[0] == first and plan[1] == key:
-            return plan[2]
-        traced = duty.first_traced(first, first + n - 1)
-        steps = cut_at_trace(n, first, traced, self.config.tracer.history_steps)
-        self._round_plan = (first, key, steps)
-        return steps
+        """Steps the next round covers (the same on every rank: `RoundSizer`)."""
+        first = None if builder is None else builder.next_first
+        return self._sizer.steps(first, self.detector.median_ms, self.duty)
 
     def _run_round(
         self, local: LocalRound, *, final: bool, builder: RoundBuilder | None = None
@@ -415,6 +406,8 @@ class ControlLoop:
         began_cpu = time.thread_time_ns()
         self.rounds += 1
         flags = FLAG_FINAL if final else 0
+        if not final and len(local.durations_ms) < local.room:
+            flags |= FLAG_EARLY  # fewer steps than agreed: see `consensus.FLAG_EARLY`
         if final and builder is not None and builder.evidence_backlog():
             flags |= FLAG_MORE_EVIDENCE
         if self.health.capture_stepped_aside():
@@ -450,6 +443,9 @@ class ControlLoop:
             result = decode_round(matrix, batch, with_evidence=with_evidence)
         if offered is not None:
             self.requests.carried()
+        covered = len(result.samples)
+        if builder is not None and not final and covered < local.room:
+            builder.rewind(local.first_step + covered)  # a rank ended the round early
         self._after_round(result)
         # CPU time, not wall time: waiting for the gather or for the GIL takes nothing
         # from the training thread
@@ -472,6 +468,10 @@ class ControlLoop:
         self._feed_governor(result)
         self._gathered_step = max(self._gathered_step, result.last_step)
         decisions = decide(result, self.detector, self.world.world_size)
+        median = self.detector.median_ms
+        if self._early_rounds and median is not None and math.isfinite(median):
+            # steps over this, several in a row, end a round early (`StepInbox.put_step`)
+            self.inbox.slow_ms = self.config.detect.multiplier * median
         self.duty.request([d.step for d in decisions if d.kind == "requested"])
         if result.request is not None and self.world.rank == 0:
             self.requests.answer(self.run, result.request, decisions)

@@ -6,13 +6,23 @@ control thread only when it asked for that many items (`wake_at`), or for the en
 waking it at every step would make it take the GIL from a launch-bound training thread
 at every step, which costs that thread more than the work the wake-up does
 (docs/agent.md, "The control thread wakes per round, not per step").
+
+One exception: a run of `SLOW_RUN_STEPS` consecutive steps slower than `slow_ms` (the
+control thread sets it from the gathered median) sets `urgent` and wakes the consumer
+at once, so a lasting slowdown reaches a round early instead of a whole long round late
+(`distanom.rounds`, early rounds).
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from typing import Any
+
+# consecutive slow steps that wake the control thread early: the trace planner's
+# lasting slowdown is as many anomalous steps
+SLOW_RUN_STEPS = 4
 
 
 class StepInbox:
@@ -25,6 +35,9 @@ class StepInbox:
         self._ready = threading.Event()
         self._signalled = False  # set() already called since the consumer last took
         self.wake_at = 1  # wake the consumer once this many items are queued
+        self.slow_ms = math.inf  # a step slower than this counts towards a slow run
+        self.urgent = False  # a slow run was seen since the consumer last cleared it
+        self._slow_run = 0
 
     def put(self, item: Any) -> None:
         """Queue an item (training thread); O(1), wakes the consumer only when due."""
@@ -35,6 +48,21 @@ class StepInbox:
         if not self._signalled and (item is self._end or len(items) >= self.wake_at):
             self._signalled = True
             self._ready.set()
+
+    def put_step(self, item: Any, duration_ms: float) -> None:
+        """`put` for a resolved step: a run of `SLOW_RUN_STEPS` consecutive steps over
+        `slow_ms` sets `urgent` and wakes the consumer (once per run)."""
+        if duration_ms > self.slow_ms:
+            self._slow_run += 1
+            if self._slow_run == SLOW_RUN_STEPS:
+                self.urgent = True
+                self._items.append(item)
+                self._signalled = True
+                self._ready.set()
+                return
+        else:
+            self._slow_run = 0
+        self.put(item)
 
     def take(self, timeout_s: float) -> list[Any]:
         """Wait up to `timeout_s` to be woken, then return everything queued (maybe [])."""

@@ -6,8 +6,14 @@ Rounds cover consecutive steps from step 1, each as many as take about
 With a tracer, a round holding a step the duty cycle may trace ends within half the
 tracer's history of it (`cut_at_trace`), so that step's trace is still kept when the
 decision about it arrives; rounds away from traced steps are as long as without one.
-`RoundBuilder` (control thread) collects the resolved steps and the evidence that rides
-with them into the `LocalRound` that `distanom.consensus` encodes and gathers.
+`RoundSizer` works the length out; `RoundBuilder` (control thread) collects the resolved
+steps and the evidence that rides with them into the `LocalRound` that
+`distanom.consensus` encodes and gathers.
+
+Early rounds: a rank whose steps slow down (`StepInbox.put_step`) sends the steps it has
+before the round is full (`take(early=True)`); the round then covers the fewest steps any
+rank sent (`consensus.FLAG_EARLY`), and each rank sends the rest again (`rewind`). A
+lasting slowdown so reaches the trace planner a few steps in, not a long round late.
 """
 
 from __future__ import annotations
@@ -16,9 +22,14 @@ import collections
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from distanom.consensus import MAX_EVIDENCE_BACKLOG, LocalRound, evidence_slots
 from distanom.records.anomalies import StepEvidence
+
+if TYPE_CHECKING:
+    from distanom.config import ConsensusConfig, TracerConfig
+    from distanom.duty_cycle import DutyCycle
 
 
 def traced_round_steps(history_steps: int) -> int:
@@ -44,6 +55,38 @@ def steps_per_round(median_ms: float | None, interval_ms: float, max_steps: int)
     return max(1, min(max_steps, int(interval_ms // median_ms)))
 
 
+class RoundSizer:
+    """The next round's length: `steps_per_round`, and with a tracer cut short near a
+    step the duty cycle may trace (`cut_at_trace`). The same on every rank: the median,
+    the governor's data and the scheduled steps all come from gathered rounds (not
+    whether this rank's tracer started: that differs by rank)."""
+
+    def __init__(self, consensus: ConsensusConfig, tracer: TracerConfig) -> None:
+        self.interval_ms = consensus.interval_ms
+        self.batch_steps = consensus.batch_steps
+        self.history_steps = tracer.history_steps
+        self.traced = tracer.backend != "none"
+        # (first step, what it depended on, steps) of the last length worked out: asked
+        # several times per round, worked out again only when what it reads moved
+        self._last: tuple[int, tuple[object, ...], int] | None = None
+
+    def steps(self, first: int | None, median_ms: float | None, duty: DutyCycle) -> int:
+        """Steps of the round from `first` (None: the length away from traced steps)."""
+        n = steps_per_round(median_ms, self.interval_ms, self.batch_steps)
+        if first is None or not self.traced:
+            return n
+        governor = duty.governor
+        recorded = governor.steps_recorded if governor is not None else -1
+        key = (n, governor, recorded, duty.schedule_version)
+        last = self._last
+        if last is not None and last[0] == first and last[1] == key:
+            return last[2]
+        traced = duty.first_traced(first, first + n - 1)
+        steps = cut_at_trace(n, first, traced, self.history_steps)
+        self._last = (first, key, steps)
+        return steps
+
+
 @dataclass
 class RoundBuilder:
     """Collects this rank's resolved step durations into rounds (consensus thread only).
@@ -58,6 +101,7 @@ class RoundBuilder:
     _evidence: collections.deque[tuple[int, StepEvidence]] = field(
         default_factory=lambda: collections.deque(maxlen=MAX_EVIDENCE_BACKLOG)
     )
+    _sent: dict[int, tuple[float, int, float]] = field(default_factory=dict)  # the last take
 
     def add_evidence(self, items: Sequence[tuple[int, StepEvidence]]) -> None:
         """Steps whose evidence became final, in step order; sent with the next rounds."""
@@ -107,23 +151,40 @@ class RoundBuilder:
         """How many steps (gaps included) are waiting for the next rounds."""
         return max(0, self._max_step - self.next_first + 1)
 
-    def take(self, n: int | None = None, *, final: bool = False) -> LocalRound:
-        """The next round of `n` steps (default `batch_steps`); with `final`, a possibly
-        partial one covering what is left of them."""
+    def take(self, n: int | None = None, *, final: bool = False, early: bool = False) -> LocalRound:
+        """The next round of `n` steps (default `batch_steps`); with `final` or `early`, a
+        possibly partial one covering the steps resolved so far (the row's room stays n:
+        every rank's row is as long)."""
         first = self.next_first
         size = min(n or self.batch_steps, self.batch_steps)
-        count = max(0, min(size, self._max_step - first + 1)) if final else size
+        count = max(0, min(size, self._max_step - first + 1)) if final or early else size
         durations: list[float] = []
         flags: list[int] = []
         own: list[float] = []
+        sent: dict[int, tuple[float, int, float]] = {}
         for step in range(first, first + count):
-            duration, step_flags, self_ms = self._durations.pop(step, (math.nan, 0, 0.0))
+            entry = self._durations.pop(step, None)
+            if entry is not None:
+                sent[step] = entry
+            duration, step_flags, self_ms = (math.nan, 0, 0.0) if entry is None else entry
             durations.append(duration)
             flags.append(step_flags)
             own.append(self_ms)
+        self._sent = sent
         self.next_first = first + size
         evidence = self._take_evidence(size)
         own_ms = tuple(own)
         return LocalRound(
             first, tuple(durations), tuple(flags), self_ms=own_ms, evidence=evidence, room=size
         )
+
+    def rewind(self, next_first: int) -> None:
+        """The last round covered only the steps before `next_first` (another rank ended
+        it early): the steps from there on that it took go into the next rounds again."""
+        if next_first >= self.next_first:
+            return
+        for step, entry in self._sent.items():
+            if step >= next_first:
+                self._durations[step] = entry
+        self._sent = {}
+        self.next_first = next_first
