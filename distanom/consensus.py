@@ -2,8 +2,10 @@
 
 Runs on distanom's background thread, never on the training thread. Rounds cover
 consecutive steps from step 1 (step 0 has no duration), as many as every rank agreed
-(`distanom.rounds`; B, at most `batch_steps`, is the row's room). Each rank submits a
-round once its clock has resolved the round's last step, as one fixed-shape float64 row:
+(`distanom.rounds`; B, at most `batch_steps`, is the round's agreed length and its row's
+room, the same on every rank). Each rank submits a round once its clock has resolved the
+round's last step, or earlier when its steps slowed down (`FLAG_EARLY`: it sends the
+steps it has), as one float64 row of B's shape:
 
     [magic, first_step, n_steps, flags, req_id, host_step, req_n_steps, req_n_ranges,
      ranges (16: start,end pairs), durations (B), step flags (B), self ms (B),
@@ -98,8 +100,8 @@ class LocalRound:
     self_ms: tuple[float, ...] = ()  # per step; () = none
     host_step: int = -1  # the training loop's current step when submitted (-1: unknown)
     evidence: tuple[tuple[int, StepEvidence], ...] = ()  # consecutive steps
-    # the row's room in steps: the round's agreed length (a final round may hold fewer
-    # steps); 0: the caller's batch_steps
+    # the row's room in steps: the round's agreed length (a final or an early round may
+    # hold fewer steps); 0: the caller's batch_steps
     room: int = 0
 
 
@@ -237,8 +239,9 @@ def _empty_row(batch_steps: int) -> array.array[float]:
 
 
 def encode_round(local: LocalRound, batch_steps: int) -> torch.Tensor:
-    """This rank's round as its fixed-shape float64 row (NaN where empty): `encode_row`,
-    not copied (the tensor keeps the array; nothing else holds it to resize it)."""
+    """This rank's round as its float64 row for rounds of `batch_steps` (NaN where
+    empty): `encode_row`, not copied (the tensor keeps the array; nothing else holds it
+    to resize it)."""
     return torch.frombuffer(encode_row(local, batch_steps), dtype=torch.float64)
 
 

@@ -122,6 +122,7 @@ class ControlLoop:
         self._cpu_ns = 0  # this (control) thread's CPU time, as last read on it
         self._cpu_setup_ns = 0  # of which forming the group and the run directory
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
+        self.early_rounds = 0  # rounds this rank ended early (its steps slowed down)
         # the gathered row's room: the most steps a round may cover
         self._row_steps = config.consensus.batch_steps
         self._sizer = RoundSizer(config.consensus, config.tracer)
@@ -303,8 +304,10 @@ class ControlLoop:
                 next_poll = now + control.poll_interval_s
                 self.requests.poll(self.run)
             # a slowdown on this rank: what it has goes now, not a long round late
-            early = self.inbox.urgent and not final and builder.pending_steps() > 0
-            self.inbox.urgent = False
+            early = False
+            if self.inbox.urgent:  # cleared only when seen: a later set is not lost
+                self.inbox.urgent = False
+                early = not final and builder.pending_steps() > 0
             # the round size follows the median, which each round may move
             while early or builder.ready(self._round_steps(builder)):
                 n = self._round_steps(builder)
@@ -405,9 +408,7 @@ class ControlLoop:
         assert self.group is not None
         began_cpu = time.thread_time_ns()
         self.rounds += 1
-        flags = FLAG_FINAL if final else 0
-        if not final and len(local.durations_ms) < local.room:
-            flags |= FLAG_EARLY  # fewer steps than agreed: see `consensus.FLAG_EARLY`
+        flags = (FLAG_FINAL if final else 0) | local.flags  # FLAG_EARLY from `take`
         if final and builder is not None and builder.evidence_backlog():
             flags |= FLAG_MORE_EVIDENCE
         if self.health.capture_stepped_aside():
@@ -443,9 +444,10 @@ class ControlLoop:
             result = decode_round(matrix, batch, with_evidence=with_evidence)
         if offered is not None:
             self.requests.carried()
-        covered = len(result.samples)
-        if builder is not None and not final and covered < local.room:
-            builder.rewind(local.first_step + covered)  # a rank ended the round early
+        if builder is not None and not final:  # a rank may have ended the round early
+            builder.settle(local, len(result.samples), bool(result.ranks_with(FLAG_FINAL)))
+        if local.flags & FLAG_EARLY:
+            self.early_rounds += 1
         self._after_round(result)
         # CPU time, not wall time: waiting for the gather or for the GIL takes nothing
         # from the training thread

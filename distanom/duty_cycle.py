@@ -106,7 +106,7 @@ class DutyCycle:
 
     def first_traced(self, first: int, last: int) -> int | None:
         """The first step of `first`..`last` that may be traced, None if none will be: a
-        round holding one must end soon after it (`consensus.cut_at_trace`).
+        round holding one must end soon after it (`rounds.cut_at_trace`).
 
         Counted as traced: requested and planned steps, windows the governor traces or
         cannot decide yet, and the `window_steps` steps after each of those (where a
@@ -209,11 +209,9 @@ class DutyCycle:
 
 def _maybe_traced(governor: OverheadGovernor, step: int) -> bool:
     """Whether `step`'s window is traced, or cannot be told yet (lock held)."""
-    if not governor.ready(step):
-        return True
     try:
         return governor.tracing_on(step)
-    except GovernorNotReadyError:
+    except GovernorNotReadyError:  # not decidable yet, or no longer kept
         return True
 
 

@@ -16,7 +16,9 @@ traced window seen so far, is charged to tracing (per traced step); so is a trac
 that starts with the tracer's own flush (kineto's window hand-over), but for the first,
 the tracer's start.
 
-With a budget of B percent it traces a fraction f of the windows, f = B / overhead,
+A budgeted run starts with one traced and one untraced window and traces nothing more
+until their cost is known (with a decision lag of a whole gathering round, that takes
+~9 windows). With a budget of B percent it traces a fraction f of the windows, f = B / overhead,
 clamped to [min_fraction, 1 - 1/probe_every_windows] and spread by an accumulator in
 bursts of `burst_windows` consecutive windows, so that one pair of switches serves
 several traced windows, and never more than `max_run_windows` in a row: the untraced
@@ -435,6 +437,11 @@ class OverheadGovernor:
             return not self._is_probe(window)
         if window < 2:
             return window == 0  # bootstrap: one traced, one untraced window
+        if overhead is None and self._consumed < 2:
+            # the bootstrap's measurement is still on its way (a lag longer than two
+            # windows): wait for it untraced, accruing no credit, or the blind windows
+            # would spend at the initial fraction what the first measurement forbids
+            return False
         prm = self.params
         if overhead is not None:
             budget = self.budget_pct / 100.0

@@ -55,8 +55,8 @@ class StepInbox:
         if duration_ms > self.slow_ms:
             self._slow_run += 1
             if self._slow_run == SLOW_RUN_STEPS:
+                self._items.append(item)  # before the flag: the consumer finds the step
                 self.urgent = True
-                self._items.append(item)
                 self._signalled = True
                 self._ready.set()
                 return

@@ -41,8 +41,8 @@ def pace_s(median_ms: float | None, round_steps: int, work_ms: float | None = No
     PACE_MAX_S (longer steps hide a phase anyway) and at most an eighth of the round's
     steps; 0 before a median is known, and 0 when the round's work (`work_ms`, CPU ms;
     None: not measured yet) is at most UNPACED_SHARE of the median step. Never more than
-    a step: each pause delays the round's evidence by one step, and a round with a
-    tracer covers half of the steps the tracer keeps."""
+    a step: each pause delays the round's evidence by one step, and a round holding a
+    traced step ends half of the steps the tracer keeps after it."""
     if median_ms is None or not math.isfinite(median_ms) or median_ms <= 0:
         return 0.0
     if work_ms is not None and work_ms <= UNPACED_SHARE * median_ms:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from distanom.consensus import MAX_EVIDENCE_BACKLOG, LocalRound, evidence_slots
+from distanom.consensus import FLAG_EARLY, MAX_EVIDENCE_BACKLOG, LocalRound, evidence_slots
 from distanom.records.anomalies import StepEvidence
 
 if TYPE_CHECKING:
@@ -92,7 +92,8 @@ class RoundBuilder:
     """Collects this rank's resolved step durations into rounds (consensus thread only).
 
     A round covers `n` consecutive steps from `next_first` (n <= `batch_steps`, the row's
-    room), the same n on every rank (`steps_per_round`)."""
+    room), the same n on every rank (`RoundSizer`), unless a rank ends it early
+    (`take(early=True)`, then `settle`)."""
 
     batch_steps: int
     next_first: int = 1
@@ -174,13 +175,23 @@ class RoundBuilder:
         self.next_first = first + size
         evidence = self._take_evidence(size)
         own_ms = tuple(own)
+        cut = FLAG_EARLY if early and not final and count < size else 0
         return LocalRound(
-            first, tuple(durations), tuple(flags), self_ms=own_ms, evidence=evidence, room=size
-        )
+            first, tuple(durations), tuple(flags), cut, self_ms=own_ms, evidence=evidence,
+            room=size,
+        )  # fmt: skip
+
+    def settle(self, sent: LocalRound, covered: int, final_seen: bool) -> None:
+        """After the gather of a round that was not this rank's final one: a round cut
+        early (`consensus.FLAG_EARLY`) covered `covered` of its steps, and every rank
+        sends the rest again. A round with some rank's final is never cut, so no rank
+        rewinds after it: all go on from the same step."""
+        if not final_seen and covered < sent.room:
+            self.rewind(sent.first_step + covered)
 
     def rewind(self, next_first: int) -> None:
-        """The last round covered only the steps before `next_first` (another rank ended
-        it early): the steps from there on that it took go into the next rounds again."""
+        """The last round covered only the steps before `next_first` (a rank ended it
+        early): the steps from there on that it took go into the next rounds again."""
         if next_first >= self.next_first:
             return
         for step, entry in self._sent.items():

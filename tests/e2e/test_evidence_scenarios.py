@@ -68,8 +68,10 @@ def test_a_rank_slower_from_some_step_on_is_named_first_among_stragglers(
     done = torchrun(
         3,
         [*traced, "--set", "detect.min_steps=15", "--set", "capture.reference_every_steps=0"],
-        ["--steps", "150", "--step-sleep", "0.01", "--stall-rank", "1",
-         "--stall-steps", ",".join(str(s) for s in range(slow_from, 150)), "--stall-s", "0.03"],
+        # the straggler is named ~90 steps into its slowness (its evidence must add up);
+        # the job runs on long enough for the one step traced on every rank after it
+        ["--steps", "200", "--step-sleep", "0.01", "--stall-rank", "1",
+         "--stall-steps", ",".join(str(s) for s in range(slow_from, 200)), "--stall-s", "0.03"],
         cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -4,17 +4,24 @@ rest again in the next round."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
+from pathlib import Path
 
+from distanom.agent import Agent
+from distanom.config import load_config
 from distanom.consensus import (
     FLAG_EARLY,
     FLAG_FINAL,
+    FLAG_MORE_EVIDENCE,
     LocalRound,
     decode_rows,
     encode_row,
 )
 from distanom.inbox import SLOW_RUN_STEPS, StepInbox
 from distanom.rounds import RoundBuilder
+from distanom.world import WorldInfo
 
 ROOM = 8
 
@@ -33,9 +40,13 @@ def test_a_run_of_slow_steps_wakes_the_consumer_once() -> None:
     inbox.put_step(99, 25.0)  # the same run goes on: no second wake
     assert not inbox.urgent and not inbox._ready.is_set()
     inbox.put_step(100, 5.0)  # a normal step ends the run
-    inbox.put_step(101, math.nan)  # an untimed step is not slow
-    for step in range(SLOW_RUN_STEPS):
+    for step in range(SLOW_RUN_STEPS - 1):
         inbox.put_step(200 + step, 25.0)
+    inbox.put_step(299, math.nan)  # an untimed step is not slow: it ends the run too
+    inbox.put_step(300, 25.0)
+    assert not inbox.urgent
+    for step in range(SLOW_RUN_STEPS - 1):
+        inbox.put_step(301 + step, 25.0)
     assert inbox.urgent
 
 
@@ -67,6 +78,10 @@ def test_a_round_ended_early_covers_the_fewest_steps_sent() -> None:
     assert len(result.samples) == ROOM and math.isnan(result.samples[3].times_ms[1])
 
 
+def gather(*sent: LocalRound) -> list[list[float]]:
+    return [encode_row(local, ROOM).tolist() for local in sent]
+
+
 def test_two_ranks_stay_aligned_after_an_early_round() -> None:
     fast, slow = RoundBuilder(ROOM), RoundBuilder(ROOM)
     for step in range(1, 11):
@@ -77,17 +92,11 @@ def test_two_ranks_stay_aligned_after_an_early_round() -> None:
     sent_slow = slow.take(ROOM, early=True)  # only steps 1-5 resolved
     assert len(sent_fast.durations_ms) == ROOM and len(sent_slow.durations_ms) == 5
     assert sent_slow.room == ROOM  # rows stay the same length on every rank
-    rows = [
-        encode_row(sent_fast, ROOM).tolist(),
-        encode_row(sent_slow, ROOM).tolist(),
-    ]
-    rows[1][3] = FLAG_EARLY  # as the control loop flags a short non-final round
-    result = decode_rows(rows, ROOM, with_evidence=False)
-    covered = len(result.samples)
-    assert covered == 5
+    assert sent_slow.flags == FLAG_EARLY and sent_fast.flags == 0
+    result = decode_rows(gather(sent_fast, sent_slow), ROOM, with_evidence=False)
+    assert len(result.samples) == 5
     for builder, sent in ((fast, sent_fast), (slow, sent_slow)):
-        if covered < sent.room:  # as the control loop does after a round not final
-            builder.rewind(sent.first_step + covered)
+        builder.settle(sent, len(result.samples), bool(result.ranks_with(FLAG_FINAL)))
     assert fast.next_first == slow.next_first == 6
     for step in range(6, 14):
         slow.add(step, 30.0 + step, 0)
@@ -100,6 +109,31 @@ def test_two_ranks_stay_aligned_after_an_early_round() -> None:
     assert again_slow.durations_ms == tuple(30.0 + s for s in range(6, 14))
 
 
+def test_a_full_round_taken_early_is_not_flagged() -> None:
+    builder = RoundBuilder(ROOM)
+    for step in range(1, 12):
+        builder.add(step, 5.0, 0)
+    assert builder.take(ROOM, early=True).flags == 0  # all its steps were in
+
+
+def test_after_a_final_round_met_an_early_one_no_rank_rewinds() -> None:
+    # one rank ends its training (final) while another ends the round early: the round
+    # is not cut (the final rank sends no more), and both go on from the same step
+    ending, early = RoundBuilder(ROOM), RoundBuilder(ROOM)
+    for step in range(1, 4):
+        ending.add(step, 10.0, 0)
+    for step in range(1, 6):
+        early.add(step, 30.0, 0)
+    last = ending.take(ROOM, final=True)
+    last = dataclasses.replace(last, flags=FLAG_FINAL | FLAG_MORE_EVIDENCE)
+    cut = early.take(ROOM, early=True)
+    result = decode_rows(gather(last, cut), ROOM, with_evidence=False)
+    assert len(result.samples) == 5  # the most any rank sent: nothing cut
+    early.settle(cut, len(result.samples), bool(result.ranks_with(FLAG_FINAL)))
+    # the evidence rounds after it start at the same step on both ranks
+    assert ending.take(ROOM, final=True).first_step == early.take(ROOM, final=True).first_step
+
+
 def test_rewind_is_a_no_op_for_a_round_covered_whole() -> None:
     builder = RoundBuilder(ROOM)
     for step in range(1, 9):
@@ -107,3 +141,23 @@ def test_rewind_is_a_no_op_for_a_round_covered_whole() -> None:
     builder.take(ROOM)
     builder.rewind(9)
     assert builder.next_first == 9 and builder.pending_steps() == 0
+
+
+def test_a_slowdown_ends_a_long_round_early_in_a_running_agent(tmp_path: Path) -> None:
+    # the wiring: slow steps reach the inbox's run count, the control thread sends early
+    config = load_config(
+        None,
+        ["tracer.backend=kineto", "tracer.overhead_budget_pct=0.1", "detect.warmup_steps=5",
+         "detect.min_steps=15", "capture.reference_every_steps=0", "step.source=manual"],
+    )  # fmt: skip
+    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    agent.install()
+    try:
+        for step in range(420):
+            time.sleep(0.012 if 380 <= step < 392 else 0.004)
+            agent.boundaries.manual_step()
+    finally:
+        agent.close()
+    control = agent.control
+    assert control.early_rounds >= 1
+    assert control.detector.counts.judged >= 380  # every step still judged once

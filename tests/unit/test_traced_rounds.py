@@ -133,3 +133,26 @@ def test_a_traced_window_counts_for_the_window_after_it() -> None:
     end = last + 16
     assert duty.first_traced(end, end + 15) == end  # the pad after it
     assert duty.first_traced(end + 16, end + 31) is None
+
+
+def test_a_window_the_governor_cannot_decide_yet_counts_as_traced() -> None:
+    duty = budgeted_duty()  # no data: windows past the lag are not decidable
+    governor = duty.governor
+    assert governor is not None and not governor.ready(500)
+    assert duty.first_traced(500, 600) == 500
+
+
+def test_no_window_is_traced_blind_while_the_first_measurement_is_on_its_way() -> None:
+    # the decision lag is a whole round (132 steps): the bootstrap's traced window is
+    # measured only ~9 windows later, and the windows between must not spend credit
+    # banked at the initial fraction (a burst of 4 windows before anything is known)
+    from distanom.governor import GovernorParams, OverheadGovernor
+
+    governor = OverheadGovernor(1.0, GovernorParams(lag_steps=132), first_step=1)
+    traced = []
+    for step in range(1, 40 * 16 + 1):
+        on = governor.tracing_on(step)
+        traced.append(on)
+        governor.record(step, 0.010 * (1.2 if on else 1.0), on)
+    windows = [traced[w * 16] for w in range(40)]
+    assert windows[0] and not any(windows[1:]), windows  # 20% overhead at 1%: rare
