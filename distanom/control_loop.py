@@ -41,7 +41,7 @@ from distanom.consensus import (
     encode_row,
     lead_steps,
 )
-from distanom.control_status import status_body, tracer_report
+from distanom.control_status import agent_cost, status_body, tracer_report
 from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, CaptureDecision, Detector, StepSample
 from distanom.duty_cycle import DutyCycle
 from distanom.errors import RunDirError
@@ -123,6 +123,7 @@ class ControlLoop:
         self._cpu_setup_ns = 0  # of which forming the group and the run directory
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
         self.early_rounds = 0  # rounds this rank ended early (its steps slowed down)
+        self._peers_last_step: int | None = None  # ranks ended first: their last step
         # the gathered row's room: the most steps a round may cover
         self._row_steps = config.consensus.batch_steps
         self._sizer = RoundSizer(config.consensus, config.tracer)
@@ -205,6 +206,14 @@ class ControlLoop:
             self._log_steps([item for item in items if item is not FINAL])
             if ended:
                 return
+            last = self._peers_last_step
+            if last is not None and self.boundaries.current_step > last + 1:
+                self._peers_last_step = None
+                log.info(
+                    "%s; this rank trains on without detection",
+                    self.health.consensus_error,
+                    extra=HEADLINE,
+                )
             self._cpu_ns = time.thread_time_ns()
             now = time.monotonic()
             if self.world.rank == 0 and now >= next_status:
@@ -317,7 +326,8 @@ class ControlLoop:
                 ended = result.ranks_with(FLAG_FINAL)
                 if ended:  # another rank's training is over: it joins no round after these
                     self._last_rounds(builder, result)
-                    self._peers_ended(ended, max(result.last_step, self._gathered_step))
+                    last = max(result.host_steps[r] for r in ended)
+                    self._peers_ended(ended, max(result.last_step, self._gathered_step), last)
                     return False
             if final:
                 # every rank runs one final round, so the others learn this one is done;
@@ -355,46 +365,23 @@ class ControlLoop:
             round_ = builder.take(self._round_steps(builder), final=True)
             result = self._run_round(round_, final=True, builder=builder)
 
-    def _peers_ended(self, ranks: list[int], step: int) -> None:
+    def _peers_ended(self, ranks: list[int], step: int, their_last: int) -> None:
         """Ranks ended their training before this one: consensus ends here, training
-        goes on (capture steps aside: no rank could join a capture decision)."""
+        goes on (capture steps aside: no rank could join a capture decision). Said once
+        this rank trains past their last step (`_drain_until_final`): ranks that end
+        together, one a moment before the other, are not news."""
         who = ", ".join(str(rank) for rank in ranks[:8]) + (" ..." if len(ranks) > 8 else "")
         self.health.consensus_error = (
             f"consensus ended: rank {who} ended its training first (steps gathered up to {step})"
         )
-        log.info(
-            "%s; this rank trains on without detection", self.health.consensus_error, extra=HEADLINE
-        )
+        log.debug("%s (their last step %d)", self.health.consensus_error, their_last)
+        self._peers_last_step = their_last
 
     def own_cost(self) -> dict[str, float | int | None]:
-        """What distanom itself costs this rank per step, measured live: time in the step
-        boundaries on the training thread, CPU time of the control thread (rounds,
-        evidence, files), and both as a percentage of the median step. Capture work and
-        the tracer's own cost are not in it (the duty cycle measures those)."""
-        steps = self.boundaries.current_step
-        if steps <= 0:
-            return {"steps": 0}
-        boundary_us = self.boundaries.own_ns / steps / 1e3
-        control_us = max(0, self._cpu_ns - self._cpu_setup_ns) / steps / 1e3
+        """What distanom itself costs this rank per step, measured live (`agent_cost`)."""
+        cpu_ns = max(0, self._cpu_ns - self._cpu_setup_ns)
         median = self.detector.median_ms
-        pct = None
-        if median is not None and math.isfinite(median) and median > 0:
-            pct = round((boundary_us + control_us) / 1e3 / median * 100, 4)
-        clock = self.boundaries.clock
-        work_ms = self.pacer.work_ms
-        return {
-            "steps": steps,
-            "boundary_ns": self.boundaries.own_ns,
-            "control_cpu_ns": self._cpu_ns,
-            "boundary_us_per_step": round(boundary_us, 2),
-            "control_us_per_step": round(control_us, 2),
-            "pct_of_median_step": pct,
-            # clock.mode adaptive: steps it timed with the host clock instead of events
-            "host_timed_steps": clock.host_timed_steps if clock is not None else None,
-            # pauses between rounds' phases so far (none where a round's work is small)
-            "round_pauses": self.pacer.pauses,
-            "round_work_ms": None if work_ms is None else round(work_ms, 3),
-        }
+        return agent_cost(self.boundaries, cpu_ns, median, self.pacer, self.early_rounds)
 
     def _round_steps(self, builder: RoundBuilder | None = None) -> int:
         """Steps the next round covers (the same on every rank: `RoundSizer`)."""

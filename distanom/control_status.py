@@ -16,6 +16,7 @@ from distanom.config import Config
 from distanom.detect import Detector, StepSample
 from distanom.duty_cycle import DutyCycle
 from distanom.health import Health
+from distanom.pacing import RoundPacer
 from distanom.records.status import CaptureCounts, Status, TracerReport
 from distanom.rundir import RunDir, json_number
 
@@ -106,4 +107,42 @@ def recent_times(history: Sequence[StepSample], limit: int) -> dict[int, list[fl
             round(s.times_ms[rank], 3) if math.isfinite(s.times_ms[rank]) else None for s in tail
         ]
         for rank in range(world)
+    }
+
+
+def agent_cost(
+    boundaries: StepBoundaries,
+    control_cpu_ns: int,
+    median_ms: float | None,
+    pacer: RoundPacer,
+    early_rounds: int,
+) -> dict[str, float | int | None]:
+    """What distanom itself costs a rank per step, measured live: time in the step
+    boundaries on the training thread, CPU time of the control thread (rounds, evidence,
+    files; `control_cpu_ns` since its setup), and both as a percentage of the median step.
+    Capture work and the tracer's own cost are not in it (the duty cycle measures those)."""
+    steps = boundaries.current_step
+    if steps <= 0:
+        return {"steps": 0}
+    boundary_us = boundaries.own_ns / steps / 1e3
+    control_us = control_cpu_ns / steps / 1e3
+    pct = None
+    if median_ms is not None and math.isfinite(median_ms) and median_ms > 0:
+        pct = round((boundary_us + control_us) / 1e3 / median_ms * 100, 4)
+    clock = boundaries.clock
+    work_ms = pacer.work_ms
+    return {
+        "steps": steps,
+        "boundary_ns": boundaries.own_ns,
+        "control_cpu_ns": control_cpu_ns,
+        "boundary_us_per_step": round(boundary_us, 2),
+        "control_us_per_step": round(control_us, 2),
+        "pct_of_median_step": pct,
+        # clock.mode adaptive: steps it timed with the host clock instead of events
+        "host_timed_steps": clock.host_timed_steps if clock is not None else None,
+        # pauses between rounds' phases so far (none where a round's work is small)
+        "round_pauses": pacer.pauses,
+        "round_work_ms": None if work_ms is None else round(work_ms, 3),
+        # rounds ended early because this rank's steps slowed down (distanom.rounds)
+        "early_rounds": early_rounds,
     }
