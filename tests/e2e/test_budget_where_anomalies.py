@@ -16,28 +16,37 @@ PERIOD = 100
 STALLS = list(range(PERIOD, 801, PERIOD))  # 8 occurrences: learned at the 3rd (300)
 
 
-def test_a_periodic_stall_is_traced_from_its_fourth_occurrence_at_a_one_percent_budget(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    launch = [
-        "--run-dir", "runs",
-        "--set", "tracer.backend=kineto",
-        "--set", "tracer.overhead_budget_pct=1",
-        "--set", "detect.warmup_steps=5",
-        "--set", "detect.min_steps=15",
-        "--set", "capture.reference_every_steps=0",
-    ]  # fmt: skip
+def budgeted_job(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    ranks: int,
+    launch: list[str],
+    script: list[str],
+) -> dict:
+    """Run the toy script under kineto with `launch`'s settings; its report as JSON."""
     done = torchrun(
-        4,
-        launch,
-        ["--steps", "820", "--step-sleep", "0.02", "--stall-rank", "1",
-         "--stall-steps", ",".join(map(str, STALLS)), "--stall-s", "0.15"],
+        ranks,
+        ["--run-dir", "runs", "--set", "tracer.backend=kineto",
+         "--set", "capture.reference_every_steps=0", *launch],
+        script,
         cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     capsys.readouterr()
     assert cli_main(["report", str(tmp_path / "runs"), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    return dict(json.loads(capsys.readouterr().out))
+
+
+def test_a_periodic_stall_is_traced_from_its_fourth_occurrence_at_a_one_percent_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = budgeted_job(
+        tmp_path, capsys, 4,
+        ["--set", "tracer.overhead_budget_pct=1",
+         "--set", "detect.warmup_steps=5", "--set", "detect.min_steps=15"],
+        ["--steps", "820", "--step-sleep", "0.02", "--stall-rank", "1",
+         "--stall-steps", ",".join(map(str, STALLS)), "--stall-s", "0.15"],
+    )  # fmt: skip
     anomalies = {a["step"]: a for a in report["anomalies"]}
     assert set(STALLS) <= set(anomalies), sorted(anomalies)
     later = STALLS[3:]
@@ -73,23 +82,12 @@ def test_a_lasting_slowdown_is_traced_within_its_first_two_windows(
     # is traced this early only because its first slow steps end the round early (10
     # steps in on the 2-core VM; without early rounds 86-88). At a 0.1% budget the duty
     # cycle's own windows end with its start-up (step ~340), away from the slowdown.
-    launch = [
-        "--run-dir", "runs",
-        "--set", "tracer.backend=kineto",
-        "--set", "tracer.overhead_budget_pct=0.1",
-        "--set", "capture.reference_every_steps=0",
-    ]  # fmt: skip
-    done = torchrun(
-        2,
-        launch,
+    report = budgeted_job(
+        tmp_path, capsys, 2,
+        ["--set", "tracer.overhead_budget_pct=0.1"],
         ["--steps", "600", "--width", "16", "--step-sleep", "0.01",
          "--all-slow-steps", ",".join(map(str, SLOWDOWN)), "--all-slow-s", "0.02"],
-        cwd=tmp_path,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    capsys.readouterr()
-    assert cli_main(["report", str(tmp_path / "runs"), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
     judged = [a for a in report["anomalies"] if a["step"] in SLOWDOWN]
     assert len(judged) >= 50, len(judged)
     traced = [a["step"] for a in judged if a["traced"]]
