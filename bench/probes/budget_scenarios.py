@@ -4,8 +4,10 @@ planner, on simulated runs with periodic anomalies and lasting slowdowns (CPU on
     python3 bench/probes/budget_three_way.py --simulate --scenarios --out "$OUT"
 
 No training and no tracer: a virtual clock and the agent's real deciding parts
-(`DutyCycle` with its governor and planner, `Detector`) fed step by step as the agent
-feeds them, the gathered data lagging the training loop by `LAG_STEPS`. A step takes
+(`DutyCycle` with its governor and planner, `Detector`) fed as the agent feeds them: in
+rounds as long as `RoundSizer` makes them (~1 s of steps, cut near steps the duty cycle
+may trace), each gathered `LAG_STEPS` after its last step, and ended early by a run of
+`SLOW_RUN_STEPS` steps over the detector's threshold (`StepInbox.put_step`). A step takes
 10 ms (+-2% noise); traced it takes 13% more; the first step after switching on takes
 9.6 ms more and the first after switching off 3.2 ms more (the cupti backend on an H200,
 bench/results/cupti_switch_cost_probe_h200.json), and both are flagged as after a flush,
@@ -23,8 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distanom.config import config_from_mapping
+from distanom.consensus import REQUEST_LEAD_STEPS, lead_steps
 from distanom.detect import Detector, StepSample
 from distanom.duty_cycle import DutyCycle
+from distanom.inbox import SLOW_RUN_STEPS
+from distanom.rounds import RoundSizer
 
 BASE_S, NOISE, TRACED_COST = 0.010, 0.02, 0.13
 SWITCH_ON_S, SWITCH_OFF_S = 0.0096, 0.0032
@@ -126,12 +131,15 @@ def simulate(
     if not planner:
         duty.planner = None
     detector = Detector(config.detect, config.capture)
+    sizer = RoundSizer(config.consensus, config.tracer)
     rng = random.Random(seed)
     on = previous_on = False
     traced: list[bool] = [False]  # step 0 untraced
     pending: list[StepSample] = []
     captured: set[int] = set()
     cost_s = total_s = 0.0
+    first, slow_run, early = 1, 0, False
+    n = sizer.steps(first, None, duty)
     for step in range(1, scenario.steps + 1):
         want = duty.wanted(step)
         if want is not None:
@@ -147,13 +155,28 @@ def simulate(
         traced.append(on)
         pending.append(StepSample(step, (took * 1000.0,), traced=on, after_flush=switched))
         previous_on = on
-        while pending and pending[0].step <= step - LAG_STEPS:
-            sample = pending.pop(0)
-            duty.record([sample])
-            for decision in detector.observe(sample):
-                if decision.kind == "anomaly":
-                    captured.add(decision.step)
-            duty.plan(detector.take_anomalies(), sample.step, step)
+        resolved = step - LAG_STEPS  # the last step whose time the clock has given
+        median = detector.median_ms
+        if resolved >= first:  # the inbox counts slow steps as the clock resolves them
+            slow = pending[resolved - first].times_ms[0]
+            if median is not None and slow > config.detect.multiplier * median:
+                slow_run += 1
+                early = early or slow_run == SLOW_RUN_STEPS
+            else:
+                slow_run = 0
+        while resolved >= first and (early or resolved >= first + n - 1):
+            count = min(n, resolved - first + 1)  # fewer when ended early
+            early = False
+            samples, pending = pending[:count], pending[count:]
+            duty.record(samples)
+            for sample in samples:
+                for decision in detector.observe(sample):
+                    if decision.kind == "anomaly":
+                        captured.add(decision.step)
+            extra = lead_steps(detector.median_ms) - REQUEST_LEAD_STEPS
+            duty.plan(detector.take_anomalies(), samples[-1].step, step + extra)
+            first += count
+            n = sizer.steps(first, detector.median_ms, duty)
     return _summary(scenario, traced, captured, cost_s, total_s, duty)
 
 

@@ -316,7 +316,9 @@ def _scenarios(steps: int, seeds: int, out: Path) -> int:
         "device": "CPU simulation: no GPU, no tracer; a virtual clock fed to the agent's "
         "DutyCycle (governor + trace planner) and Detector",
         "model": "10 ms steps +-2%; traced +13%; switch on +9.6 ms, off +3.2 ms "
-        "(cupti on an H200, bench/results/cupti_switch_cost_probe_h200.json); budget 1%",
+        "(cupti on an H200, bench/results/cupti_switch_cost_probe_h200.json); budget 1%; "
+        "gathered in the agent's rounds (RoundSizer: ~1 s away from traced steps, cut "
+        "near them; ended early by 4 slow steps in a row), 2 steps after their last",
         "planner_params": vars(planner.PlannerParams()),
         "steps": steps,
         "seeds": seeds,
