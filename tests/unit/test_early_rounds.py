@@ -161,3 +161,17 @@ def test_a_slowdown_ends_a_long_round_early_in_a_running_agent(tmp_path: Path) -
     control = agent.control
     assert control.early_rounds >= 1
     assert control.detector.counts.judged >= 380  # every step still judged once
+
+
+def test_a_large_worlds_tensor_decode_cuts_an_early_round_the_same() -> None:
+    import torch
+
+    from distanom.consensus import decode_round, encode_round
+
+    early = LocalRound(1, (10.0, 11.0, 30.0), (0, 0, 0), FLAG_EARLY, room=ROOM)
+    full = LocalRound(1, (10.0,) * ROOM, (0,) * ROOM, room=ROOM)
+    matrix = torch.stack([encode_round(full, ROOM), encode_round(early, ROOM)])
+    by_tensor = decode_round(matrix, ROOM, with_evidence=False)
+    by_lists = decode_rows(gather(full, early), ROOM, with_evidence=False)
+    assert [s.step for s in by_tensor.samples] == [1, 2, 3]
+    assert by_tensor.samples == by_lists.samples
