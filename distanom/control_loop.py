@@ -74,6 +74,9 @@ WAKE_MIN_S = 0.05
 # whole buffer).
 EVIDENCE_WAKE_MIN_S = 0.2
 DRAIN_WAKE_AT = 256  # without consensus: steps queued before the drain wakes early
+# ranks that ended first are announced once this rank trains past them, or after this
+# long without ending itself (ranks ending together, a moment apart, are not news)
+PEERS_ENDED_QUIET_S = 5.0
 FINAL_ROUND_TIMEOUT_S = 10.0
 # After the final round, rounds that carry only the evidence left (every rank runs one
 # more while any rank said it has more): at most this many.
@@ -124,11 +127,12 @@ class ControlLoop:
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
         self.early_rounds = 0  # rounds this rank ended early (its steps slowed down)
         self._peers_last_step: int | None = None  # ranks ended first: their last step
+        self._peers_ended_at = 0.0
         # the gathered row's room: the most steps a round may cover
         self._row_steps = config.consensus.batch_steps
         self._sizer = RoundSizer(config.consensus, config.tracer)
         # with a tracer, a slowdown ends a long round early: it is traced a few steps in
-        self._early_rounds = config.tracer.backend != "none"
+        self._end_rounds_early = config.tracer.backend != "none"
 
     # -- life cycle (called from the training thread) ----------------------------------
 
@@ -204,16 +208,9 @@ class ControlLoop:
             items = self.inbox.take(1.0)
             ended = any(item is FINAL for item in items)
             self._log_steps([item for item in items if item is not FINAL])
+            self._say_peers_ended(ended)
             if ended:
                 return
-            last = self._peers_last_step
-            if last is not None and self.boundaries.current_step > last + 1:
-                self._peers_last_step = None
-                log.info(
-                    "%s; this rank trains on without detection",
-                    self.health.consensus_error,
-                    extra=HEADLINE,
-                )
             self._cpu_ns = time.thread_time_ns()
             now = time.monotonic()
             if self.world.rank == 0 and now >= next_status:
@@ -313,10 +310,7 @@ class ControlLoop:
                 next_poll = now + control.poll_interval_s
                 self.requests.poll(self.run)
             # a slowdown on this rank: what it has goes now, not a long round late
-            early = False
-            if self.inbox.urgent:  # cleared only when seen: a later set is not lost
-                self.inbox.urgent = False
-                early = not final and builder.pending_steps() > 0
+            early = self.inbox.took_urgent and not final and builder.pending_steps() > 0
             # the round size follows the median, which each round may move
             while early or builder.ready(self._round_steps(builder)):
                 n = self._round_steps(builder)
@@ -367,15 +361,31 @@ class ControlLoop:
 
     def _peers_ended(self, ranks: list[int], step: int, their_last: int) -> None:
         """Ranks ended their training before this one: consensus ends here, training
-        goes on (capture steps aside: no rank could join a capture decision). Said once
-        this rank trains past their last step (`_drain_until_final`): ranks that end
-        together, one a moment before the other, are not news."""
+        goes on (capture steps aside: no rank could join a capture decision). Said at
+        INFO later (`_say_peers_ended`)."""
         who = ", ".join(str(rank) for rank in ranks[:8]) + (" ..." if len(ranks) > 8 else "")
         self.health.consensus_error = (
             f"consensus ended: rank {who} ended its training first (steps gathered up to {step})"
         )
         log.debug("%s (their last step %d)", self.health.consensus_error, their_last)
         self._peers_last_step = their_last
+        self._peers_ended_at = time.monotonic()
+
+    def _say_peers_ended(self, ending: bool) -> None:
+        """The line `_peers_ended` held back, once this rank has trained past the ended
+        ranks' last step, or has not ended for PEERS_ENDED_QUIET_S (it may be stuck in a
+        collective they left: the line is then what explains the hang)."""
+        last = self._peers_last_step
+        if last is None:
+            return
+        waited = time.monotonic() - self._peers_ended_at > PEERS_ENDED_QUIET_S
+        if self.boundaries.current_step > last + 1 or (waited and not ending):
+            self._peers_last_step = None
+            log.info(
+                "%s; this rank trains on without detection",
+                self.health.consensus_error,
+                extra=HEADLINE,
+            )
 
     def own_cost(self) -> dict[str, float | int | None]:
         """What distanom itself costs this rank per step, measured live (`agent_cost`)."""
@@ -434,7 +444,7 @@ class ControlLoop:
         if builder is not None and not final:  # a rank may have ended the round early
             builder.settle(local, len(result.samples), bool(result.ranks_with(FLAG_FINAL)))
         if local.flags & FLAG_EARLY:
-            self.early_rounds += 1
+            self.early_rounds += 1  # sent early (cut unless a rank sent its final)
         self._after_round(result)
         # CPU time, not wall time: waiting for the gather or for the GIL takes nothing
         # from the training thread
@@ -458,7 +468,7 @@ class ControlLoop:
         self._gathered_step = max(self._gathered_step, result.last_step)
         decisions = decide(result, self.detector, self.world.world_size)
         median = self.detector.median_ms
-        if self._early_rounds and median is not None and math.isfinite(median):
+        if self._end_rounds_early and median is not None and math.isfinite(median):
             # steps over this, several in a row, end a round early (`StepInbox.put_step`)
             self.inbox.slow_ms = self.config.detect.multiplier * median
         self.duty.request([d.step for d in decisions if d.kind == "requested"])

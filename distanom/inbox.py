@@ -8,9 +8,9 @@ at every step, which costs that thread more than the work the wake-up does
 (docs/agent.md, "The control thread wakes per round, not per step").
 
 One exception: a run of `SLOW_RUN_STEPS` consecutive steps slower than `slow_ms` (the
-control thread sets it from the gathered median) sets `urgent` and wakes the consumer
-at once, so a lasting slowdown reaches a round early instead of a whole long round late
-(`distanom.rounds`, early rounds).
+control thread sets it from the gathered median) wakes the consumer at once, and that
+`take` says so (`took_urgent`), so a lasting slowdown reaches a round early instead of
+a whole long round late (`distanom.rounds`, early rounds).
 """
 
 from __future__ import annotations
@@ -36,7 +36,12 @@ class StepInbox:
         self._signalled = False  # set() already called since the consumer last took
         self.wake_at = 1  # wake the consumer once this many items are queued
         self.slow_ms = math.inf  # a step slower than this counts towards a slow run
-        self.urgent = False  # a slow run was seen since the consumer last cleared it
+        # slow runs seen (written by the producer only) and the count the consumer had
+        # seen at its last take (written by the consumer only): no flag to lose between
+        # a read and a clear on two threads
+        self._slow_runs = 0
+        self._slow_runs_taken = 0
+        self.took_urgent = False  # the last take drained a slow run's last step
         self._slow_run = 0
 
     def put(self, item: Any) -> None:
@@ -51,12 +56,12 @@ class StepInbox:
 
     def put_step(self, item: Any, duration_ms: float) -> None:
         """`put` for a resolved step: a run of `SLOW_RUN_STEPS` consecutive steps over
-        `slow_ms` sets `urgent` and wakes the consumer (once per run)."""
+        `slow_ms` wakes the consumer at once (once per run)."""
         if duration_ms > self.slow_ms:
             self._slow_run += 1
             if self._slow_run == SLOW_RUN_STEPS:
-                self._items.append(item)  # before the flag: the consumer finds the step
-                self.urgent = True
+                self._items.append(item)  # before the count: a take that sees it drains it
+                self._slow_runs += 1
                 self._signalled = True
                 self._ready.set()
                 return
@@ -70,6 +75,10 @@ class StepInbox:
         # before draining: an item queued meanwhile wakes the next wait
         self._ready.clear()
         self._signalled = False
+        # before draining too: a slow run counted now has its last step queued already
+        runs = self._slow_runs
+        self.took_urgent = runs != self._slow_runs_taken
+        self._slow_runs_taken = runs
         items = self._items
         out: list[Any] = []
         while items:  # what is queued meanwhile is taken too; each popleft is atomic

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 from distanom.agent import Agent
 from distanom.config import load_config
@@ -32,22 +33,36 @@ def test_a_run_of_slow_steps_wakes_the_consumer_once() -> None:
     inbox.slow_ms = 10.0
     for step in range(SLOW_RUN_STEPS - 1):
         inbox.put_step(step, 25.0)
-    assert not inbox.urgent and not inbox._ready.is_set()
+    assert not inbox._ready.is_set()
     inbox.put_step(SLOW_RUN_STEPS - 1, 25.0)
-    assert inbox.urgent and inbox._ready.is_set()
-    assert inbox.take(0.0) == list(range(SLOW_RUN_STEPS))
-    inbox.urgent = False  # the consumer acted on it
+    assert inbox._ready.is_set()
+    assert inbox.take(0.0) == list(range(SLOW_RUN_STEPS)) and inbox.took_urgent
     inbox.put_step(99, 25.0)  # the same run goes on: no second wake
-    assert not inbox.urgent and not inbox._ready.is_set()
+    assert not inbox._ready.is_set()
+    assert inbox.take(0.0) == [99] and not inbox.took_urgent
     inbox.put_step(100, 5.0)  # a normal step ends the run
     for step in range(SLOW_RUN_STEPS - 1):
         inbox.put_step(200 + step, 25.0)
     inbox.put_step(299, math.nan)  # an untimed step is not slow: it ends the run too
     inbox.put_step(300, 25.0)
-    assert not inbox.urgent
+    assert not inbox._ready.is_set()
     for step in range(SLOW_RUN_STEPS - 1):
         inbox.put_step(301 + step, 25.0)
-    assert inbox.urgent
+    items = inbox.take(0.0)
+    assert inbox.took_urgent and items[-1] == 301 + SLOW_RUN_STEPS - 2
+
+
+def test_a_slow_run_counted_after_a_take_is_told_by_the_next_one() -> None:
+    # the 4th slow step arrives while the consumer works on what it took: the next take
+    # returns at once, with that step, and says it ends a slow run
+    inbox = StepInbox(object())
+    inbox.wake_at = 100
+    inbox.slow_ms = 10.0
+    for step in range(SLOW_RUN_STEPS - 1):
+        inbox.put_step(step, 25.0)
+    assert inbox.take(0.0) == list(range(SLOW_RUN_STEPS - 1)) and not inbox.took_urgent
+    inbox.put_step(SLOW_RUN_STEPS - 1, 25.0)
+    assert inbox.take(5.0) == [SLOW_RUN_STEPS - 1] and inbox.took_urgent
 
 
 def test_no_median_no_early_wake() -> None:
@@ -55,7 +70,9 @@ def test_no_median_no_early_wake() -> None:
     inbox.wake_at = 100
     for step in range(50):
         inbox.put_step(step, 1e9)  # slow_ms is inf until the control thread sets it
-    assert not inbox.urgent and not inbox._ready.is_set()
+    assert not inbox._ready.is_set()
+    inbox.take(0.0)
+    assert not inbox.took_urgent
 
 
 def row(first: int, durations: list[float], flags: int = 0) -> list[float]:
@@ -151,16 +168,26 @@ def test_a_slowdown_ends_a_long_round_early_in_a_running_agent(tmp_path: Path) -
          "detect.min_steps=15", "capture.reference_every_steps=0", "step.source=manual"],
     )  # fmt: skip
     agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    sent: list[tuple[int, int, int]] = []  # first step, steps sent, flags
+    run_round = agent.control._run_round
+
+    def spy(local: LocalRound, **kwargs: Any) -> Any:
+        sent.append((local.first_step, len(local.durations_ms), local.flags))
+        return run_round(local, **kwargs)
+
+    agent.control._run_round = spy  # type: ignore[method-assign]
     agent.install()
     try:
         for step in range(420):
-            time.sleep(0.012 if 380 <= step < 392 else 0.004)
+            time.sleep(0.016 if 380 <= step < 392 else 0.004)
             agent.boundaries.manual_step()
     finally:
         agent.close()
-    control = agent.control
-    assert control.early_rounds >= 1
-    assert control.detector.counts.judged >= 380  # every step still judged once
+    assert agent.control.early_rounds >= 1
+    # an early round that ends a few steps into the slowdown, with its 4th slow step in
+    early = [first + n - 1 for first, n, flags in sent if flags & FLAG_EARLY]
+    assert any(380 + SLOW_RUN_STEPS - 1 <= last <= 380 + 12 for last in early), (early, sent)
+    assert agent.control.detector.counts.judged >= 380  # every step still judged once
 
 
 def test_a_large_worlds_tensor_decode_cuts_an_early_round_the_same() -> None:

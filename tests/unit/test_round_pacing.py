@@ -385,3 +385,34 @@ def test_the_round_loop_reads_step_records_by_column_in_this_order() -> None:
     from distanom.boundary import StepRecord
 
     assert StepRecord._fields[:5] == ("step", "duration_ms", "flags", "self_ms", "gc_ms")
+
+
+def test_ranks_that_ended_first_are_announced_once_this_rank_trains_past_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = load_config(None, ["tracer.backend=none"])
+    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    control, boundaries = agent.control, agent.boundaries
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+
+    with caplog.at_level("INFO", logger="distanom"):
+        control._peers_ended([1], 99, 100)
+        assert agent.health.consensus_error is not None  # capture steps aside at once
+        boundaries.current_step = 101  # the same step, a moment apart: not news
+        control._say_peers_ended(ending=True)
+        assert not said()
+        boundaries.current_step = 102  # past them: this rank trains on alone
+        control._say_peers_ended(ending=False)
+        control._say_peers_ended(ending=False)
+        assert len(said()) == 1 and "rank 1 ended its training first" in said()[0]
+        # stuck at their last step (in a collective they left): said after a while
+        caplog.clear()
+        control._peers_ended([2], 99, 100)
+        boundaries.current_step = 100
+        control._say_peers_ended(ending=False)
+        assert not said()
+        control._peers_ended_at -= control_loop.PEERS_ENDED_QUIET_S + 1
+        control._say_peers_ended(ending=False)
+        assert len(said()) == 1 and "rank 2 ended its training first" in said()[0]
