@@ -374,7 +374,9 @@ class ControlLoop:
     def _say_peers_ended(self, ending: bool) -> None:
         """The line `_peers_ended` held back, once this rank has trained past the ended
         ranks' last step, or has not ended for PEERS_ENDED_QUIET_S (it may be stuck in a
-        collective they left: the line is then what explains the hang)."""
+        collective they left: the line is then what explains the hang). A rank ending
+        first at the same step ended with this one: then nothing is said, and the final
+        status has no consensus error."""
         last = self._peers_last_step
         if last is None:
             return
@@ -386,6 +388,9 @@ class ControlLoop:
                 self.health.consensus_error,
                 extra=HEADLINE,
             )
+        elif ending:  # the ranks ended together: no consensus error in the final status
+            self._peers_last_step = None
+            self.health.consensus_error = None
 
     def own_cost(self) -> dict[str, float | int | None]:
         """What distanom itself costs this rank per step, measured live (`agent_cost`)."""

@@ -401,8 +401,11 @@ def test_ranks_that_ended_first_are_announced_once_this_rank_trains_past_them(
         control._peers_ended([1], 99, 100)
         assert agent.health.consensus_error is not None  # capture steps aside at once
         boundaries.current_step = 101  # the same step, a moment apart: not news
-        control._say_peers_ended(ending=True)
-        assert not said()
+        control._say_peers_ended(ending=False)
+        assert not said() and agent.health.consensus_error is not None
+        control._say_peers_ended(ending=True)  # and this rank ends too: ended together
+        assert not said() and agent.health.consensus_error is None
+        control._peers_ended([1], 99, 100)
         boundaries.current_step = 102  # past them: this rank trains on alone
         control._say_peers_ended(ending=False)
         control._say_peers_ended(ending=False)
