@@ -72,7 +72,7 @@ def test_a_periodic_stall_is_traced_from_its_fourth_occurrence_at_a_one_percent_
     assert "periodic" in text and "every ~100 steps: 8 times, steps 100 to 800" in text
 
 
-SLOWDOWN = range(430, 530)  # every rank 2-3x slower for 100 steps
+SLOWDOWN = range(700, 800)  # every rank 2-3x slower for 100 steps
 
 
 def test_a_lasting_slowdown_is_traced_within_its_first_two_windows(
@@ -80,18 +80,22 @@ def test_a_lasting_slowdown_is_traced_within_its_first_two_windows(
 ) -> None:
     # ~12 ms steps: away from traced steps a round covers ~80 of them, so the slowdown
     # is traced this early only because its first slow steps end the round early (10
-    # steps in on the 2-core VM; without early rounds 86-88). At a 0.1% budget the duty
-    # cycle's own windows end with its start-up (step ~340), away from the slowdown.
+    # steps in on the 2-core VM; without early rounds 25-60). At a 0.1% budget the duty
+    # cycle's own windows end with its first measurements (step ~480), before it.
     report = budgeted_job(
         tmp_path, capsys, 2,
         ["--set", "tracer.overhead_budget_pct=0.1"],
-        ["--steps", "600", "--width", "16", "--step-sleep", "0.01",
+        ["--steps", "900", "--width", "16", "--step-sleep", "0.01",
          "--all-slow-steps", ",".join(map(str, SLOWDOWN)), "--all-slow-s", "0.02"],
     )  # fmt: skip
+    status = json.loads((tmp_path / "runs" / "latest" / "status.json").read_text())
+    why = (report["tracer"].get("duty_cycle"), status["agent_cost"])
+    # the slowdown ended a round early (where a round happens to end anyway soon after
+    # it begins, it is traced early without one: the count tells the two apart)
+    assert status["agent_cost"]["early_rounds"] >= 1, why
     judged = [a for a in report["anomalies"] if a["step"] in SLOWDOWN]
-    assert len(judged) >= 50, len(judged)
+    assert len(judged) >= 50, (len(judged), why)
     traced = [a["step"] for a in judged if a["traced"]]
-    assert traced, report["tracer"].get("duty_cycle")
-    assert traced[0] - SLOWDOWN.start < 32, (traced[:5], report["tracer"].get("duty_cycle"))
+    assert traced and traced[0] - SLOWDOWN.start < 24, (traced[:5], why)
     captured = [c for c in report["captures"] if c["step"] in SLOWDOWN]
-    assert captured and sorted(captured[0]["ranks"]) == ["0", "1"], captured
+    assert captured, (report["captures"], why)  # every rank's trace: the periodic test
