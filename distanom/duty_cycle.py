@@ -125,10 +125,11 @@ class DutyCycle:
             found = max(first, found)
         with self._lock:
             window_first = max(governor.first_step, first - pad)
+            # only windows before a scheduled step found can come first
             while window_first <= last and (found is None or window_first < found):
                 start, end = governor.window_bounds(window_first)
                 if _maybe_traced(governor, start):
-                    return max(first, start) if found is None else min(found, max(first, start))
+                    return max(first, start)  # <= found: start <= window_first < found
                 window_first = end
         return found
 

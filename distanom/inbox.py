@@ -51,8 +51,11 @@ class StepInbox:
         # one set() per wake: the consumer may need a while to get the GIL, and every
         # further set() until then would cost this thread a lock round trip for nothing
         if not self._signalled and (item is self._end or len(items) >= self.wake_at):
-            self._signalled = True
-            self._ready.set()
+            self._wake()
+
+    def _wake(self) -> None:
+        self._signalled = True
+        self._ready.set()
 
     def put_step(self, item: Any, duration_ms: float) -> None:
         """`put` for a resolved step: a run of `SLOW_RUN_STEPS` consecutive steps over
@@ -62,8 +65,7 @@ class StepInbox:
             if self._slow_run == SLOW_RUN_STEPS:
                 self._items.append(item)  # before the count: a take that sees it drains it
                 self._slow_runs += 1
-                self._signalled = True
-                self._ready.set()
+                self._wake()
                 return
         else:
             self._slow_run = 0

@@ -6,8 +6,8 @@ planner, on simulated runs with periodic anomalies and lasting slowdowns (CPU on
 No training and no tracer: a virtual clock and the agent's real deciding parts
 (`DutyCycle` with its governor and planner, `Detector`) fed as the agent feeds them: in
 rounds as long as `RoundSizer` makes them (~1 s of steps, cut near steps the duty cycle
-may trace), each gathered `LAG_STEPS` after its last step, and ended early by a run of
-`SLOW_RUN_STEPS` steps over the detector's threshold (`StepInbox.put_step`). A step takes
+may trace), each gathered `LAG_STEPS` after its last step, and ended early by the
+agent's own `StepInbox` (a run of slow steps over the detector's threshold). A step takes
 10 ms (+-2% noise); traced it takes 13% more; the first step after switching on takes
 9.6 ms more and the first after switching off 3.2 ms more (the cupti backend on an H200,
 bench/results/cupti_switch_cost_probe_h200.json), and both are flagged as after a flush,
@@ -28,7 +28,7 @@ from distanom.config import config_from_mapping
 from distanom.consensus import REQUEST_LEAD_STEPS, lead_steps
 from distanom.detect import Detector, StepSample
 from distanom.duty_cycle import DutyCycle
-from distanom.inbox import SLOW_RUN_STEPS
+from distanom.inbox import StepInbox
 from distanom.rounds import RoundSizer
 
 BASE_S, NOISE, TRACED_COST = 0.010, 0.02, 0.13
@@ -132,13 +132,16 @@ def simulate(
         duty.planner = None
     detector = Detector(config.detect, config.capture)
     sizer = RoundSizer(config.consensus, config.tracer)
+    inbox = StepInbox(object())  # the agent's: a run of slow steps ends a round early
+    inbox.wake_at = scenario.steps + 1  # never by count: rounds are counted below
     rng = random.Random(seed)
     on = previous_on = False
     traced: list[bool] = [False]  # step 0 untraced
-    pending: list[StepSample] = []
+    unresolved: list[StepSample] = []  # the clock gives a step's time LAG_STEPS later
+    pending: list[StepSample] = []  # resolved, not gathered yet
     captured: set[int] = set()
     cost_s = total_s = 0.0
-    first, slow_run, early = 1, 0, False
+    first, early = 1, False
     n = sizer.steps(first, None, duty)
     for step in range(1, scenario.steps + 1):
         want = duty.wanted(step)
@@ -153,17 +156,14 @@ def simulate(
         cost_s += took - untraced_s
         total_s += untraced_s
         traced.append(on)
-        pending.append(StepSample(step, (took * 1000.0,), traced=on, after_flush=switched))
+        unresolved.append(StepSample(step, (took * 1000.0,), traced=on, after_flush=switched))
         previous_on = on
-        resolved = step - LAG_STEPS  # the last step whose time the clock has given
-        median = detector.median_ms
-        if resolved >= first:  # the inbox counts slow steps as the clock resolves them
-            slow = pending[resolved - first].times_ms[0]
-            if median is not None and slow > config.detect.multiplier * median:
-                slow_run += 1
-                early = early or slow_run == SLOW_RUN_STEPS
-            else:
-                slow_run = 0
+        if len(unresolved) > LAG_STEPS:
+            sample = unresolved.pop(0)
+            inbox.put_step(sample, sample.times_ms[0])
+        pending += inbox.take(0.0)
+        early = early or inbox.took_urgent
+        resolved = pending[-1].step if pending else first - 1
         while resolved >= first and (early or resolved >= first + n - 1):
             count = min(n, resolved - first + 1)  # fewer when ended early
             early = False
@@ -177,6 +177,9 @@ def simulate(
             duty.plan(detector.take_anomalies(), samples[-1].step, step + extra)
             first += count
             n = sizer.steps(first, detector.median_ms, duty)
+            median = detector.median_ms
+            if median is not None:  # as the control thread sets it after each round
+                inbox.slow_ms = config.detect.multiplier * median
     return _summary(scenario, traced, captured, cost_s, total_s, duty)
 
 
