@@ -85,6 +85,15 @@ class Meter:
 
 
 BOUNDARY, CLOCK, POLL = Meter(), Meter(), Meter()
+# Parts of the boundary's body, metered apart (training thread): where a tracer's
+# untraced step spends its time beside detection's own work.
+PARTS: dict[str, Meter] = {
+    name: Meter()
+    for name in (
+        "tracer_mark", "duty_wanted", "inbox_put_step", "evidence_mark", "gc_take",
+        "self_ms", "capture_is_off",
+    )
+}  # fmt: skip
 DEVICE = ["cuda:0"]
 WAKES = [0]
 DURATIONS: list[tuple[int, float]] = []  # what the clock's `mark` returned, timed steps
@@ -116,6 +125,25 @@ def install_meters() -> None:
 
     clock_module.StepClock.mark = collecting_mark  # type: ignore[method-assign]
     POLL.wrap(clock_module.StepClock, "poll")
+    from distanom.duty_cycle import DutyCycle
+    from distanom.evidence import EvidenceMarks
+    from distanom.gc_pauses import GcPauses
+    from distanom.inbox import StepInbox
+
+    PARTS["duty_wanted"].wrap(DutyCycle, "wanted")
+    PARTS["inbox_put_step"].wrap(StepInbox, "put_step")
+    PARTS["evidence_mark"].wrap(EvidenceMarks, "mark")
+    PARTS["gc_take"].wrap(GcPauses, "take")
+    PARTS["self_ms"].wrap(boundary_module.StepBoundaries, "self_ms_of_ended_step")
+    from distanom.health import Health
+
+    PARTS["capture_is_off"].wrap(Health, "capture_is_off")
+    try:  # the CUPTI backend needs cupti-python; without it the meter stays at 0 calls
+        from distanom.tracers.cupti.tracer import CuptiTracer
+
+        PARTS["tracer_mark"].wrap(CuptiTracer, "mark_step")
+    except ImportError:
+        pass
     original_set = threading.Event.set
 
     def counting_set(self: Any) -> None:
@@ -151,6 +179,8 @@ def block(
         BOUNDARY.reset()
         CLOCK.reset()
         POLL.reset()
+        for meter in PARTS.values():
+            meter.reset()
         WAKES[0] = 0
         DURATIONS.clear()
         own = agent.own_cost() if agent is not None else None
@@ -168,6 +198,7 @@ def block(
         record["boundary"] = BOUNDARY.per_call_us()
         record["clock_mark"] = CLOCK.per_call_us()
         record["clock_poll"] = POLL.per_call_us()  # on the control thread (agent blocks)
+        record["parts"] = {name: meter.per_call_us() for name, meter in PARTS.items()}
         record["event_sets_per_100_steps"] = round(WAKES[0] * 100 / steps, 2)
         record["spikes"] = census([d for d in DURATIONS if d[0] >= warmup])
         if agent is not None and own is not None:
@@ -227,6 +258,10 @@ def main() -> int:
                 for key in ("boundary", "clock_mark")
                 for field in ("wall_us", "cpu_us")
             }
+            for part in PARTS:
+                summary[name][f"{part}_cpu_us"] = statistics.median(
+                    r["parts"][part]["cpu_us"] for r in mine
+                )
             summary[name]["control_cpu_us_per_step"] = statistics.median(
                 r.get("control_cpu_us_per_step", 0) for r in mine
             )
