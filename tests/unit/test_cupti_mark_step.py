@@ -185,6 +185,44 @@ def test_no_marker_while_a_cuda_graph_is_being_captured() -> None:
     assert log == [] and t.counters["marks_while_capturing"] == 1
 
 
+def test_untraced_steps_make_no_cuda_call_and_still_mark_their_end() -> None:
+    # The untraced boundary (most steps at a budget) skips the capture check: with no
+    # marker to launch, a CUDA call per step would be cost for nothing.
+    t, log = running_tracer()
+    asked = []
+    t._torch.cuda.is_current_stream_capturing = lambda: asked.append(1) or False
+    t.mark_step(1, 100)
+    t.set_tracing(False)
+    asked.clear()
+    log.clear()
+    for s in range(2, 10):
+        t.mark_step(s, s * 100)
+    assert asked == [] and log == []
+    tail = marks(t)[-8:]
+    assert [m.step for m in tail] == list(range(2, 10))
+    assert [m.host_end_ns for m in tail] == [s * 100 for s in range(2, 10)]
+    assert not any(m.marker_launched or m.traced_after for m in tail)
+    assert all(m.launch_mono_ns > 0 for m in tail)  # the resolver's horizon reads it
+    assert t.counters["marks_untraced"] == 8
+    t.set_tracing(True)  # a switch on checks again: no marker inside a graph
+    assert asked == [1]
+
+
+def test_a_switch_on_while_a_cuda_graph_is_being_captured_waits_for_the_next_mark() -> None:
+    t, log = running_tracer()
+    t.mark_step(1, 100)
+    t.set_tracing(False)
+    t.mark_step(2, 200)
+    t._capturing["on"] = True  # type: ignore[attr-defined]
+    log.clear()
+    t.set_tracing(True)
+    t.mark_step(3, 300)  # capturing: neither the attach nor a marker
+    assert log == [] and t.counters["marks_while_capturing"] == 1
+    t._capturing["on"] = False  # type: ignore[attr-defined]
+    t.mark_step(4, 400)
+    assert calls(log) == ["attach", "marker4"]
+
+
 def test_lag_probe_flags_steps_when_the_gpu_falls_behind() -> None:
     t, log = running_tracer(history=1000)
     for s in range(1, 40):

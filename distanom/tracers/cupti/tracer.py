@@ -302,24 +302,25 @@ class CuptiTracer:
             if self._last_step is not None and step <= self._last_step:
                 self.counters["marks_out_of_order"] += 1
                 return
-            torch = self._torch
-            if torch.cuda.is_current_stream_capturing():
+            want = self._want_tracing
+            if not want and not self._tracing:
+                # Untraced and staying so, ~95% of steps at a 1% budget: no marker to
+                # launch or switch to make, so no capture check (a CUDA call per step);
+                # the mark only tells the resolver where the step ended.
+                self._last_step = step
+                self.counters["marks_untraced"] += 1
+                assert self._resolver is not None
+                self._resolver.record_mark(self._untraced_mark(step, host_end_ns))
+                return
+            if self._torch.cuda.is_current_stream_capturing():
                 self.counters["marks_while_capturing"] += (
                     1  # a marker inside a CUDA graph would replay
                 )
                 return
             self._last_step = step
-            want = self._want_tracing
             if want and not self._tracing:
                 self._toggle(True)  # before the marker: it bounds the first traced step
-            if self._tracing:
-                mark = self._launch_marker(step, host_end_ns)
-            else:
-                self.counters["marks_untraced"] += 1
-                mark = StepMark(
-                    step, host_end_ns, time.time_ns(), time.monotonic_ns(), step % self._codes,
-                    marker_launched=False, traced_after=False,
-                )  # fmt: skip
+            mark = self._launch_marker(step, host_end_ns)  # tracing is on here
             if not want and self._tracing:
                 self._toggle(False)  # after the marker: it closes the last traced step
                 mark = mark._replace(traced_after=False)
@@ -328,6 +329,13 @@ class CuptiTracer:
         except Exception as err:  # never into the training loop
             self.counters["mark_errors"] += 1
             self._fail(f"mark_step({step}): {type(err).__name__}: {err}")
+
+    def _untraced_mark(self, step: int, host_end_ns: int) -> StepMark:
+        """The mark of boundary `step` while tracing is off (no marker launched)."""
+        return StepMark(
+            step, host_end_ns, time.time_ns(), time.monotonic_ns(), step % self._codes,
+            marker_launched=False, traced_after=False,
+        )  # fmt: skip
 
     def _launch_marker(self, step: int, host_end_ns: int | None) -> StepMark:
         """Launch the marker of boundary `step` (tracing is on) and describe it."""
