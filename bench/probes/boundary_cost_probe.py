@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,16 +59,21 @@ class Meter:
         self.cpu = 0
         self.calls = 0
         self.cpu_samples: list[int] = []
+        self.untraced_samples: list[int] = []  # calls with tracing off before and after
 
     def reset(self) -> None:
         self.wall = self.cpu = self.calls = 0
         self.cpu_samples = []
+        self.untraced_samples = []
 
-    def wrap(self, owner: Any, name: str) -> None:
+    def wrap(self, owner: Any, name: str, tracing: Callable[[Any], bool] | None = None) -> None:
+        """Meter `owner.name`; `tracing(instance)`, if given, tells whether tracing is on,
+        read before and after each call: calls with it off at both ends are untraced."""
         original = getattr(owner, name)
         meter = self
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
+            before = tracing(args[0]) if tracing is not None else True
             wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
             try:
                 return original(*args, **kwargs)
@@ -75,6 +81,8 @@ class Meter:
                 spent = time.thread_time_ns() - cpu
                 meter.cpu += spent
                 meter.cpu_samples.append(spent)
+                if tracing is not None and not before and not tracing(args[0]):
+                    meter.untraced_samples.append(spent)
                 meter.wall += time.perf_counter_ns() - wall
                 meter.calls += 1
 
@@ -88,6 +96,10 @@ class Meter:
             "cpu_us": round(self.cpu / n / 1e3, 2),
             "waited_us": round((self.wall - self.cpu) / n / 1e3, 2),
             "cpu_median_us": round(statistics.median(self.cpu_samples or [0]) / 1e3, 2),
+            "untraced_calls": len(self.untraced_samples),
+            "untraced_cpu_median_us": round(
+                statistics.median(self.untraced_samples or [0]) / 1e3, 2
+            ),
             "cpu_p90_us": round(
                 sorted(self.cpu_samples or [0])[int(0.9 * max(0, len(self.cpu_samples) - 1))] / 1e3,
                 2,
@@ -125,7 +137,10 @@ def census(durations: list[tuple[int, float]]) -> dict[str, Any]:
 
 
 def install_meters() -> None:
-    BOUNDARY.wrap(boundary_module.StepBoundaries, "_boundary_unguarded")
+    # the step that ended was traced (before the call), the next one is (after it)
+    BOUNDARY.wrap(
+        boundary_module.StepBoundaries, "_boundary_unguarded", lambda b: b._tracing_during
+    )
     CLOCK.wrap(clock_module.StepClock, "mark")
     metered_mark = clock_module.StepClock.mark
 
@@ -152,7 +167,7 @@ def install_meters() -> None:
     try:  # the CUPTI backend needs cupti-python; without it the meter stays at 0 calls
         from distanom.tracers.cupti.tracer import CuptiTracer
 
-        PARTS["tracer_mark"].wrap(CuptiTracer, "mark_step")
+        PARTS["tracer_mark"].wrap(CuptiTracer, "mark_step", lambda t: t._tracing)
     except ImportError:
         pass
     original_set = threading.Event.set
@@ -267,10 +282,10 @@ def main() -> int:
             summary[name] = {
                 f"{key}_{field}": statistics.median(r[key][field] for r in mine)
                 for key in ("boundary", "clock_mark")
-                for field in ("wall_us", "cpu_us", "cpu_median_us")
+                for field in ("wall_us", "cpu_us", "cpu_median_us", "untraced_cpu_median_us")
             }
             for part in PARTS:
-                for field in ("cpu_us", "cpu_median_us"):
+                for field in ("cpu_us", "cpu_median_us", "untraced_cpu_median_us"):
                     summary[name][f"{part}_{field}"] = statistics.median(
                         r["parts"][part][field] for r in mine
                     )
