@@ -128,8 +128,6 @@ class ControlLoop:
         self.early_rounds = 0  # rounds this rank ended early (its steps slowed down)
         self._peers_last_step: int | None = None  # ranks ended first: their last step
         self._peers_ended_at = 0.0
-        # the gathered row's room: the most steps a round may cover
-        self._row_steps = config.consensus.batch_steps
         self._sizer = RoundSizer(config.consensus, config.tracer)
         # with a tracer, a slowdown ends a long round early: it is traced a few steps in
         self._end_rounds_early = config.tracer.backend != "none"
@@ -279,7 +277,7 @@ class ControlLoop:
 
     def _round_loop(self) -> bool:
         """Rounds until this rank's training ends (True) or another rank's (False)."""
-        builder = RoundBuilder(self._row_steps)
+        builder = RoundBuilder(self._sizer.batch_steps)
         control = self.config.control
         next_poll = next_status = next_flush = 0.0
         final = False
@@ -429,7 +427,7 @@ class ControlLoop:
         )
         # the row holds the round's agreed length: a 16-step round next to a traced step
         # gathers 16 steps' room from every rank, not batch_steps'
-        batch = local.room or self._row_steps
+        batch = local.room
         timeout = None
         if final:
             timeout = min(self.config.consensus.timeout_s, FINAL_ROUND_TIMEOUT_S)

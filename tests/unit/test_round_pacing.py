@@ -223,7 +223,8 @@ def test_the_gathered_row_has_room_for_batch_steps(tmp_path: Path, backend: str)
     # with a tracer too: rounds away from traced steps are as long as detection's
     config = load_config(None, [f"tracer.backend={backend}"])
     agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
-    assert agent.control._row_steps == 128
+    assert agent.control._sizer.batch_steps == 128
+    assert agent.control._sizer.steps(None, 2.0, agent.control.duty) == 128  # capped
     assert agent.control._round_steps() == 1  # before a median exists
 
 
