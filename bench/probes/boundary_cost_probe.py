@@ -179,6 +179,23 @@ def install_meters() -> None:
     threading.Event.set = counting_set  # type: ignore[method-assign]
 
 
+def fake_cupti() -> None:
+    """CPU only: give the agent the CUPTI tracer with torch.cuda, CUPTI and the marker
+    faked (the unit tests' `running_tracer`), so the default's boundary path, tracer
+    and duty cycle included, runs in a CPU loop (`--fake-cupti`)."""
+    sys.path.insert(0, str(REPO / "tests" / "unit"))
+    from test_cupti_mark_step import running_tracer
+
+    def create(config: Any, *, rank: int, use_cuda: bool) -> tuple[Any, str]:
+        if config.backend == "none":
+            return None, "tracer: none (detection only)"
+        tracer, _ = running_tracer(history=config.history_steps)
+        tracer.start = lambda: None  # type: ignore[method-assign]
+        return tracer, "tracer: cupti (faked CUDA)"
+
+    boundary_module.create_tracer = create  # type: ignore[assignment]
+
+
 def sync() -> None:
     if DEVICE[0].startswith("cuda"):
         torch.cuda.synchronize()
@@ -250,8 +267,11 @@ def main() -> int:
     parser.add_argument("--define", nargs="+", action="append", default=[])
     parser.add_argument("--commit", default=None)
     parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--fake-cupti", action="store_true", help="CPU: a faked CUPTI tracer")
     args = parser.parse_args()
     DEVICE[0] = args.device
+    if args.fake_cupti:
+        fake_cupti()
     install_meters()
     variants: dict[str, list[str] | None] = {"clock": None, "detect": ["tracer.backend=none"]}
     for name, *overrides in args.define:
