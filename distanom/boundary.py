@@ -108,6 +108,10 @@ class StepBoundaries:
         self._self_ms: dict[int, float] = {}  # capture work during steps not yet resolved
         self._gc: dict[int, tuple[float, int]] = {}  # collections during steps not yet resolved
         self._tracing_during = False  # whether the tracer records the step in progress
+        # boundaries before this one need only the tracer's mark while the duty cycle's
+        # schedule_version is still _quiet_version (`_quiet_from`)
+        self._quiet_before = 0
+        self._quiet_version = -1
         self._scaler_patch: Any = None  # undoes the GradScaler wrapper
         self._seen_of_class: list[weakref.ref[Any]] = []  # step.optimizer's class, first-step order
         self._optimizer_boundaries = 0  # steps ended by the optimizer before distanom.step()
@@ -283,31 +287,56 @@ class StepBoundaries:
             self._gc[step] = (gc_ms, gc_generation)
         tracer = self.tracer
         if tracer is not None and not inside_optimizer:
-            flushes = tracer.boundary_flushes
-            try:
-                tracer.mark_step(step, host_ns)
-                if not self.tracer_started:
-                    self.tracer_started = True
-                    tracer.start()
-                    self._tracing_during = True
-                    log.info(
-                        "started: %s; %s", self.step_source(), self._start_notes(), extra=HEADLINE
-                    )
-                elif self._capture_is_off():
-                    if tracer.tracing:  # nothing will be captured
-                        tracer.set_tracing(False)
-                else:
-                    self._apply_duty_cycle(tracer, step + 1)
-                # what is in force for the next step: a backend may defer or refuse a
-                # switch, or make one asked for earlier at this boundary
-                self._tracing_during = bool(tracer.tracing)
-            except Exception as err:
-                self._tracer_failed(err)
-            self._next_after_flush = tracer.boundary_flushes != flushes
+            if step < self._quiet_before and self.duty.schedule_version == self._quiet_version:
+                # inside a run the duty cycle decided untraced, with the tracer off: its
+                # mark is all there is to do (docs/agent.md, "Quiet boundaries")
+                try:
+                    tracer.mark_step(step, host_ns)
+                except Exception as err:
+                    self._tracer_failed(err)
+                self._next_after_flush = False
+            else:
+                self._tracer_boundary(tracer, step, host_ns)
         for resolved_step, duration in resolved:
             self.inbox.put_step(self._resolved(resolved_step, duration), duration)
         if not step % KEEP_UNRESOLVED:
             self._forget_unresolved(step - KEEP_UNRESOLVED)
+
+    def _tracer_boundary(self, tracer: Tracer, step: int, host_ns: int) -> None:
+        """The tracer's part of boundary `step`: its mark, its start, the duty cycle's
+        switch for the next step, and how far the steps after it stay quiet."""
+        flushes = tracer.boundary_flushes
+        try:
+            tracer.mark_step(step, host_ns)
+            if not self.tracer_started:
+                self.tracer_started = True
+                tracer.start()
+                self._tracing_during = True
+                log.info("started: %s; %s", self.step_source(), self._start_notes(), extra=HEADLINE)
+            elif self._capture_is_off():
+                if tracer.tracing:  # nothing will be captured
+                    tracer.set_tracing(False)
+            else:
+                self._apply_duty_cycle(tracer, step + 1)
+            # what is in force for the next step: a backend may defer or refuse a
+            # switch, or make one asked for earlier at this boundary
+            self._tracing_during = bool(tracer.tracing)
+            self._quiet_from(tracer, step + 1)
+        except Exception as err:
+            self._tracer_failed(err)
+        self._next_after_flush = tracer.boundary_flushes != flushes
+
+    def _quiet_from(self, tracer: Tracer, next_step: int) -> None:
+        """How many boundaries from here on need only the tracer's mark: those whose next
+        step the duty cycle decided untraced, while the tracer is off with no switch
+        pending. Version first: a request made meanwhile moves it, and the next boundary
+        asks again."""
+        self._quiet_version = self.duty.schedule_version
+        if self._tracing_during or not tracer.quiet:
+            self._quiet_before = 0
+            return
+        # boundary b only marks if step b + 1 is untraced: b + 1 < end
+        self._quiet_before = self.duty.untraced_until(next_step) - 1
 
     def _forget_unresolved(self, before: int) -> None:
         """Drop what is kept of steps before `before` that the clock never timed (it gave

@@ -95,14 +95,36 @@ class DutyCycle:
             self._decided = (governor, first, end, decision)
             return decision
 
+    def untraced_until(self, next_step: int) -> int:
+        """The first step from `next_step` on that may be traced: the steps before it lie
+        in the window the governor decided untraced when `wanted(next_step)` was last
+        asked, and none of them is requested. `next_step` itself when that is not known.
+        The answer holds while `schedule_version` does not move (a request may come)."""
+        decided = self._decided
+        if (
+            decided is None
+            or decided[3]
+            or decided[0] is not self.governor
+            or not decided[1] <= next_step < decided[2]
+        ):
+            return next_step
+        end = decided[2]
+        forced = self._forced_on
+        if forced:
+            end = min([s for s in list(forced) if s >= next_step], default=end)
+            end = min(end, decided[2])
+        return end
+
     # -- control thread ----------------------------------------------------------------
 
     def force(self, steps: Iterable[int]) -> None:
         """Trace these steps whatever the governor decides."""
         steps = set(steps)
         self._scheduled |= steps
-        self.schedule_version += 1
         self._forced_on.update(steps)
+        # last: a training thread that reads the new version finds the steps in place
+        # (`untraced_until`'s caller compares versions to know its answer still holds)
+        self.schedule_version += 1
 
     def first_traced(self, first: int, last: int) -> int | None:
         """The first step of `first`..`last` that may be traced, None if none will be: a

@@ -68,6 +68,12 @@ class Tracer(Protocol):
     def tracing(self) -> bool:
         """Whether the step after the last boundary is being recorded."""
 
+    @property
+    def quiet(self) -> bool:
+        """Whether tracing is off with no switch pending, and `mark_step` of a step that
+        stays untraced then neither flushes nor switches: the boundary may skip the rest
+        of its tracer work while the duty cycle keeps tracing off."""
+
     def end_of_training(self) -> None:
         """Training ended: stop recording; the steps already ended stay readable. Called
         on the training thread, only once the GPU has passed the last step boundary (a

@@ -163,6 +163,11 @@ class KinetoTracer:
         """Whether the step after the last boundary is being recorded."""
         return self._profiler is not None
 
+    @property
+    def quiet(self) -> bool:
+        """Off: `mark_step` only notes the boundary (no window to hand over)."""
+        return self._profiler is None
+
     def end_of_training(self) -> None:
         """Hand over the last partial window. torch.profiler's stop synchronizes the
         device: the agent calls this only once the GPU has passed the last boundary."""

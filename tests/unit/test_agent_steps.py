@@ -136,10 +136,16 @@ class SwitchingTracer:
         self.tracing = False
         self.boundary_flushes = 0
         self.calls: list[str] = []
+        self.marked = -1
+
+    @property
+    def quiet(self) -> bool:
+        return not self.tracing and self.on_at <= self.marked  # no switch of its own ahead
 
     def start(self) -> None: ...
 
     def mark_step(self, step: int, host_end_ns: int) -> None:
+        self.marked = step
         if step == self.on_at:
             self.tracing = True  # a deferred switch on, applied at this boundary
         if step == self.detach_at:

@@ -28,8 +28,9 @@ def test_the_class_has_every_member_of_the_tracer_protocol() -> None:
     data = set(Tracer.__annotations__)  # set per instance, in __init__
     on_class = {n for n in declared - data if hasattr(CuptiTracer, n)}
     assert on_class == declared - data
-    assert all(callable(getattr(CuptiTracer, n)) for n in declared - data - {"tracing"})
-    assert isinstance(vars(CuptiTracer)["tracing"], property)
+    properties = {"tracing", "quiet"}
+    assert all(callable(getattr(CuptiTracer, n)) for n in declared - data - properties)
+    assert all(isinstance(vars(CuptiTracer)[n], property) for n in properties)
     tracer = CuptiTracer(TracerConfig(backend="cupti"), rank=0)
     assert all(hasattr(tracer, n) for n in data)
 

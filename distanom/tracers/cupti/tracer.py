@@ -242,6 +242,11 @@ class CuptiTracer:
         """Whether the step after the last boundary is being traced."""
         return self._tracing
 
+    @property
+    def quiet(self) -> bool:
+        """Tracing is off and stays off at the next mark (no switch on deferred)."""
+        return not self._tracing and not self._want_tracing and self._state == "running"
+
     def end_of_training(self) -> None:
         """Training ended: stop recording, without the drain and detach of `set_tracing`
         (a stuck kernel must not hang the exit). The steps already ended stay readable."""
