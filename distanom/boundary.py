@@ -20,8 +20,10 @@ scaler is read.
 
 At a boundary: one host timestamp, the clock's mark (a CUDA event or a host clock read),
 the tracer's step mark, the duty cycle's switch for the next step, and a queue put of
-each step whose time became known (`StepRecord`, to the control thread). Reads the
-shared `Health` and `DutyCycle`; nothing here blocks or raises into training.
+each step whose time became known (`StepRecord`, to the control thread). Inside a run
+of steps the duty cycle already decided untraced, with the tracer off, the tracer's
+part is its mark alone ("quiet boundaries", docs/agent.md). Reads the shared `Health`
+and `DutyCycle`; nothing here blocks or raises into training.
 """
 
 from __future__ import annotations
