@@ -6,6 +6,7 @@ requests made during a quiet run included."""
 from __future__ import annotations
 
 import csv
+import itertools
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,38 @@ def test_untraced_until_ends_at_the_window_or_a_requested_step(tmp_path: Path) -
     assert duty.wanted(10) is False
     duty.disable()
     assert duty.untraced_until(10) == 10  # no governor: no promise
+
+
+def test_the_cupti_tracer_marks_every_step_as_the_boundary_labels_it(tmp_path: Path) -> None:
+    # The CUPTI tracer (CUDA, CUPTI and its marker faked) behind quiet boundaries: every
+    # step is marked, and its marks say traced exactly where the steps file does, so a
+    # capture finds the markers of a traced step and hears "tracing was off" otherwise.
+    from tests.unit.test_cupti_mark_step import running_tracer
+
+    config = load_config(
+        None, ["tracer.backend=none", "detect.multiplier=50", "capture.reference_every_steps=0"]
+    )
+    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    agent.install()
+    agent.duty.governor = ScriptedGovernor(5.0, GovernorParams(window_steps=WINDOW), first_step=1)
+    tracer, _ = running_tracer(history=64)  # tracing on, as after start()
+    model = torch.nn.Linear(8, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(agent, model, sgd, 1)
+    agent.tracer = tracer  # type: ignore[assignment]
+    agent.boundaries.tracer_started = True
+    train(agent, model, sgd, 120)  # boundaries 1..120
+    assert agent.boundaries._quiet_before > 0  # the run ended in a quiet stretch
+    agent.close()
+
+    labels = traced_steps(agent)
+    assert {s: labels[s] for s in range(2, 121)} == {s: scripted(s) for s in range(2, 121)}
+    assert tracer._resolver is not None
+    marks = tracer._resolver._snapshot()
+    assert [m.step for m in marks] == list(range(marks[0].step, 121))
+    for lo, hi in itertools.pairwise(marks):
+        assert (lo.traced_after and hi.marker_launched) == scripted(hi.step), hi.step
+        if 120 - hi.step < 64:  # within the history: the resolver answers for it
+            reason = tracer._resolver.locate(hi.step, allow_flush=False)[2]
+            assert (reason == "tracing was off for this step") == (not scripted(hi.step))
+    assert tracer.counters["marks_untraced"] > 0 and tracer.counters["mark_errors"] == 0
