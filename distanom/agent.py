@@ -147,7 +147,7 @@ class Agent:
 
     @tracer.setter
     def tracer(self, tracer: Tracer | None) -> None:
-        self.boundaries.tracer = tracer
+        self.boundaries.use_tracer(tracer)
 
     @property
     def tracer_note(self) -> str:

@@ -328,6 +328,12 @@ class StepBoundaries:
             self._tracer_failed(err)
         self._next_after_flush = tracer.boundary_flushes != flushes
 
+    def use_tracer(self, tracer: Tracer | None) -> None:
+        """Put `tracer` in place of the current one (tests, tools): the next boundary
+        asks the duty cycle, whatever quiet run the old one was in."""
+        self.tracer = tracer
+        self._quiet_before = 0
+
     def _quiet_from(self, tracer: Tracer, next_step: int) -> None:
         """How many boundaries from here on need only the tracer's mark: those whose next
         step the duty cycle decided untraced, while the tracer is off with no switch

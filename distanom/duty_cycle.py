@@ -38,15 +38,16 @@ class DutyCycle:
     """Which steps are traced: requested steps always, the rest as the governor decides."""
 
     def __init__(self, config: Config) -> None:
+        self.schedule_version = 0  # moves when what the steps' tracing depends on does
         # the governor is replaced or removed only between steps (tests; a failure)
-        self.governor: OverheadGovernor | None = None
+        self._governor: OverheadGovernor | None = None
         if config.tracer.backend != "none":
             # decisions wait for gathered data: with rounds of up to batch_steps steps, a
             # lag shorter than a round would leave the governor unready at window
             # boundaries, and the switch would come late, mid-window; a round's length is
             # also chosen from the decisions for all its steps (`first_traced`)
             params = GovernorParams(lag_steps=config.consensus.batch_steps + 4)
-            self.governor = OverheadGovernor.from_config(config.tracer, params, first_step=1)
+            self._governor = OverheadGovernor.from_config(config.tracer, params, first_step=1)
         # without a budget every window but the probes is traced: nothing to plan (and a
         # planned step in a probe window would spoil the measurement it is there for)
         self.planner: TracePlanner | None = None
@@ -61,10 +62,21 @@ class DutyCycle:
         # the same steps as the control thread scheduled them: the training thread drops
         # steps from `_forced_on` as it passes them, rounds still need to know of them
         self._scheduled: set[int] = set()
-        self.schedule_version = 0  # counts `force` calls: what `first_traced` reads moved
         # (governor, window's first step, step after it, decision) of the last window asked
         # about: the training thread asks at every boundary, the answer changes per window
         self._decided: tuple[OverheadGovernor, int, int, bool] | None = None
+
+    @property
+    def governor(self) -> OverheadGovernor | None:
+        """The overhead governor (None: tracing stays as it is)."""
+        return self._governor
+
+    @governor.setter
+    def governor(self, governor: OverheadGovernor | None) -> None:
+        # a new governor decides anew: rounds sized from the old one's decisions
+        # (`first_traced`) and quiet runs of its untraced windows must ask again
+        self._governor = governor
+        self.schedule_version += 1
 
     # -- training thread ---------------------------------------------------------------
 
@@ -97,23 +109,20 @@ class DutyCycle:
 
     def untraced_until(self, next_step: int) -> int:
         """The first step from `next_step` on that may be traced: the steps before it lie
-        in the window the governor decided untraced when `wanted(next_step)` was last
-        asked, and none of them is requested. `next_step` itself when that is not known.
-        The answer holds while `schedule_version` does not move (a request may come)."""
+        in the last window `wanted` decided, decided untraced, and none of them is
+        requested. `next_step` itself when that window does not hold it or is traced.
+        The answer holds while `schedule_version` does not move (a request, a new
+        governor)."""
         decided = self._decided
         if (
             decided is None
             or decided[3]
-            or decided[0] is not self.governor
+            or decided[0] is not self._governor
             or not decided[1] <= next_step < decided[2]
         ):
             return next_step
         end = decided[2]
-        forced = self._forced_on
-        if forced:
-            end = min([s for s in list(forced) if s >= next_step], default=end)
-            end = min(end, decided[2])
-        return end
+        return min((s for s in list(self._forced_on) if next_step <= s < end), default=end)
 
     # -- control thread ----------------------------------------------------------------
 
@@ -215,7 +224,7 @@ class DutyCycle:
 
     def disable(self) -> None:
         """Stop deciding: tracing stays as it is from now on."""
-        self.governor = None
+        self.governor = None  # moves schedule_version
 
     def report(self) -> dict[str, Any] | None:
         """The governor's summary (duty cycle, measured overhead), None without one."""

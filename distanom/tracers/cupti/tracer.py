@@ -311,7 +311,8 @@ class CuptiTracer:
             if not want and not self._tracing:
                 # Untraced and staying so, ~95% of steps at a 1% budget: no marker to
                 # launch or switch to make, so no capture check (a CUDA call per step);
-                # the mark only tells the resolver where the step ended.
+                # the mark only tells the resolver where the step ended (inside a CUDA
+                # graph capture too: `marks_while_capturing` counts traced marks only).
                 self._last_step = step
                 self.counters["marks_untraced"] += 1
                 assert self._resolver is not None
