@@ -1,0 +1,36 @@
+"""bench/probes/boundary_cost_probe.py on the CPU with the CUPTI tracer faked: the
+default's boundary runs with a tracer and the duty cycle, its parts are metered, and the
+boundaries with tracing off are told apart from the traced ones."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.tests.scripts import BENCH
+
+
+def test_the_probe_meters_a_faked_cupti_default_beside_detection(tmp_path: Path) -> None:
+    out = tmp_path / "boundary.json"
+    done = subprocess.run(
+        [
+            sys.executable, str(BENCH / "probes" / "boundary_cost_probe.py"),
+            "--device", "cpu", "--fake-cupti", "--workloads", "amp",
+            "--steps", "60", "--warmup", "10", "--repeats", "1",
+            "--define", "default", "tracer.backend=cupti", "--out", str(out),
+        ],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    blocks = {b["variant"]: b for b in json.loads(out.read_text())["workloads"]["amp"]["blocks"]}
+    assert set(blocks) == {"clock", "detect", "default"}
+    detect, default = blocks["detect"], blocks["default"]
+    assert detect["boundary"]["calls"] == default["boundary"]["calls"] == 60
+    assert detect["parts"]["tracer_mark"]["calls"] == 0  # detection: no tracer
+    assert default["parts"]["tracer_mark"]["calls"] == 60  # every boundary marks
+    # the faked tracer starts tracing and the duty cycle turns it off within the block
+    assert 0 < default["boundary"]["untraced_calls"] < 60
+    assert default["boundary"]["untraced_cpu_median_us"] > 0
+    assert blocks["clock"]["clock_mark"]["calls"] == 60
