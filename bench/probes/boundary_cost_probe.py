@@ -170,6 +170,9 @@ def install_meters() -> None:
         PARTS["tracer_mark"].wrap(CuptiTracer, "mark_step", lambda t: t._tracing)
     except ImportError:
         pass
+    from distanom.tracers.kineto import KinetoTracer  # one tracer per block: one meter
+
+    PARTS["tracer_mark"].wrap(KinetoTracer, "mark_step", lambda t: t._profiler is not None)
     original_set = threading.Event.set
 
     def counting_set(self: Any) -> None:

@@ -113,6 +113,24 @@ def test_live_cpu_windows_and_history(tmp_path: Path) -> None:
     assert tracer.availability(8) is Availability.GONE
 
 
+def test_untraced_boundaries_keep_only_the_history(tmp_path: Path) -> None:
+    # off, a mark only notes the boundary (quiet) and forgets the one that left the history
+    config = TracerConfig(kineto_window_steps=3, history_steps=6)
+    tracer = KinetoTracer(config, use_cuda=False)
+    try:
+        assert tracer.quiet and not tracer.tracing
+        for step in range(0, 50):
+            tracer.mark_step(step, time.time_ns())
+            kept = sorted(tracer._boundaries)
+            assert kept == list(range(max(0, step - 7), step + 1))  # history + 2
+        for step in range(60, 200, 5):  # gaps: what they leave behind is swept
+            tracer.mark_step(step, time.time_ns())
+        assert sorted(tracer._boundaries) == [190, 195]
+        assert tracer.boundary_flushes == 0 and tracer.quiet
+    finally:
+        tracer.close()
+
+
 def test_a_wall_clock_step_is_flagged_not_fatal(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     config = TracerConfig(kineto_window_steps=2, history_steps=8)
     tracer = KinetoTracer(config, use_cuda=False)
