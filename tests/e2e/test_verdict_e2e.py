@@ -77,13 +77,18 @@ def test_every_rank_slow_at_once_is_global(
 ) -> None:
     script = ["--steps", "70", "--all-slow-steps", "35,55", "--all-slow-s", "0.3"]
     report, captures, slow = run_job(tmp_path, capsys, script, {35, 55})
-    # the per-step evidence agrees: every rank reached the collective late together, so
-    # no rank is blamed (the one that happened to arrive last once was)
+    # the per-step evidence agrees: the ranks reached the collective late together, so
+    # no rank is blamed (the one that happened to arrive last once was). Usually every
+    # rank; with 4 ranks on 2 cores a rank the scheduler held back longer can leave the
+    # others outside "within a fifth" of it (seen once in CI), and they are named instead
     anomalies = {a["step"]: a for a in report["anomalies"]}
     for step in (35, 55):
         evidence = anomalies[step]["verdict"]["details"]["evidence_verdict"]
         assert evidence["culprit_rank"] is None, evidence
-        assert evidence["evidence"].startswith("every rank reached"), evidence
+        text = evidence["evidence"]
+        assert text.startswith("every rank reached") or (
+            text.startswith("ranks ") and "later than usual, about equally" in text
+        ), evidence
     for step in slow:
         verdict = captures[step]["verdict"]
         assert (verdict["culprit_rank"], verdict["culprit_node"], verdict["cause"]) == (
