@@ -188,19 +188,16 @@ class KinetoTracer:
         oldest = self._last_step - self._config.history_steps
         while self._windows and self._windows[0].last_step < oldest:
             _discard(self._windows.pop(0))
-        # Called at every boundary, traced or not: boundaries are added in step order, so
-        # the dict's first keys are the oldest and one leaves as one comes (a full sweep
-        # would cost every boundary the whole history). The traced steps empty out during
-        # untraced stretches, and are swept only while there are some.
+        # Called at every boundary, traced or not: the boundary marks each step once, in
+        # step order, so the dict's first keys are the oldest and one leaves as one comes
+        # (a full sweep would cost every boundary the whole history). The traced steps
+        # empty out during untraced stretches, and are swept only while there are some.
         boundaries = self._boundaries
         while boundaries:
             first = next(iter(boundaries))
             if first >= oldest - 1:
                 break
             del boundaries[first]
-        if len(boundaries) > 2 * self._config.history_steps + 4:  # never, unless out of order
-            for step in [s for s in boundaries if s < oldest - 1]:
-                del boundaries[step]
         if self._traced_steps:
             self._traced_steps = {s for s in self._traced_steps if s >= oldest}
 
