@@ -136,12 +136,16 @@ def census(durations: list[tuple[int, float]]) -> dict[str, Any]:
     return out
 
 
-def install_meters() -> None:
+def install_meters(parts: bool = True) -> None:
+    """Meter the boundary, the clock and (if `parts`) the boundary's parts. Each part's
+    meter runs inside the boundary and adds its own clock reads to the boundary's time:
+    `--no-parts` times the boundary as users run it."""
     # the step that ended was traced (before the call), the next one is (after it)
     BOUNDARY.wrap(
         boundary_module.StepBoundaries, "_boundary_unguarded", lambda b: b._tracing_during
     )
-    CLOCK.wrap(clock_module.StepClock, "mark")
+    if parts:  # the clock's meter is inside the boundary too
+        CLOCK.wrap(clock_module.StepClock, "mark")
     metered_mark = clock_module.StepClock.mark
 
     def collecting_mark(self: Any, step: int) -> Any:
@@ -151,6 +155,18 @@ def install_meters() -> None:
 
     clock_module.StepClock.mark = collecting_mark  # type: ignore[method-assign]
     POLL.wrap(clock_module.StepClock, "poll")
+    if parts:
+        install_part_meters()
+    original_set = threading.Event.set
+
+    def counting_set(self: Any) -> None:
+        WAKES[0] += 1
+        original_set(self)
+
+    threading.Event.set = counting_set  # type: ignore[method-assign]
+
+
+def install_part_meters() -> None:
     from distanom.duty_cycle import DutyCycle
     from distanom.evidence import EvidenceMarks
     from distanom.gc_pauses import GcPauses
@@ -173,13 +189,6 @@ def install_meters() -> None:
     from distanom.tracers.kineto import KinetoTracer  # one tracer per block: one meter
 
     PARTS["tracer_mark"].wrap(KinetoTracer, "mark_step", lambda t: t._profiler is not None)
-    original_set = threading.Event.set
-
-    def counting_set(self: Any) -> None:
-        WAKES[0] += 1
-        original_set(self)
-
-    threading.Event.set = counting_set  # type: ignore[method-assign]
 
 
 def fake_cupti() -> None:
@@ -271,11 +280,14 @@ def main() -> int:
     parser.add_argument("--commit", default=None)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--fake-cupti", action="store_true", help="CPU: a faked CUPTI tracer")
+    parser.add_argument(
+        "--no-parts", action="store_true", help="no meters inside the boundary (its true time)"
+    )
     args = parser.parse_args()
     DEVICE[0] = args.device
     if args.fake_cupti:
         fake_cupti()
-    install_meters()
+    install_meters(parts=not args.no_parts)
     variants: dict[str, list[str] | None] = {"clock": None, "detect": ["tracer.backend=none"]}
     for name, *overrides in args.define:
         variants[name] = overrides

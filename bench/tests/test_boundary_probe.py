@@ -34,3 +34,25 @@ def test_the_probe_meters_a_faked_cupti_default_beside_detection(tmp_path: Path)
     assert 0 < default["boundary"]["untraced_calls"] < 60
     assert default["boundary"]["untraced_cpu_median_us"] > 0
     assert blocks["clock"]["clock_mark"]["calls"] == 60
+
+
+def test_without_part_meters_only_the_boundary_is_metered(tmp_path: Path) -> None:
+    out = tmp_path / "boundary.json"
+    done = subprocess.run(
+        [
+            sys.executable, str(BENCH / "probes" / "boundary_cost_probe.py"),
+            "--device", "cpu", "--fake-cupti", "--workloads", "amp", "--no-parts",
+            "--steps", "40", "--warmup", "10", "--repeats", "1",
+            "--define", "default", "tracer.backend=cupti", "--out", str(out),
+        ],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    blocks = {b["variant"]: b for b in json.loads(out.read_text())["workloads"]["amp"]["blocks"]}
+    default = blocks["default"]
+    assert default["boundary"]["calls"] == 40
+    assert default["boundary"]["untraced_cpu_median_us"] > 0
+    # nothing inside the boundary is metered: no part, not the clock's mark
+    assert all(part["calls"] == 0 for part in default["parts"].values())
+    assert default["clock_mark"]["calls"] == 0
+    assert default["spikes"]["steps"] > 0  # the census still reads the clock
