@@ -1,0 +1,197 @@
+"""Where the control thread's CPU time goes, per step, on a launch-bound CPU loop.
+
+    python3 bench/probes/control_cost_probe.py --out $OUT/control.json
+        [--steps 6000] [--step-ms 3] [--repeats 3] [--define NAME KEY=VALUE ...]
+
+One process, world size 1, a fresh agent per block (detection alone by default,
+`--define` adds variants; `--fake-cupti` gives a `tracer.backend=cupti` variant the CUPTI
+tracer with CUDA faked, as `boundary_cost_probe.py --fake-cupti` does). The loop is the
+CPU one of `bench/agent_cost_cpu.py` (12 linear layers of 16: all Python dispatch, ~1 ms)
+followed by a busy wait of `--step-ms`, so rounds hold about as many steps as on a GPU
+loop of that step time. The probe wraps, from outside,
+the control thread's sections (a round, its decode and encode, the detector, the
+evidence fold and poll, the steps file, the status file, the inbox) and reads the thread
+CPU time (`time.thread_time_ns`) each call spent, on the control thread only. Figures
+are microseconds of control-thread CPU per training step. Sections nest (a round holds
+the detector and the fold): `control_us_per_step` is the whole, the agent's own figure.
+
+The control thread's CPU time is what it can take from a launch-bound training thread
+(both need the GIL); this probe says which of its parts to shrink. CPU only, so it runs
+on any machine; the H200's figures for the whole thread are in `boundary_cost_probe.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from distanom import consensus, control_loop  # noqa: E402
+from distanom.agent import Agent  # noqa: E402
+from distanom.anomaly_journal import AnomalyJournal  # noqa: E402
+from distanom.config import load_config  # noqa: E402
+from distanom.detect import Detector  # noqa: E402
+from distanom.evidence import EvidenceCollector, EvidenceTier  # noqa: E402
+from distanom.inbox import StepInbox  # noqa: E402
+from distanom.rounds import RoundBuilder  # noqa: E402
+from distanom.world import WorldInfo  # noqa: E402
+
+CONTROL_THREAD = "distanom-control"
+CPU_NS: collections.Counter[str] = collections.Counter()
+CALLS: collections.Counter[str] = collections.Counter()
+
+# (owner, method): the sections metered; a round (`_run_round`) holds the ones after it
+SECTIONS: list[tuple[Any, str]] = [
+    (control_loop.ControlLoop, "_run_round"),
+    (control_loop.ControlLoop, "_after_round"),
+    (control_loop.ControlLoop, "_fold_evidence"),
+    (control_loop.ControlLoop, "_log_steps"),
+    (control_loop.ControlLoop, "_flush_steps"),
+    (control_loop.ControlLoop, "_write_status"),
+    (Detector, "observe_many"),
+    (AnomalyJournal, "add_evidence"),
+    (AnomalyJournal, "add_times_many"),
+    (EvidenceTier, "fold"),
+    (EvidenceTier, "poll"),
+    (EvidenceCollector, "poll"),
+    (RoundBuilder, "take"),
+    (RoundBuilder, "add_many"),
+    (StepInbox, "take"),
+]
+
+
+def meter(owner: Any, name: str, label: str) -> None:
+    """Wrap `owner.name` (a class's method, or a module's function) to add the control
+    thread's CPU time in each call to `label`; other threads' calls pass through."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def metered(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name != CONTROL_THREAD:
+            return original(*args, **kwargs)
+        began = time.thread_time_ns()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            CPU_NS[label] += time.thread_time_ns() - began
+            CALLS[label] += 1
+
+    setattr(owner, name, metered)
+
+
+def install_meters() -> None:
+    for owner, name in SECTIONS:
+        meter(owner, name, f"{owner.__name__}.{name}")
+    # the row codec, as the control loop module imported it (small worlds: lists)
+    for name in ("encode_row", "decode_rows"):
+        assert getattr(control_loop, name) is getattr(consensus, name)
+        meter(control_loop, name, f"consensus.{name}")
+
+
+def block(overrides: list[str], steps: int, step_ms: float) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(12)])
+    optimizer = torch.optim.SGD(layers.parameters(), lr=1e-3)
+    inputs = torch.randn(4, 16)
+    CPU_NS.clear()
+    CALLS.clear()
+    with tempfile.TemporaryDirectory() as scratch:
+        agent = Agent(load_config(None, overrides), WorldInfo.from_env({}), Path(scratch) / "r")
+        agent.install()
+        began = time.perf_counter()
+        for _ in range(steps):
+            layers(inputs).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            until = time.perf_counter() + step_ms / 1e3
+            while time.perf_counter() < until:  # busy, as a launching thread is
+                pass
+        wall_s = time.perf_counter() - began
+        agent.close()
+        own = agent.own_cost()
+    sections = {
+        label: {
+            "calls": CALLS[label],
+            "us_per_step": round(CPU_NS[label] / steps / 1e3, 2),
+            "us_per_call": round(CPU_NS[label] / max(1, CALLS[label]) / 1e3, 1),
+        }
+        for label in sorted(CPU_NS, key=lambda k: -CPU_NS[k])
+    }
+    return {
+        "ms_per_step": round(wall_s * 1e3 / steps, 3),
+        "control_us_per_step": own["control_us_per_step"],
+        "boundary_us_per_step": own["boundary_us_per_step"],
+        "rounds": CALLS["ControlLoop._run_round"],
+        "sections": sections,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument("--step-ms", type=float, default=3.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--define", nargs="+", action="append", default=[])
+    parser.add_argument("--commit", default=None)
+    parser.add_argument(
+        "--fake-cupti", action="store_true", help="the CUPTI tracer with CUDA faked (a default)"
+    )
+    args = parser.parse_args()
+    if args.fake_cupti:  # as boundary_cost_probe.py fakes it
+        sys.path.insert(0, str(REPO / "bench" / "probes"))
+        from boundary_cost_probe import fake_cupti
+
+        fake_cupti()
+    install_meters()
+    variants: dict[str, list[str]] = {"detect": ["tracer.backend=none"]}
+    for name, *overrides in args.define:
+        variants[name] = overrides
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    for _ in range(args.repeats):  # variants alternate within each repeat
+        for name, overrides in variants.items():
+            rows[name].append(block(overrides, args.steps, args.step_ms))
+            print(name, json.dumps(rows[name][-1]), flush=True)
+    median = {
+        name: {
+            "control_us_per_step": statistics.median(r["control_us_per_step"] for r in mine),
+            "sections_us_per_step": {
+                label: statistics.median(r["sections"].get(label, {}).get("us_per_step", 0.0)
+                                         for r in mine)
+                for label in mine[0]["sections"]
+            },
+        }
+        for name, mine in rows.items()
+    }  # fmt: skip
+    out = {
+        "facts": {
+            "torch": torch.__version__,
+            "machine": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "distanom_commit": args.commit,
+        },
+        "params": {k: str(v) for k, v in vars(args).items()},
+        "blocks": rows,
+        "median": median,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
