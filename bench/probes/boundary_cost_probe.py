@@ -305,12 +305,16 @@ def main() -> int:
         "params": {k: str(v) for k, v in vars(args).items()},
         "workloads": {},
     }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for workload in args.workloads.split(","):
-        rows = []
+        rows: list[dict[str, Any]] = []
+        out["workloads"][workload] = {"blocks": rows}
         for _ in range(args.repeats):
             for name, overrides in variants.items():
                 rows.append(block(workload, name, overrides, args.warmup, args.steps))
                 print(workload, json.dumps(rows[-1]), flush=True)
+                # after every block: a run cut by a time limit keeps what it measured
+                args.out.write_text(json.dumps(out, indent=1) + "\n")
         summary = {}
         for name in variants:
             mine = [r for r in rows if r["variant"] == name]
@@ -328,7 +332,6 @@ def main() -> int:
                 r.get("control_cpu_us_per_step", 0) for r in mine
             )
         out["workloads"][workload] = {"blocks": rows, "median": summary}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

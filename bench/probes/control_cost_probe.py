@@ -162,11 +162,24 @@ def main() -> int:
     for name, *overrides in args.define:
         variants[name] = overrides
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    out: dict[str, Any] = {
+        "facts": {
+            "torch": torch.__version__,
+            "machine": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "distanom_commit": args.commit,
+        },
+        "params": {k: str(v) for k, v in vars(args).items()},
+        "blocks": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(args.repeats):  # variants alternate within each repeat
         for name, overrides in variants.items():
             rows[name].append(block(overrides, args.steps, args.step_ms))
             print(name, json.dumps(rows[name][-1]), flush=True)
-    median = {
+            # after every block: a run cut by a time limit keeps what it measured
+            args.out.write_text(json.dumps(out, indent=1))
+    out["median"] = {
         name: {
             "control_us_per_step": statistics.median(r["control_us_per_step"] for r in mine),
             "sections_us_per_step": {
@@ -177,18 +190,6 @@ def main() -> int:
         }
         for name, mine in rows.items()
     }  # fmt: skip
-    out = {
-        "facts": {
-            "torch": torch.__version__,
-            "machine": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-            "distanom_commit": args.commit,
-        },
-        "params": {k: str(v) for k, v in vars(args).items()},
-        "blocks": rows,
-        "median": median,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     return 0
 
