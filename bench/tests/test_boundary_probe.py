@@ -8,23 +8,31 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from bench.tests.scripts import BENCH
 
 
-def test_the_probe_meters_a_faked_cupti_default_beside_detection(tmp_path: Path) -> None:
+def amp_blocks(tmp_path: Path, steps: int, *extra: str) -> dict[str, Any]:
+    """Run the probe on the CPU AMP loop, detection beside a faked-CUPTI default;
+    its blocks by variant."""
     out = tmp_path / "boundary.json"
     done = subprocess.run(
         [
             sys.executable, str(BENCH / "probes" / "boundary_cost_probe.py"),
-            "--device", "cpu", "--fake-cupti", "--workloads", "amp",
-            "--steps", "60", "--warmup", "10", "--repeats", "1",
+            "--device", "cpu", "--fake-cupti", "--workloads", "amp", *extra,
+            "--steps", str(steps), "--warmup", "10", "--repeats", "1",
             "--define", "default", "tracer.backend=cupti", "--out", str(out),
         ],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    blocks = {b["variant"]: b for b in json.loads(out.read_text())["workloads"]["amp"]["blocks"]}
+    blocks = json.loads(out.read_text())["workloads"]["amp"]["blocks"]
+    return {b["variant"]: b for b in blocks}
+
+
+def test_the_probe_meters_a_faked_cupti_default_beside_detection(tmp_path: Path) -> None:
+    blocks = amp_blocks(tmp_path, 60)
     assert set(blocks) == {"clock", "detect", "default"}
     detect, default = blocks["detect"], blocks["default"]
     assert detect["boundary"]["calls"] == default["boundary"]["calls"] == 60
@@ -37,19 +45,7 @@ def test_the_probe_meters_a_faked_cupti_default_beside_detection(tmp_path: Path)
 
 
 def test_without_part_meters_only_the_boundary_is_metered(tmp_path: Path) -> None:
-    out = tmp_path / "boundary.json"
-    done = subprocess.run(
-        [
-            sys.executable, str(BENCH / "probes" / "boundary_cost_probe.py"),
-            "--device", "cpu", "--fake-cupti", "--workloads", "amp", "--no-parts",
-            "--steps", "40", "--warmup", "10", "--repeats", "1",
-            "--define", "default", "tracer.backend=cupti", "--out", str(out),
-        ],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    blocks = {b["variant"]: b for b in json.loads(out.read_text())["workloads"]["amp"]["blocks"]}
-    default = blocks["default"]
+    default = amp_blocks(tmp_path, 40, "--no-parts")["default"]
     assert default["boundary"]["calls"] == 40
     assert default["boundary"]["untraced_cpu_median_us"] > 0
     # nothing inside the boundary is metered: no part, not the clock's mark
