@@ -133,7 +133,16 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
         "off_threads_cpu_us_per_step": round(
             statistics.fmean(s["threads_cpu_us_per_step"] for s in off_segments), 2
         ),
+        # GIL hand-overs, roughly: the training thread's blocks per step (None off Linux)
+        "on_training_waits_per_step": _mean_of(on_segments, "training_waits_per_step"),
+        "off_training_waits_per_step": _mean_of(off_segments, "training_waits_per_step"),
     }
+
+
+def _mean_of(segments: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of `key` over segments that have it (None if none does)."""
+    values = [s[key] for s in segments if s.get(key) is not None]
+    return round(statistics.fmean(values), 4) if values else None
 
 
 def main() -> int:

@@ -49,6 +49,10 @@ def test_segments_switch_the_agent_and_drop_each_on_segments_first_step(tmp_path
     assert all(s["steps"] == SEGMENT for s in segments)
     assert all(s["boundary_us_per_step"] == 0 for s in segments if not s["on"])
     assert all(s["boundary_us_per_step"] > 0 for s in segments if s["on"])
+    # the training thread's blocks per step: counted on Linux (None elsewhere), never < 0
+    waits = [s["training_waits_per_step"] for s in segments]
+    if Path("/proc/thread-self/status").exists():
+        assert all(w is not None and w >= 0 for w in waits), waits
     # the agent counted only the on segments' steps (and the warm-up)
     on_steps = sum(s["steps"] for s in segments if s["on"])
     assert agent.current_step == WARMUP + on_steps
@@ -81,6 +85,24 @@ def test_the_summary_pairs_neighbours_and_adds_the_spill_back() -> None:
     assert summary["spill_added_mean_ratio"] == pytest.approx((1.03 + 1.01) / 2, abs=1e-5)
     assert summary["ci95"][0] <= summary["mean_ratio"] <= summary["ci95"][1]
     assert script.summarize([seg(True, 1.0)]) == {"pairs": 0}
+    # segments without the blocks count (another OS, or older results): None, not 0
+    assert summary["on_training_waits_per_step"] is None
+
+
+def test_the_summary_averages_the_training_threads_blocks_per_half() -> None:
+    script = load_bench_script("whole_job_ab")
+
+    def seg(on: bool, waits: float | None) -> dict[str, object]:
+        return {"on": on, "steps": 10, "ms_per_step": 10.0, "boundary_us_per_step": 5.0,
+                "threads_cpu_us_per_step": 0.0, "training_waits_per_step": waits}  # fmt: skip
+
+    summary = script.summarize([seg(True, 0.3), seg(False, 0.0), seg(False, 0.1), seg(True, 0.5)])
+    assert summary["on_training_waits_per_step"] == pytest.approx(0.4)
+    assert summary["off_training_waits_per_step"] == pytest.approx(0.05)
+    # a segment that could not read the count is left out of its half's mean
+    summary = script.summarize([seg(True, 0.3), seg(False, None), seg(False, 0.1), seg(True, None)])
+    assert summary["on_training_waits_per_step"] == pytest.approx(0.3)
+    assert summary["off_training_waits_per_step"] == pytest.approx(0.1)
 
 
 def test_an_agent_closed_in_an_off_segment_still_finishes(tmp_path: Path) -> None:

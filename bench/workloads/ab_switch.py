@@ -26,8 +26,9 @@ and trace it (an earlier version did: 3-4 series per job).
 Per segment it records the state, ms per step, the agent's boundary time, and the CPU
 time of every `distanom-*` thread, so work a round started in an on segment and finished
 in an off one (which slows the off half, and would hide cost) is visible and can be
-added back (bench/whole_job_ab.py does). Reaches into the agent's internals: a bench
-tool, not an API.
+added back (bench/whole_job_ab.py does); and how often the training thread blocked
+(Linux's voluntary context switches: mostly the GIL taken from it, a count free of the
+wall clock's noise). Reaches into the agent's internals: a bench tool, not an API.
 """
 
 from __future__ import annotations
@@ -50,6 +51,22 @@ def _distanom_threads_cpu_ns() -> int:
         except (OSError, ValueError):  # the thread ended meanwhile
             continue
     return total
+
+
+def _voluntary_switches() -> int | None:
+    """How often the calling thread has blocked so far (Linux: voluntary context
+    switches, /proc/thread-self/status); None where that is not readable. A launch-bound
+    training thread blocks mostly when another thread takes the GIL from it, so on
+    segments over off ones count the GIL hand-overs the agent causes, free of the wall
+    clock's noise."""
+    try:
+        with open("/proc/thread-self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _sync() -> float:
@@ -76,6 +93,7 @@ class SegmentedAB:
         self._began = 0.0
         self._own_ns = 0
         self._threads_ns = 0
+        self._waits: int | None = None  # the training thread's blocks at segment start
         self._inert = False  # the A/B made the boundaries inert (and may undo only that)
         self._in_segment = 0  # steps of the segment in progress
         self.extended = 0  # steps on segments ran past their length, waiting for tracing off
@@ -110,6 +128,7 @@ class SegmentedAB:
             # the duty cycle itself switches tracing off.
             self.extended += 1
             return
+        waits = _voluntary_switches()  # before the synchronize, which may block
         now = _sync()
         if self.index >= 0:
             steps = self._in_segment
@@ -121,6 +140,10 @@ class SegmentedAB:
                 "threads_cpu_us_per_step": round(
                     (_distanom_threads_cpu_ns() - self._threads_ns) / steps / 1e3, 3
                 ),
+                "training_waits_per_step": (
+                    None if waits is None or self._waits is None
+                    else round((waits - self._waits) / steps, 4)
+                ),
             })  # fmt: skip
         self.index += 1
         self._in_segment = 0
@@ -128,6 +151,7 @@ class SegmentedAB:
         self._own_ns = boundaries.own_ns
         self._threads_ns = _distanom_threads_cpu_ns()
         self._began = _sync()
+        self._waits = _voluntary_switches()  # after the synchronize: the steps' own
         if self.on:
             self._forget_last_boundary(boundaries)
 
