@@ -51,7 +51,7 @@ def test_segments_switch_the_agent_and_drop_each_on_segments_first_step(tmp_path
     assert all(s["boundary_us_per_step"] > 0 for s in segments if s["on"])
     # the training thread's blocks per step: counted on Linux (None elsewhere), never < 0
     waits = [s["training_waits_per_step"] for s in segments]
-    if Path("/proc/thread-self/status").exists():
+    if sys.platform.startswith("linux"):
         assert all(w is not None and w >= 0 for w in waits), waits
     # the agent counted only the on segments' steps (and the warm-up)
     on_steps = sum(s["steps"] for s in segments if s["on"])
