@@ -10,10 +10,15 @@ CPU one of `bench/agent_cost_cpu.py` (12 linear layers of 16: all Python dispatc
 followed by a busy wait of `--step-ms`, so rounds hold about as many steps as on a GPU
 loop of that step time. The probe wraps, from outside,
 the control thread's sections (a round, its decode and encode, the detector, the
-evidence fold and poll, the steps file, the status file, the inbox) and reads the thread
-CPU time (`time.thread_time_ns`) each call spent, on the control thread only. Figures
-are microseconds of control-thread CPU per training step. Sections nest (a round holds
-the detector and the fold): `control_us_per_step` is the whole, the agent's own figure.
+evidence fold and poll, the steps file, the status file, the inbox, the pacer's pauses,
+the request poll) and reads the thread CPU time (`time.thread_time_ns`) each call spent
+and how often it blocked (voluntary context switches: a wait, a sleep, the GIL taken
+back), on the control thread only; and how often the training thread blocked per step
+(the busy wait holds the GIL, as launching does: its blocks are GIL hand-overs). CPU
+figures are microseconds of control-thread CPU per training step. Sections nest (a round
+holds the detector, the fold and two pauses; `_round_loop` holds everything):
+`control_us_per_step` is the whole, the agent's own figure. Linux only (getrusage's
+RUSAGE_THREAD).
 
 The control thread's CPU time is what it can take from a launch-bound training thread
 (both need the GIL); this probe says which of its parts to shrink. CPU only, so it runs
@@ -27,6 +32,7 @@ import collections
 import functools
 import json
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -47,12 +53,15 @@ from distanom.config import load_config  # noqa: E402
 from distanom.detect import Detector  # noqa: E402
 from distanom.evidence import EvidenceCollector, EvidenceTier  # noqa: E402
 from distanom.inbox import StepInbox  # noqa: E402
+from distanom.pacing import RoundPacer  # noqa: E402
+from distanom.request_desk import RequestDesk  # noqa: E402
 from distanom.rounds import RoundBuilder  # noqa: E402
 from distanom.world import WorldInfo  # noqa: E402
 
 CONTROL_THREAD = "distanom-control"
 CPU_NS: collections.Counter[str] = collections.Counter()
 CALLS: collections.Counter[str] = collections.Counter()
+BLOCKS: collections.Counter[str] = collections.Counter()
 
 # (owner, method): the sections metered; a round (`_run_round`) holds the ones after it
 SECTIONS: list[tuple[Any, str]] = [
@@ -71,23 +80,34 @@ SECTIONS: list[tuple[Any, str]] = [
     (RoundBuilder, "take"),
     (RoundBuilder, "add_many"),
     (StepInbox, "take"),
+    (RoundPacer, "pause"),
+    (RequestDesk, "poll"),
+    (control_loop.ControlLoop, "_round_loop"),  # the whole thread's work, once
 ]
+
+
+def blocks_so_far() -> int:
+    """How often the calling thread has blocked (voluntary context switches): waiting
+    for the GIL, a sleep, a wait. `getrusage` keeps the GIL, so counting adds none."""
+    return int(resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw)
 
 
 def meter(owner: Any, name: str, label: str) -> None:
     """Wrap `owner.name` (a class's method, or a module's function) to add the control
-    thread's CPU time in each call to `label`; other threads' calls pass through."""
+    thread's CPU time and blocks in each call to `label`; other threads' calls pass
+    through."""
     original = getattr(owner, name)
 
     @functools.wraps(original)
     def metered(*args: Any, **kwargs: Any) -> Any:
         if threading.current_thread().name != CONTROL_THREAD:
             return original(*args, **kwargs)
-        began = time.thread_time_ns()
+        began, blocked = time.thread_time_ns(), blocks_so_far()
         try:
             return original(*args, **kwargs)
         finally:
             CPU_NS[label] += time.thread_time_ns() - began
+            BLOCKS[label] += blocks_so_far() - blocked
             CALLS[label] += 1
 
     setattr(owner, name, metered)
@@ -109,10 +129,11 @@ def block(overrides: list[str], steps: int, step_ms: float) -> dict[str, Any]:
     inputs = torch.randn(4, 16)
     CPU_NS.clear()
     CALLS.clear()
+    BLOCKS.clear()
     with tempfile.TemporaryDirectory() as scratch:
         agent = Agent(load_config(None, overrides), WorldInfo.from_env({}), Path(scratch) / "r")
         agent.install()
-        began = time.perf_counter()
+        began, blocked = time.perf_counter(), blocks_so_far()
         for _ in range(steps):
             layers(inputs).sum().backward()
             optimizer.step()
@@ -121,6 +142,7 @@ def block(overrides: list[str], steps: int, step_ms: float) -> dict[str, Any]:
             while time.perf_counter() < until:  # busy, as a launching thread is
                 pass
         wall_s = time.perf_counter() - began
+        training_blocks = blocks_so_far() - blocked
         agent.close()
         own = agent.own_cost()
     sections = {
@@ -128,6 +150,7 @@ def block(overrides: list[str], steps: int, step_ms: float) -> dict[str, Any]:
             "calls": CALLS[label],
             "us_per_step": round(CPU_NS[label] / steps / 1e3, 2),
             "us_per_call": round(CPU_NS[label] / max(1, CALLS[label]) / 1e3, 1),
+            "blocks": BLOCKS[label],
         }
         for label in sorted(CPU_NS, key=lambda k: -CPU_NS[k])
     }
@@ -136,6 +159,8 @@ def block(overrides: list[str], steps: int, step_ms: float) -> dict[str, Any]:
         "control_us_per_step": own["control_us_per_step"],
         "boundary_us_per_step": own["boundary_us_per_step"],
         "rounds": CALLS["ControlLoop._run_round"],
+        # GIL hand-overs, roughly: the training thread's blocks while it trained
+        "training_blocks_per_step": round(training_blocks / steps, 4),
         "sections": sections,
     }
 

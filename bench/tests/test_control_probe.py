@@ -36,4 +36,10 @@ def test_the_probe_meters_the_control_threads_sections(tmp_path: Path) -> None:
         assert block["control_us_per_step"] >= rounds["us_per_step"] > 0, name
         # the control thread drains the inbox, every round or wake-up
         assert sections["StepInbox.take"]["calls"] > 0, name
+        # blocks: the whole thread's (its loop, metered once) hold each section's
+        whole = sections["ControlLoop._round_loop"]
+        assert whole["calls"] == 1, name
+        assert whole["blocks"] >= sections["StepInbox.take"]["blocks"] > 0, name  # it waits
+        assert whole["blocks"] >= sections["RoundPacer.pause"]["blocks"] >= 0, name
+        assert block["training_blocks_per_step"] >= 0, name
     assert result["median"]["default"]["control_us_per_step"] > 0
