@@ -52,6 +52,18 @@ NOMINAL_MS = {"resnet18": 8.7, "amp": 17.6, "compile": 17.6, "compile_ro": 8.7, 
               "lightning": 3.0}  # fmt: skip
 
 
+# variant suffixes: a variant of VARIANTS with bench-only changes inside the job, through
+# the environment (bench/workloads/ab_switch.py applies them): "none+nopause" is
+# detection with its rounds unpaced (each pacer pause is a GIL hand-over)
+TWEAKS: dict[str, dict[str, str]] = {"nopause": {"WHOLE_JOB_AB_NO_PAUSES": "1"}}
+
+
+def split_variant(variant: str) -> tuple[str, list[str]]:
+    """ "none+nopause" -> ("none", ["nopause"])."""
+    base, *tweaks = variant.split("+")
+    return base, tweaks
+
+
 def run_job(
     workload: str, variant: str, segments: int, scratch: Path, warmup_s: float = 0.0
 ) -> dict[str, Any]:
@@ -65,9 +77,12 @@ def run_job(
     env["WHOLE_JOB_AB_SEGMENT"] = str(segment)
     env["WHOLE_JOB_AB_WARMUP"] = str(warmup)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    base, tweaks = split_variant(variant)
+    for tweak in tweaks:
+        env.update(TWEAKS[tweak])
     started = time.monotonic()
     done = subprocess.run(
-        command(workload, variant, steps, scratch / "runs"),
+        command(workload, base, steps, scratch / "runs"),
         cwd=scratch, env=env, capture_output=True, text=True, timeout=590,
     )  # fmt: skip
     record: dict[str, Any] = {"variant": variant, "rc": done.returncode, "steps": steps}
@@ -161,7 +176,11 @@ def main() -> int:
     workloads = [w for w in args.workloads.split(",") if w]
     variants = [v for v in args.variants.split(",") if v]
     unknown = [w for w in workloads if w not in SEGMENT] + [
-        v for v in variants if v == "plain" or v not in VARIANTS
+        v
+        for v in variants
+        if split_variant(v)[0] == "plain"
+        or split_variant(v)[0] not in VARIANTS
+        or any(t not in TWEAKS for t in split_variant(v)[1])
     ]
     if unknown:
         print(f"whole_job_ab: unknown workload or variant: {', '.join(unknown)}", file=sys.stderr)

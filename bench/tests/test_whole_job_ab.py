@@ -144,3 +144,27 @@ def test_pairs_are_weighted_by_their_on_segments_steps() -> None:
     summary = script.summarize(segments)
     assert summary["mean_ratio"] == pytest.approx((30 * 1.1 + 10 * 1.0) / 40, abs=1e-5)
     assert summary["median_ratio"] == pytest.approx(1.05, abs=1e-5)  # unweighted
+
+
+def test_a_nopause_variant_runs_its_base_with_rounds_unpaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = load_bench_script("whole_job_ab")
+    assert script.split_variant("none+nopause") == ("none", ["nopause"])
+    assert script.split_variant("default") == ("default", [])
+    import distanom.pacing
+
+    # the job's environment, as run_job sets it; pace_s is restored after the test
+    monkeypatch.setattr(distanom.pacing, "pace_s", distanom.pacing.pace_s)
+    monkeypatch.setenv("WHOLE_JOB_AB_NO_PAUSES", "1")
+    agent = Agent(load_config(None, ["tracer.backend=none"]), WorldInfo.from_env({}), tmp_path)
+    agent.install()
+    try:
+        ab = SegmentedAB(WARMUP, SEGMENT)
+        # a median step of 10 ms and 128-step rounds: paced unless the tweak holds
+        assert distanom.pacing.pace_s(10.0, 128, 5.0) == 0.0
+        assert ab.finish()["ab_unpaced"] is True
+    finally:
+        agent.close()
+    monkeypatch.undo()
+    assert distanom.pacing.pace_s(10.0, 128, 5.0) > 0  # the real one, for comparison

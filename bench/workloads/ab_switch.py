@@ -33,6 +33,7 @@ wall clock's noise). Reaches into the agent's internals: a bench tool, not an AP
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -89,6 +90,11 @@ class SegmentedAB:
         self.agent: Any = active_agent()
         if self.agent is None:
             raise RuntimeError("WHOLE_JOB_AB_SEGMENT needs the job under -m distanom.launch")
+        self.unpaced = os.environ.get("WHOLE_JOB_AB_NO_PAUSES") == "1"
+        if self.unpaced:  # bench/whole_job_ab.py's "+nopause": rounds run in one piece
+            import distanom.pacing
+
+            distanom.pacing.pace_s = lambda *_args, **_kwargs: 0.0
         self.warmup = warmup
         self.segment = segment
         self.steps = 0
@@ -219,4 +225,5 @@ class SegmentedAB:
             "ab_segment": self.segment,
             "ab_segments": self.segments,
             "ab_steps_extended": self.extended,
+            "ab_unpaced": self.unpaced,
         }
