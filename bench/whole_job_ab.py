@@ -3,7 +3,8 @@ workload and variant under `torchrun -m distanom.launch`, its agent switched bet
 watching and inert every ~0.5 s (bench/workloads/ab_switch.py), in the job's own loop.
 
     python3 bench/whole_job_ab.py --out $OUT [--workloads resnet18,amp,hf,lightning]
-        [--variants none,default] [--segments 80] [--budget-s 540] [--warmup-s 0]
+        [--variants none,default,none+nopause] [--segments 80] [--budget-s 540]
+        [--warmup-s 0]
 
 bench/whole_job.py compares whole processes (plain `torchrun` against
 `-m distanom.launch`), which is what users pay but spreads by +-15-25% on the H200
@@ -16,8 +17,13 @@ to the on side as if it had all taken the training thread's time: an upper bound
 What the inert half still has (the agent installed: optimizer wrapper, GC callback,
 idle threads) and the launcher's start-up are not in the ratio; whole_job.py covers them.
 
-Per segment the job records ms/step, distanom's boundary time and its threads' CPU time
-(`<out>/whole_job_ab.json`, with device, torch version and each job's segments).
+Per segment the job records ms/step, distanom's boundary time, its threads' CPU time and
+how often the training thread blocked (GIL hand-overs, roughly; summarized per half as
+`*_training_blocks_per_step`), in `<out>/whole_job_ab.json` with device, torch version
+and each job's segments. A variant may carry bench-only tweaks after a `+`:
+`none+nopause` is detection with its rounds unpaced (`TWEAKS`). Unpaced, a round holds
+the GIL in one piece: fewer hand-overs, but one longer step per round; read its ratio
+with both in mind.
 """
 
 from __future__ import annotations
@@ -78,6 +84,9 @@ def run_job(
     env["WHOLE_JOB_AB_WARMUP"] = str(warmup)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     base, tweaks = split_variant(variant)
+    for keys in TWEAKS.values():  # only the variant's own tweaks, never the shell's
+        for key in keys:
+            env.pop(key, None)
     for tweak in tweaks:
         env.update(TWEAKS[tweak])
     started = time.monotonic()
@@ -149,8 +158,8 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
             statistics.fmean(s["threads_cpu_us_per_step"] for s in off_segments), 2
         ),
         # GIL hand-overs, roughly: the training thread's blocks per step (None off Linux)
-        "on_training_waits_per_step": _mean_of(on_segments, "training_waits_per_step"),
-        "off_training_waits_per_step": _mean_of(off_segments, "training_waits_per_step"),
+        "on_training_blocks_per_step": _mean_of(on_segments, "training_blocks_per_step"),
+        "off_training_blocks_per_step": _mean_of(off_segments, "training_blocks_per_step"),
     }
 
 

@@ -2,6 +2,7 @@
 
     python3 bench/probes/boundary_cost_probe.py --out $OUT/boundary.json
         [--workloads resnet18,amp] [--steps 600] [--define NAME KEY=VALUE ...]
+        [--no-parts] [--device cpu --fake-cupti]
 
 One process per call, world size 1, a fresh agent per block (detection alone by default,
 `--define` adds variants as `bench/agent_cost.py` takes them). The probe wraps, from
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -118,6 +120,7 @@ PARTS: dict[str, Meter] = {
     )
 }  # fmt: skip
 DEVICE = ["cuda:0"]
+METERED_PARTS = [True]  # False under --no-parts: the parts and the clock go unmetered
 WAKES = [0]
 DURATIONS: list[tuple[int, float]] = []  # what the clock's `mark` returned, timed steps
 
@@ -144,6 +147,7 @@ def install_meters(parts: bool = True) -> None:
     BOUNDARY.wrap(
         boundary_module.StepBoundaries, "_boundary_unguarded", lambda b: b._tracing_during
     )
+    METERED_PARTS[0] = parts
     if parts:  # the clock's meter is inside the boundary too
         CLOCK.wrap(clock_module.StepClock, "mark")
     metered_mark = clock_module.StepClock.mark
@@ -208,6 +212,13 @@ def fake_cupti() -> None:
     boundary_module.create_tracer = create  # type: ignore[assignment]
 
 
+def write_json(path: Path, data: Any) -> None:
+    """Write `data` whole or not at all (a kill mid-write leaves the last whole file)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(partial, path)
+
+
 def sync() -> None:
     if DEVICE[0].startswith("cuda"):
         torch.cuda.synchronize()
@@ -251,9 +262,14 @@ def block(
         record["ms_per_step"] = round(wall / steps / 1e6, 4)
         record["training_thread_cpu_pct"] = round((time.thread_time_ns() - cpu0) / wall * 100, 1)
         record["boundary"] = BOUNDARY.per_call_us()
-        record["clock_mark"] = CLOCK.per_call_us()
+        # unmetered under --no-parts: null, not a measured zero
+        record["clock_mark"] = CLOCK.per_call_us() if METERED_PARTS[0] else None
         record["clock_poll"] = POLL.per_call_us()  # on the control thread (agent blocks)
-        record["parts"] = {name: meter.per_call_us() for name, meter in PARTS.items()}
+        record["parts"] = (
+            {name: meter.per_call_us() for name, meter in PARTS.items()}
+            if METERED_PARTS[0]
+            else None
+        )
         record["event_sets_per_100_steps"] = round(WAKES[0] * 100 / steps, 2)
         record["spikes"] = census([d for d in DURATIONS if d[0] >= warmup])
         if agent is not None and own is not None:
@@ -281,7 +297,9 @@ def main() -> int:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--fake-cupti", action="store_true", help="CPU: a faked CUPTI tracer")
     parser.add_argument(
-        "--no-parts", action="store_true", help="no meters inside the boundary (its true time)"
+        "--no-parts",
+        action="store_true",
+        help="no part or clock meter inside the boundary (unmetered figures are null)",
     )
     args = parser.parse_args()
     DEVICE[0] = args.device
@@ -314,16 +332,17 @@ def main() -> int:
                 rows.append(block(workload, name, overrides, args.warmup, args.steps))
                 print(workload, json.dumps(rows[-1]), flush=True)
                 # after every block: a run cut by a time limit keeps what it measured
-                args.out.write_text(json.dumps(out, indent=1) + "\n")
+                write_json(args.out, out)
         summary = {}
         for name in variants:
             mine = [r for r in rows if r["variant"] == name]
+            metered = ("boundary", "clock_mark") if METERED_PARTS[0] else ("boundary",)
             summary[name] = {
                 f"{key}_{field}": statistics.median(r[key][field] for r in mine)
-                for key in ("boundary", "clock_mark")
+                for key in metered
                 for field in ("wall_us", "cpu_us", "cpu_median_us", "untraced_cpu_median_us")
             }
-            for part in PARTS:
+            for part in PARTS if METERED_PARTS[0] else ():
                 for field in ("cpu_us", "cpu_median_us", "untraced_cpu_median_us"):
                     summary[name][f"{part}_{field}"] = statistics.median(
                         r["parts"][part][field] for r in mine
@@ -332,7 +351,7 @@ def main() -> int:
                 r.get("control_cpu_us_per_step", 0) for r in mine
             )
         out["workloads"][workload] = {"blocks": rows, "median": summary}
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.out, out)
     return 0
 
 

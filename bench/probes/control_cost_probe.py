@@ -18,7 +18,9 @@ back), on the control thread only; and how often the training thread blocked per
 figures are microseconds of control-thread CPU per training step. Sections nest (a round
 holds the detector, the fold and two pauses; `_round_loop` holds everything):
 `control_us_per_step` is the whole, the agent's own figure. Linux only (getrusage's
-RUSAGE_THREAD).
+RUSAGE_THREAD). The meters' own reads (two CPU-clock and two getrusage calls per metered
+call, some nested) are inside the CPU figures, not measured apart; the block counts are
+not inflated by them (neither call lets the GIL go).
 
 The control thread's CPU time is what it can take from a launch-bound training thread
 (both need the GIL); this probe says which of its parts to shrink. CPU only, so it runs
@@ -31,6 +33,7 @@ import argparse
 import collections
 import functools
 import json
+import os
 import platform
 import resource
 import statistics
@@ -63,7 +66,8 @@ CPU_NS: collections.Counter[str] = collections.Counter()
 CALLS: collections.Counter[str] = collections.Counter()
 BLOCKS: collections.Counter[str] = collections.Counter()
 
-# (owner, method): the sections metered; a round (`_run_round`) holds the ones after it
+# (owner, method): the sections metered. A round (`_run_round`) holds `_after_round`, the
+# detector, the fold and two of a pass's three pauses; the rest run between rounds.
 SECTIONS: list[tuple[Any, str]] = [
     (control_loop.ControlLoop, "_run_round"),
     (control_loop.ControlLoop, "_after_round"),
@@ -165,6 +169,13 @@ def block(overrides: list[str], steps: int, step_ms: float) -> dict[str, Any]:
     }
 
 
+def write_json(path: Path, data: Any) -> None:
+    """Write `data` whole or not at all (a kill mid-write leaves the last whole file)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(partial, path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
@@ -203,7 +214,7 @@ def main() -> int:
             rows[name].append(block(overrides, args.steps, args.step_ms))
             print(name, json.dumps(rows[name][-1]), flush=True)
             # after every block: a run cut by a time limit keeps what it measured
-            args.out.write_text(json.dumps(out, indent=1))
+            write_json(args.out, out)
     out["median"] = {
         name: {
             "control_us_per_step": statistics.median(r["control_us_per_step"] for r in mine),
@@ -215,7 +226,7 @@ def main() -> int:
         }
         for name, mine in rows.items()
     }  # fmt: skip
-    args.out.write_text(json.dumps(out, indent=1))
+    write_json(args.out, out)
     return 0
 
 

@@ -50,9 +50,9 @@ def test_segments_switch_the_agent_and_drop_each_on_segments_first_step(tmp_path
     assert all(s["boundary_us_per_step"] == 0 for s in segments if not s["on"])
     assert all(s["boundary_us_per_step"] > 0 for s in segments if s["on"])
     # the training thread's blocks per step: counted on Linux (None elsewhere), never < 0
-    waits = [s["training_waits_per_step"] for s in segments]
+    blocks = [s["training_blocks_per_step"] for s in segments]
     if sys.platform.startswith("linux"):
-        assert all(w is not None and w >= 0 for w in waits), waits
+        assert all(b is not None and b >= 0 for b in blocks), blocks
     # the agent counted only the on segments' steps (and the warm-up)
     on_steps = sum(s["steps"] for s in segments if s["on"])
     assert agent.current_step == WARMUP + on_steps
@@ -86,7 +86,7 @@ def test_the_summary_pairs_neighbours_and_adds_the_spill_back() -> None:
     assert summary["ci95"][0] <= summary["mean_ratio"] <= summary["ci95"][1]
     assert script.summarize([seg(True, 1.0)]) == {"pairs": 0}
     # segments without the blocks count (another OS, or older results): None, not 0
-    assert summary["on_training_waits_per_step"] is None
+    assert summary["on_training_blocks_per_step"] is None
 
 
 def test_the_summary_averages_the_training_threads_blocks_per_half() -> None:
@@ -94,15 +94,15 @@ def test_the_summary_averages_the_training_threads_blocks_per_half() -> None:
 
     def seg(on: bool, waits: float | None) -> dict[str, object]:
         return {"on": on, "steps": 10, "ms_per_step": 10.0, "boundary_us_per_step": 5.0,
-                "threads_cpu_us_per_step": 0.0, "training_waits_per_step": waits}  # fmt: skip
+                "threads_cpu_us_per_step": 0.0, "training_blocks_per_step": waits}  # fmt: skip
 
     summary = script.summarize([seg(True, 0.3), seg(False, 0.0), seg(False, 0.1), seg(True, 0.5)])
-    assert summary["on_training_waits_per_step"] == pytest.approx(0.4)
-    assert summary["off_training_waits_per_step"] == pytest.approx(0.05)
+    assert summary["on_training_blocks_per_step"] == pytest.approx(0.4)
+    assert summary["off_training_blocks_per_step"] == pytest.approx(0.05)
     # a segment that could not read the count is left out of its half's mean
     summary = script.summarize([seg(True, 0.3), seg(False, None), seg(False, 0.1), seg(True, None)])
-    assert summary["on_training_waits_per_step"] == pytest.approx(0.3)
-    assert summary["off_training_waits_per_step"] == pytest.approx(0.1)
+    assert summary["on_training_blocks_per_step"] == pytest.approx(0.3)
+    assert summary["off_training_blocks_per_step"] == pytest.approx(0.1)
 
 
 def test_an_agent_closed_in_an_off_segment_still_finishes(tmp_path: Path) -> None:
@@ -154,6 +154,12 @@ def test_a_nopause_variant_runs_its_base_with_rounds_unpaced(
     assert script.split_variant("default") == ("default", [])
     import distanom.pacing
 
+    def pause_of_a_fresh_pacer() -> float:
+        pacer = distanom.pacing.RoundPacer()  # as the control loop begins a pass
+        pacer.begin(10.0, 128, final=False)  # 10 ms steps, work not measured yet
+        return pacer.pause_s
+
+    assert pause_of_a_fresh_pacer() > 0  # paced as it is
     # the job's environment, as run_job sets it; pace_s is restored after the test
     monkeypatch.setattr(distanom.pacing, "pace_s", distanom.pacing.pace_s)
     monkeypatch.setenv("WHOLE_JOB_AB_NO_PAUSES", "1")
@@ -161,10 +167,42 @@ def test_a_nopause_variant_runs_its_base_with_rounds_unpaced(
     agent.install()
     try:
         ab = SegmentedAB(WARMUP, SEGMENT)
-        # a median step of 10 ms and 128-step rounds: paced unless the tweak holds
-        assert distanom.pacing.pace_s(10.0, 128, 5.0) == 0.0
+        assert pause_of_a_fresh_pacer() == 0.0
         assert ab.finish()["ab_unpaced"] is True
     finally:
         agent.close()
-    monkeypatch.undo()
-    assert distanom.pacing.pace_s(10.0, 128, 5.0) > 0  # the real one, for comparison
+
+
+def test_variants_and_their_tweaks_are_checked_before_any_job(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    script = load_bench_script("whole_job_ab")
+    ran: list[str] = []
+    monkeypatch.setattr(script, "run_job", lambda *a, **k: ran.append(a[1]) or {"rc": 0})
+    for bad in ("none+bogus", "plain+nopause", "nothing"):
+        argv = ["whole_job_ab.py", "--variants", bad, "--out", str(tmp_path)]
+        monkeypatch.setattr(sys, "argv", argv)
+        assert script.main() == 2
+        assert bad in capsys.readouterr().err
+    assert not ran
+
+
+def test_a_shells_tweak_never_reaches_a_variant_without_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    script = load_bench_script("whole_job_ab")
+    monkeypatch.setenv("WHOLE_JOB_AB_NO_PAUSES", "1")  # left over in the shell
+    seen: list[dict[str, str]] = []
+
+    class Done:
+        returncode, stderr = 1, "stopped here"
+
+    def run(*_args: object, env: dict[str, str], **_kwargs: object) -> Done:
+        seen.append(env)
+        return Done()
+
+    monkeypatch.setattr(script.subprocess, "run", run)
+    script.run_job("amp", "none", 2, tmp_path)
+    script.run_job("amp", "none+nopause", 2, tmp_path)
+    assert "WHOLE_JOB_AB_NO_PAUSES" not in seen[0]
+    assert seen[1]["WHOLE_JOB_AB_NO_PAUSES"] == "1"

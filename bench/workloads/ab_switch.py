@@ -28,7 +28,9 @@ time of every `distanom-*` thread, so work a round started in an on segment and 
 in an off one (which slows the off half, and would hide cost) is visible and can be
 added back (bench/whole_job_ab.py does); and how often the training thread blocked
 (Linux's voluntary context switches: mostly the GIL taken from it, a count free of the
-wall clock's noise). Reaches into the agent's internals: a bench tool, not an API.
+wall clock's noise). WHOLE_JOB_AB_NO_PAUSES=1 (whole_job_ab.py's `+nopause` variants)
+runs the agent's rounds unpaced. Reaches into the agent's internals: a bench tool, not
+an API.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ class SegmentedAB:
                 "threads_cpu_us_per_step": round(
                     (_distanom_threads_cpu_ns() - self._threads_ns) / steps / 1e3, 3
                 ),
-                "training_waits_per_step": (
+                "training_blocks_per_step": (
                     None if waits is None or self._waits is None
                     else round((waits - self._waits) / steps, 4)
                 ),
