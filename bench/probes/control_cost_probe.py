@@ -2,6 +2,7 @@
 
     python3 bench/probes/control_cost_probe.py --out $OUT/control.json
         [--steps 6000] [--step-ms 3] [--repeats 3] [--define NAME KEY=VALUE ...]
+        [--fake-cupti] [--unpaced]
 
 One process, world size 1, a fresh agent per block (detection alone by default,
 `--define` adds variants; `--fake-cupti` gives a `tracer.backend=cupti` variant the CUPTI
@@ -49,6 +50,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+import distanom.pacing  # noqa: E402
 from distanom import consensus, control_loop  # noqa: E402
 from distanom.agent import Agent  # noqa: E402
 from distanom.anomaly_journal import AnomalyJournal  # noqa: E402
@@ -62,6 +64,7 @@ from distanom.rounds import RoundBuilder  # noqa: E402
 from distanom.world import WorldInfo  # noqa: E402
 
 CONTROL_THREAD = "distanom-control"
+UNPACED = "detect_unpaced"  # the variant `--unpaced` adds
 CPU_NS: collections.Counter[str] = collections.Counter()
 CALLS: collections.Counter[str] = collections.Counter()
 BLOCKS: collections.Counter[str] = collections.Counter()
@@ -126,7 +129,21 @@ def install_meters() -> None:
         meter(control_loop, name, f"consensus.{name}")
 
 
-def block(overrides: list[str], steps: int, step_ms: float) -> dict[str, Any]:
+def block(
+    overrides: list[str], steps: int, step_ms: float, unpaced: bool = False
+) -> dict[str, Any]:
+    """One agent over `steps` steps; `unpaced`: its rounds run in one piece (no pacer
+    pauses, as `bench/whole_job_ab.py`'s `+nopause`)."""
+    pace_s = distanom.pacing.pace_s
+    if unpaced:
+        distanom.pacing.pace_s = lambda *_args, **_kwargs: 0.0
+    try:
+        return _block(overrides, steps, step_ms)
+    finally:
+        distanom.pacing.pace_s = pace_s
+
+
+def _block(overrides: list[str], steps: int, step_ms: float) -> dict[str, Any]:
     torch.set_num_threads(1)
     layers = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(12)])
     optimizer = torch.optim.SGD(layers.parameters(), lr=1e-3)
@@ -187,6 +204,11 @@ def main() -> int:
     parser.add_argument(
         "--fake-cupti", action="store_true", help="the CUPTI tracer with CUDA faked (a default)"
     )
+    parser.add_argument(
+        "--unpaced",
+        action="store_true",
+        help="add detect_unpaced: detection with its rounds unpaced (no pacer pauses)",
+    )
     args = parser.parse_args()
     if args.fake_cupti:  # as boundary_cost_probe.py fakes it
         sys.path.insert(0, str(REPO / "bench" / "probes"))
@@ -195,6 +217,8 @@ def main() -> int:
         fake_cupti()
     install_meters()
     variants: dict[str, list[str]] = {"detect": ["tracer.backend=none"]}
+    if args.unpaced:
+        variants[UNPACED] = ["tracer.backend=none"]
     for name, *overrides in args.define:
         variants[name] = overrides
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
@@ -211,7 +235,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(args.repeats):  # variants alternate within each repeat
         for name, overrides in variants.items():
-            rows[name].append(block(overrides, args.steps, args.step_ms))
+            rows[name].append(block(overrides, args.steps, args.step_ms, name == UNPACED))
             print(name, json.dumps(rows[name][-1]), flush=True)
             # after every block: a run cut by a time limit keeps what it measured
             write_json(args.out, out)

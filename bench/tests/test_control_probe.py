@@ -17,14 +17,14 @@ def test_the_probe_meters_the_control_threads_sections(tmp_path: Path) -> None:
     done = subprocess.run(
         [
             sys.executable, str(BENCH / "probes" / "control_cost_probe.py"),
-            "--steps", "400", "--step-ms", "1", "--repeats", "1", "--fake-cupti",
+            "--steps", "400", "--step-ms", "1", "--repeats", "1", "--fake-cupti", "--unpaced",
             "--define", "default", "tracer.backend=cupti", "--out", str(out),
         ],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert set(result["blocks"]) == {"detect", "default"}
+    assert set(result["blocks"]) == {"detect", "default", "detect_unpaced"}
     for name, (block,) in result["blocks"].items():
         sections = block["sections"]
         rounds = sections["ControlLoop._run_round"]
@@ -43,3 +43,7 @@ def test_the_probe_meters_the_control_threads_sections(tmp_path: Path) -> None:
         assert whole["blocks"] >= sections["RoundPacer.pause"]["blocks"] >= 0, name
         assert block["training_blocks_per_step"] >= 0, name
     assert result["median"]["default"]["control_us_per_step"] > 0
+    # unpaced: the pacer is still asked, but never sleeps, so it never blocks
+    (unpaced,) = result["blocks"]["detect_unpaced"]
+    assert unpaced["sections"]["RoundPacer.pause"]["calls"] > 0
+    assert unpaced["sections"]["RoundPacer.pause"]["blocks"] == 0
