@@ -70,6 +70,13 @@ def split_variant(variant: str) -> tuple[str, list[str]]:
     return base, tweaks
 
 
+def known_variant(variant: str) -> bool:
+    """A variant of VARIANTS other than "plain" (the A/B needs the agent), with known
+    tweaks."""
+    base, tweaks = split_variant(variant)
+    return base != "plain" and base in VARIANTS and all(t in TWEAKS for t in tweaks)
+
+
 def run_job(
     workload: str, variant: str, segments: int, scratch: Path, warmup_s: float = 0.0
 ) -> dict[str, Any]:
@@ -185,11 +192,7 @@ def main() -> int:
     workloads = [w for w in args.workloads.split(",") if w]
     variants = [v for v in args.variants.split(",") if v]
     unknown = [w for w in workloads if w not in SEGMENT] + [
-        v
-        for v in variants
-        if split_variant(v)[0] == "plain"
-        or split_variant(v)[0] not in VARIANTS
-        or any(t not in TWEAKS for t in split_variant(v)[1])
+        v for v in variants if not known_variant(v)
     ]
     if unknown:
         print(f"whole_job_ab: unknown workload or variant: {', '.join(unknown)}", file=sys.stderr)

@@ -34,9 +34,7 @@ import argparse
 import collections
 import functools
 import json
-import os
 import platform
-import resource
 import statistics
 import sys
 import tempfile
@@ -49,8 +47,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench" / "probes"))  # its faked CUPTI and JSON writer
+sys.path.insert(0, str(REPO / "bench" / "workloads"))  # the A/B's block count, unpacing
 
-import distanom.pacing  # noqa: E402
+from ab_switch import thread_blocks, unpace_rounds  # noqa: E402
+from boundary_cost_probe import fake_cupti, write_json  # noqa: E402
+
 from distanom import consensus, control_loop  # noqa: E402
 from distanom.agent import Agent  # noqa: E402
 from distanom.anomaly_journal import AnomalyJournal  # noqa: E402
@@ -96,7 +98,9 @@ SECTIONS: list[tuple[Any, str]] = [
 def blocks_so_far() -> int:
     """How often the calling thread has blocked (voluntary context switches): waiting
     for the GIL, a sleep, a wait. `getrusage` keeps the GIL, so counting adds none."""
-    return int(resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw)
+    blocks = thread_blocks()
+    assert blocks is not None  # main() refuses to run where there is no count
+    return blocks
 
 
 def meter(owner: Any, name: str, label: str) -> None:
@@ -134,13 +138,12 @@ def block(
 ) -> dict[str, Any]:
     """One agent over `steps` steps; `unpaced`: its rounds run in one piece (no pacer
     pauses, as `bench/whole_job_ab.py`'s `+nopause`)."""
-    pace_s = distanom.pacing.pace_s
-    if unpaced:
-        distanom.pacing.pace_s = lambda *_args, **_kwargs: 0.0
+    undo = unpace_rounds() if unpaced else None
     try:
         return _block(overrides, steps, step_ms)
     finally:
-        distanom.pacing.pace_s = pace_s
+        if undo is not None:
+            undo()
 
 
 def _block(overrides: list[str], steps: int, step_ms: float) -> dict[str, Any]:
@@ -186,13 +189,6 @@ def _block(overrides: list[str], steps: int, step_ms: float) -> dict[str, Any]:
     }
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write `data` whole or not at all (a kill mid-write leaves the last whole file)."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(partial, path)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
@@ -210,10 +206,9 @@ def main() -> int:
         help="add detect_unpaced: detection with its rounds unpaced (no pacer pauses)",
     )
     args = parser.parse_args()
+    if thread_blocks() is None:
+        parser.error("needs Linux: the block counts read getrusage(RUSAGE_THREAD)")
     if args.fake_cupti:  # as boundary_cost_probe.py fakes it
-        sys.path.insert(0, str(REPO / "bench" / "probes"))
-        from boundary_cost_probe import fake_cupti
-
         fake_cupti()
     install_meters()
     variants: dict[str, list[str]] = {"detect": ["tracer.backend=none"]}

@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -61,13 +62,13 @@ def _distanom_threads_cpu_ns() -> int:
     return total
 
 
-def _voluntary_switches() -> int | None:
+def thread_blocks() -> int | None:
     """How often the calling thread has blocked so far (Linux: its voluntary context
     switches, `getrusage(RUSAGE_THREAD)`, which keeps the GIL; reading
     /proc/thread-self/status would let it go and so cause a hand-over of its own); None
     elsewhere. A launch-bound training thread blocks mostly when another thread takes the
     GIL from it, so on segments over off ones count the GIL hand-overs the agent causes,
-    free of the wall clock's noise."""
+    free of the wall clock's noise. Also bench/probes/control_cost_probe.py's count."""
     who = getattr(resource, "RUSAGE_THREAD", None) if resource is not None else None
     if who is None:
         return None
@@ -75,6 +76,21 @@ def _voluntary_switches() -> int | None:
         return int(resource.getrusage(who).ru_nvcsw)
     except OSError:
         return None
+
+
+def unpace_rounds() -> Callable[[], None]:
+    """Make distanom's rounds run in one piece, no pacer pauses (each pause is a GIL
+    hand-over by design); returns the undo. The pacer reads `pace_s` from its module at
+    every pass, so this reaches an agent already running."""
+    import distanom.pacing
+
+    paced = distanom.pacing.pace_s
+    distanom.pacing.pace_s = lambda *_args, **_kwargs: 0.0
+
+    def undo() -> None:
+        distanom.pacing.pace_s = paced
+
+    return undo
 
 
 def _sync() -> float:
@@ -93,10 +109,8 @@ class SegmentedAB:
         if self.agent is None:
             raise RuntimeError("WHOLE_JOB_AB_SEGMENT needs the job under -m distanom.launch")
         self.unpaced = os.environ.get("WHOLE_JOB_AB_NO_PAUSES") == "1"
-        if self.unpaced:  # bench/whole_job_ab.py's "+nopause": rounds run in one piece
-            import distanom.pacing
-
-            distanom.pacing.pace_s = lambda *_args, **_kwargs: 0.0
+        if self.unpaced:  # bench/whole_job_ab.py's "+nopause", for the whole job
+            unpace_rounds()
         self.warmup = warmup
         self.segment = segment
         self.steps = 0
@@ -106,7 +120,7 @@ class SegmentedAB:
         self._began = 0.0
         self._own_ns = 0
         self._threads_ns = 0
-        self._waits: int | None = None  # the training thread's blocks at segment start
+        self._blocks: int | None = None  # the training thread's blocks at segment start
         self._inert = False  # the A/B made the boundaries inert (and may undo only that)
         self._in_segment = 0  # steps of the segment in progress
         self.extended = 0  # steps on segments ran past their length, waiting for tracing off
@@ -141,7 +155,7 @@ class SegmentedAB:
             # the duty cycle itself switches tracing off.
             self.extended += 1
             return
-        waits = _voluntary_switches()  # before the synchronize, which may block
+        blocks = thread_blocks()  # before the synchronize, which may block
         now = _sync()
         if self.index >= 0:
             steps = self._in_segment
@@ -154,8 +168,8 @@ class SegmentedAB:
                     (_distanom_threads_cpu_ns() - self._threads_ns) / steps / 1e3, 3
                 ),
                 "training_blocks_per_step": (
-                    None if waits is None or self._waits is None
-                    else round((waits - self._waits) / steps, 4)
+                    None if blocks is None or self._blocks is None
+                    else round((blocks - self._blocks) / steps, 4)
                 ),
             })  # fmt: skip
         self.index += 1
@@ -164,7 +178,7 @@ class SegmentedAB:
         self._own_ns = boundaries.own_ns
         self._threads_ns = _distanom_threads_cpu_ns()
         self._began = _sync()
-        self._waits = _voluntary_switches()  # after the synchronize: the steps' own
+        self._blocks = thread_blocks()  # after the synchronize: the steps' own
         if self.on:
             self._forget_last_boundary(boundaries)
 
