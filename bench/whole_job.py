@@ -5,6 +5,7 @@ against the same script under plain `torchrun`, on loops users run.
         [--variants default,none] [--pairs 3] [--budget-s 540] [--steps-scale 1.0]
 
 Workloads (bench/workloads/): `resnet18` (the seed's ResNet18, bf16, batch 5, SGD),
+`resnet18_b64` (the same at batch 64: GPU-bound steps),
 `amp` (a 6-layer encoder, fp16 autocast + GradScaler, AdamW), `compile` and
 `compile_ro` (`amp` under torch.compile, default and reduce-overhead modes), `hf` (a
 Hugging Face Trainer on a 4-layer GPT-2 built from a config), `lightning` (a Lightning
@@ -39,6 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS: dict[str, tuple[list[str], int]] = {
     "resnet18": (["bench/workloads/loops.py", "resnet18"], 1500),
+    "resnet18_b64": (["bench/workloads/loops.py", "resnet18", "--batch", "64"], 300),
     "amp": (["bench/workloads/loops.py", "amp"], 1000),
     "compile": (["bench/workloads/loops.py", "amp", "--compile", "default"], 1000),
     "compile_ro": (["bench/workloads/loops.py", "amp", "--compile", "reduce-overhead"], 1000),

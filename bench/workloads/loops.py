@@ -24,15 +24,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from steptimer import StepTimer
 
 
-def resnet18(device: str, small: bool) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
-    """The seed's workload: ResNet18, bf16, batch 5, MSE against random targets."""
+def resnet18(
+    device: str, small: bool, batch: int = 5
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The seed's workload: ResNet18, bf16, batch 5, MSE against random targets (a larger
+    `batch` makes its steps GPU-bound)."""
     import torchvision.models as models
 
     dtype = torch.bfloat16
     model = models.resnet18().to(device).to(dtype)
     size = 32 if small else 224
-    inputs = torch.randn(5, 3, size, size, device=device, dtype=dtype)
-    target = torch.randn(5, 1000, device=device, dtype=dtype)
+    inputs = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
+    target = torch.randn(batch, 1000, device=device, dtype=dtype)
     return model, inputs, target
 
 
@@ -54,11 +57,16 @@ class Loop:
     step: Callable[[], None]
 
 
-def build_loop(workload: str, device: str, small: bool, compile_mode: str | None = None) -> Loop:
-    """The `workload` ("resnet18" or "amp") on `device`, optionally under torch.compile."""
+def build_loop(
+    workload: str, device: str, small: bool, compile_mode: str | None = None, batch: int = 5
+) -> Loop:
+    """The `workload` ("resnet18" or "amp") on `device`, optionally under torch.compile
+    (`batch`: ResNet18's batch size)."""
     torch.manual_seed(0)
-    build = resnet18 if workload == "resnet18" else transformer
-    model, inputs, target = build(device, small=small)
+    if workload == "resnet18":
+        model, inputs, target = resnet18(device, small=small, batch=batch)
+    else:
+        model, inputs, target = transformer(device, small=small)
     if compile_mode:
         model = torch.compile(model, mode=compile_mode)  # type: ignore[assignment]
     cuda = device.startswith("cuda")
@@ -90,19 +98,22 @@ def main() -> None:
     parser.add_argument("workload", choices=["resnet18", "amp"])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--compile", default=None, help="torch.compile mode")
+    parser.add_argument("--batch", type=int, default=5, help="ResNet18's batch size")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(device)
-    loop = build_loop(args.workload, device, small=not cuda, compile_mode=args.compile)
+    loop = build_loop(
+        args.workload, device, small=not cuda, compile_mode=args.compile, batch=args.batch
+    )
     warmup = min(100, args.steps // 5)
     timer = StepTimer(warmup, chunk=min(100, max(5, (args.steps - warmup) // 10)))
     for _ in range(args.steps):
         loop.step()
         timer.step_end()
-    timer.finish(workload=args.workload, compile=args.compile)
+    timer.finish(workload=args.workload, compile=args.compile, batch=args.batch)
 
 
 if __name__ == "__main__":
