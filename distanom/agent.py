@@ -106,7 +106,7 @@ class Agent:
 
     # -- public API (training thread) --------------------------------------------------
 
-    def own_cost(self) -> dict[str, float | int | None]:
+    def own_cost(self) -> dict[str, float | int | str | None]:
         """distanom's own time per step on this rank, as status.json's `agent_cost`."""
         return self.control.own_cost()
 

@@ -53,7 +53,7 @@ def status_body(
     recent_samples: Sequence[StepSample],
     gathered_step: int,
     exit_code: int,
-    own_cost: dict[str, float | int | None],
+    own_cost: dict[str, float | int | str | None],
 ) -> Status:
     """The status file's body in `state` (running, finished, failed, interrupted)."""
     counts = detector.counts
@@ -116,7 +116,7 @@ def agent_cost(
     median_ms: float | None,
     pacer: RoundPacer,
     early_rounds: int,
-) -> dict[str, float | int | None]:
+) -> dict[str, float | int | str | None]:
     """What distanom itself costs a rank per step, measured live: time in the step
     boundaries on the training thread, CPU time of the control thread (rounds, evidence,
     files; `control_cpu_ns` since its setup), and both as a percentage of the median step.
@@ -138,6 +138,7 @@ def agent_cost(
         "boundary_us_per_step": round(boundary_us, 2),
         "control_us_per_step": round(control_us, 2),
         "pct_of_median_step": pct,
+        "clock_mode": clock.mode if clock is not None else None,  # what each step pays
         # clock.mode adaptive: steps it timed with the host clock instead of events
         "host_timed_steps": clock.host_timed_steps if clock is not None else None,
         # pauses between rounds' phases so far (none where a round's work is small)

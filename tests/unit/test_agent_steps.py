@@ -206,6 +206,7 @@ def test_a_gpu_that_never_reaches_the_end_leaves_the_tracer_running(
     agent, _ = started_with(tmp_path, model, tracer)
 
     class HungClock:
+        mode = "cuda_event"
         host_timed_steps = 0
 
         def drain(self, timeout_s: float) -> tuple[list[tuple[int, float]], bool]:

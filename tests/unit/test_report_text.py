@@ -76,6 +76,23 @@ def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> Non
     assert "; 4 held distanom's own work (captures, heavy rounds), judged without it" in text
 
 
+def test_own_time_over_one_percent_on_the_event_clock_names_the_cheaper_clock(
+    tmp_path: Path,
+) -> None:
+    """Only the event clock has an event to drop, and only from 1% of a step is it said."""
+    cases = [(2.17, "cuda_event", True), (0.97, "cuda_event", False), (2.17, "adaptive", False)]
+    for index, (pct, mode, hinted) in enumerate(cases):
+        run = make_run(tmp_path / str(index), [], hosts=["a"])
+        cost = {"boundary_us_per_step": 36.0, "control_us_per_step": 26.0}
+        cost |= {"pct_of_median_step": pct, "clock_mode": mode}
+        write_json_atomic(
+            run.status_json, {"state": "finished", "world_size": 1, "agent_cost": cost}
+        )
+        text = render_text(run_report(load_run(str(run.path))))
+        assert f"= {pct:.2f}% of the median step" in text
+        assert ("clock.mode: adaptive drops the CUDA event" in text) is hinted, (pct, mode)
+
+
 def test_no_overhead_line_before_any_untraced_window(tmp_path: Path) -> None:
     run = make_run(tmp_path, [], hosts=["a"])
     write_json_atomic(

@@ -144,6 +144,7 @@ def test_the_agent_measures_its_own_time_per_step(tmp_path: Path) -> None:
     assert agent.run is not None
     status = json.loads((agent.run.path / "status.json").read_text())
     assert status["agent_cost"]["steps"] == 120
+    assert status["agent_cost"]["clock_mode"] == "host"  # CPU: nothing else to time with
 
 
 def test_a_round_ends_within_half_the_trace_history_of_its_first_traced_step() -> None:
