@@ -46,16 +46,16 @@ from whole_job import REPO, VARIANTS, WORKLOADS, command, device_facts, git_comm
 # steps per segment (~0.5 s each on the H200) and warm-up steps per workload
 SEGMENT: dict[str, tuple[int, int]] = {
     "resnet18": (48, 300),
-    "resnet18_b64": (12, 60),
+    "resnet18_b64": (40, 200),
     "amp": (24, 200),
     "compile": (32, 200),
     "compile_ro": (48, 300),
     "hf": (24, 200),
     "lightning": (64, 400),
 }
-# ms per step measured on the H200 (bench/results/whole_job_ab_h200_75da7fd.json; resnet18_b64
-# a guess until its first run), to turn --warmup-s into steps
-NOMINAL_MS = {"resnet18": 8.7, "resnet18_b64": 40.0, "amp": 17.6, "compile": 17.6,
+# ms per step measured on the H200 (bench/results/whole_job_ab_h200_75da7fd.json;
+# resnet18_b64: whole_job_ab_h200_7114d9d.json), to turn --warmup-s into steps
+NOMINAL_MS = {"resnet18": 8.7, "resnet18_b64": 12.0, "amp": 17.6, "compile": 17.6,
               "compile_ro": 8.7, "hf": 11.0, "lightning": 3.0}  # fmt: skip
 
 

@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--compile", default=None, help="torch.compile mode")
     parser.add_argument("--batch", type=int, default=5, help="ResNet18's batch size")
     args = parser.parse_args()
+    if args.workload != "resnet18" and args.batch != 5:
+        parser.error("--batch is ResNet18's batch size")
 
     cuda = torch.cuda.is_available()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu"
@@ -113,7 +115,8 @@ def main() -> None:
     for _ in range(args.steps):
         loop.step()
         timer.step_end()
-    timer.finish(workload=args.workload, compile=args.compile, batch=args.batch)
+    extra = {"batch": args.batch} if args.workload == "resnet18" else {}
+    timer.finish(workload=args.workload, compile=args.compile, **extra)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,11 @@ OUTSIDE_NOTE = (
     "(idle to the verdict; in total)"
 )
 
-# own time at or over this share of the median step, on the event clock: the report
-# names the cheaper clock
+# own time at or over this share of the median step, on the event clock, with steps
+# short enough for the adaptive clock to take the host clock (clock.HOST_BELOW_MS; the
+# report does not import the agent's torch modules): the report names that clock
 CLOCK_HINT_PCT = 1.0
+ADAPTIVE_BELOW_MS = 10.0
 
 
 def gc_sentence(capture: Capture) -> str | None:
@@ -130,8 +132,11 @@ def _cross_rank_lines(capture: Capture, stands: AnomalyVerdict | None = None) ->
     return lines
 
 
-def _agent_cost_lines(cost: dict[str, Any], tracer: dict[str, Any]) -> list[str]:
-    """distanom's own time beside tracing's (rank 0), and the two together."""
+def _agent_cost_lines(
+    cost: dict[str, Any], tracer: dict[str, Any], median_ms: float | None
+) -> list[str]:
+    """distanom's own time beside tracing's (rank 0), and the two together; on short
+    steps timed by events, what the adaptive clock would save."""
     pct = cost.get("pct_of_median_step")
     boundary, control = cost.get("boundary_us_per_step"), cost.get("control_us_per_step")
     numbers = (int, float)
@@ -148,11 +153,13 @@ def _agent_cost_lines(cost: dict[str, Any], tracer: dict[str, Any]) -> list[str]
     if isinstance(tracing, numbers):
         line += f"; with tracing about {pct + tracing:.2f}% of the run"
     lines = [line]
-    if pct >= CLOCK_HINT_PCT and cost.get("clock_mode") == "cuda_event":
+    short = isinstance(median_ms, numbers) and median_ms < ADAPTIVE_BELOW_MS
+    if pct >= CLOCK_HINT_PCT and short and cost.get("clock_mode") == "cuda_event":
         # a launch-bound loop pays host time in full; a GPU-bound one hides it (README)
         lines.append(
             "  short launch-bound steps pay this in full; clock.mode: adaptive drops the "
-            "CUDA event of each step, ~20-25 us on an H200 (README: what it gives up)"
+            "CUDA event of each step, ~20-25 us on an H200 (README, Configuration: what "
+            "it gives up)"
         )
     return lines
 
@@ -217,7 +224,7 @@ def _run_lines(report: Report) -> list[str]:
     if tracer.get("note"):
         lines.append(f"  {tracer['note']}")
     lines += _overhead_lines(tracer)
-    lines += _agent_cost_lines(report.agent_cost, tracer)
+    lines += _agent_cost_lines(report.agent_cost, tracer, steps.median_ms)
     detector = report.detector
     if detector:
         lines.append(

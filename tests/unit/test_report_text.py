@@ -76,11 +76,18 @@ def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> Non
     assert "; 4 held distanom's own work (captures, heavy rounds), judged without it" in text
 
 
-def test_own_time_over_one_percent_on_the_event_clock_names_the_cheaper_clock(
+def test_own_time_over_one_percent_on_short_event_timed_steps_names_the_cheaper_clock(
     tmp_path: Path,
 ) -> None:
-    """Only the event clock has an event to drop, and only from 1% of a step is it said."""
-    cases = [(2.17, "cuda_event", True), (0.97, "cuda_event", False), (2.17, "adaptive", False)]
+    """Only the event clock has an event to drop, only from 1% of a step is it said, and
+    only on steps short enough for the adaptive clock to switch (make_run's are 1.5 ms)."""
+    cases = [
+        (2.17, "cuda_event", True),
+        (1.00, "cuda_event", True),
+        (0.99, "cuda_event", False),
+        (2.17, "adaptive", False),
+        (2.17, None, False),
+    ]
     for index, (pct, mode, hinted) in enumerate(cases):
         run = make_run(tmp_path / str(index), [], hosts=["a"])
         cost = {"boundary_us_per_step": 36.0, "control_us_per_step": 26.0}
@@ -88,9 +95,30 @@ def test_own_time_over_one_percent_on_the_event_clock_names_the_cheaper_clock(
         write_json_atomic(
             run.status_json, {"state": "finished", "world_size": 1, "agent_cost": cost}
         )
-        text = render_text(run_report(load_run(str(run.path))))
+        report = run_report(load_run(str(run.path)))
+        assert report.steps.median_ms is not None and report.steps.median_ms < 10
+        text = render_text(report)
         assert f"= {pct:.2f}% of the median step" in text
         assert ("clock.mode: adaptive drops the CUDA event" in text) is hinted, (pct, mode)
+
+
+def test_no_clock_hint_where_steps_are_too_long_for_the_adaptive_clock(tmp_path: Path) -> None:
+    run = make_run(tmp_path, [], hosts=["a"], step_ms=12.0)
+    cost = {"boundary_us_per_step": 62.0, "control_us_per_step": 53.0}
+    cost |= {"pct_of_median_step": 1.5, "clock_mode": "cuda_event"}
+    write_json_atomic(run.status_json, {"state": "finished", "world_size": 1, "agent_cost": cost})
+    report = run_report(load_run(str(run.path)))
+    assert report.steps.median_ms is not None and report.steps.median_ms >= 10
+    text = render_text(report)
+    assert "= 1.50% of the median step" in text
+    assert "clock.mode: adaptive" not in text
+
+
+def test_the_reports_adaptive_threshold_is_the_clocks() -> None:
+    from distanom.analysis.render_text import ADAPTIVE_BELOW_MS
+    from distanom.clock import HOST_BELOW_MS
+
+    assert ADAPTIVE_BELOW_MS == HOST_BELOW_MS
 
 
 def test_no_overhead_line_before_any_untraced_window(tmp_path: Path) -> None:
