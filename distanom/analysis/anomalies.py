@@ -381,7 +381,11 @@ def _by_durations(
     )
     if not times:
         return AnomalyVerdict(None, "unknown", "no rank's evidence was recorded", "none")
+    # with one rank timed there is no next rank: its lead is the step's slowdown
     lead = times[0][0] - times[1][0] if len(times) > 1 else slowdown
+    than = "the next rank's" if len(times) > 1 else "the median"
+    if len(times) == 1 and len(record.durations_ms) > 1:
+        than += " (no other rank's time recorded)"
     culprit = times[0][1]
     details = {"durations_ms": {str(r): _round(t) for t, r in sorted(times, key=lambda x: x[1])}}
     if lead < CULPRIT_SHARE * slowdown:
@@ -395,7 +399,7 @@ def _by_durations(
     cause, why = _device_cause(record, evidence, culprit, slowdown) or _host_cause(
         record, evidence, culprit, lead, slowdown
     )
-    text = f"rank {culprit}'s step took {lead:.1f} ms longer than the next rank's; {why}"
+    text = f"rank {culprit}'s step took {lead:.1f} ms longer than {than}; {why}"
     return AnomalyVerdict(culprit, cause, text, "durations", details)
 
 

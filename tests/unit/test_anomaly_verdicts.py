@@ -96,6 +96,19 @@ def test_without_arrival_the_longest_duration_leads() -> None:
     assert judge(record(ev)).cause == "unknown"
 
 
+def test_a_lone_ranks_lead_is_over_the_median_not_over_a_next_rank() -> None:
+    alone = judge(record([StepEvidence(NAN, 0, 1.0, 0.0, 312.0)], durations=(315.0,)))
+    assert alone.evidence.startswith("rank 0's step took 300.0 ms longer than the median; ")
+    # two ranks, only one timed: said so
+    ev = [StepEvidence(NAN, 0, 1.0, 0.0), StepEvidence(NAN, 0, 1.0, 0.0)]
+    one_timed = judge(record(ev, durations=(NAN, 315.0)))
+    assert one_timed.evidence.startswith(
+        "rank 1's step took 300.0 ms longer than the median (no other rank's time recorded); "
+    )
+    two_timed = judge(record(ev, durations=(15.0, 315.0)))
+    assert two_timed.evidence.startswith("rank 1's step took 300.0 ms longer than the next rank's")
+
+
 def test_a_step_longer_on_the_gpu_than_on_the_host_is_gpu_work() -> None:
     # one GPU rank, no collectives: 315 ms by its CUDA events, its host through the step
     # in 16 ms (the launches went on; the device ran long): the device's work grew
