@@ -131,6 +131,9 @@ class ControlLoop:
         self._sizer = RoundSizer(config.consensus, config.tracer)
         # with a tracer, a slowdown ends a long round early: it is traced a few steps in
         self._end_rounds_early = config.tracer.backend != "none"
+        # training's end (FINAL) taken from the inbox: a round that fails after it must
+        # not wait for it again (the exit would wait its whole timeout)
+        self._final_taken = False
 
     # -- life cycle (called from the training thread) ----------------------------------
 
@@ -203,8 +206,9 @@ class ControlLoop:
         next_status = 0.0
         self.inbox.wake_at = DRAIN_WAKE_AT
         while True:
-            items = self.inbox.take(1.0)
-            ended = any(item is FINAL for item in items)
+            items = [] if self._final_taken else self.inbox.take(1.0)
+            ended = self._final_taken or any(item is FINAL for item in items)
+            self._final_taken = ended
             self._log_steps([item for item in items if item is not FINAL])
             self._say_peers_ended(ended)
             if ended:
@@ -291,6 +295,7 @@ class ControlLoop:
             items = self.inbox.take(self._sleep_s(due))
             records = [item for item in items if item is not FINAL]
             final = final or len(records) != len(items)
+            self._final_taken = final
             gathered_before = self._gathered_step
             self.pacer.begin(self.detector.median_ms, self._round_steps(builder), final=final)
             if records:  # by columns: no tuple made per step (zip reuses its result)

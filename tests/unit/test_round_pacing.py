@@ -219,6 +219,37 @@ def test_a_control_thread_abandoned_at_exit_writes_nothing_to_the_closed_steps_f
     agent.close()
 
 
+def test_a_group_lost_in_the_final_round_does_not_hold_up_the_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank that vanished near the end is often found out only in the final round,
+    after training's end was taken from the inbox: the exit must not wait for it again
+    (it waited analysis.exit_timeout_s + 10 s, and abandoned the control thread)."""
+    from distanom.world import GroupUnavailableError
+
+    run_round = control_loop.ControlLoop._run_round
+
+    def lost_at_the_end(self: control_loop.ControlLoop, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("final"):
+            raise GroupUnavailableError("all-gather failed: connection reset by peer")
+        return run_round(self, *args, **kwargs)
+
+    monkeypatch.setattr(control_loop.ControlLoop, "_run_round", lost_at_the_end)
+    with caplog.at_level("WARNING", logger="distanom"):
+        began = time.monotonic()
+        agent = run_agent(tmp_path, 40, 0.002, ["analysis.exit_timeout_s=5"])
+        closed_in = time.monotonic() - began
+    assert not agent.control.is_alive()
+    assert closed_in < 12.0, closed_in  # training and close; it waited 5 + 10 s more before
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "still running at exit" in m]
+    assert agent.health.consensus_error is not None
+    assert "connection reset" in agent.health.consensus_error
+    assert agent.run is not None
+    status = json.loads((agent.run.path / "status.json").read_text())
+    assert status["state"] == "finished" and status["step"] == 40
+
+
 @pytest.mark.parametrize("backend", ["none", "kineto"])
 def test_the_gathered_row_has_room_for_batch_steps(tmp_path: Path, backend: str) -> None:
     # with a tracer too: rounds away from traced steps are as long as detection's
