@@ -102,6 +102,7 @@ class CaptureWorker:
         self._max_bytes = int(config.capture.max_disk_mb * 1024 * 1024)
         self._closing = False
         self._close_deadline = math.inf
+        self._last_ended_step: int | None = None  # known once training is over
         self.stats = CaptureStats()
         # time spent in heavy work (monotonic ns), and when the current one began: the
         # agent charges it to the steps it overlapped, which detection then discounts
@@ -153,8 +154,11 @@ class CaptureWorker:
         for decision in decisions:
             self._queue.put(decision)
 
-    def close(self, timeout_s: float) -> None:
-        """Finish what the tracer can still answer, within `timeout_s`, then stop."""
+    def close(self, timeout_s: float, *, last_ended_step: int | None = None) -> None:
+        """Finish what the tracer can still answer, within `timeout_s`, then stop. A
+        decision for a step after `last_ended_step` (training's last) is missed at once:
+        that step never ran, and waiting for it would hold the exit for `timeout_s`."""
+        self._last_ended_step = last_ended_step
         self._close_deadline = time.monotonic() + timeout_s
         self._closing = True
         self._queue.put(None)
@@ -254,7 +258,8 @@ class CaptureWorker:
         spent, polls = self._lookups.pop(key, (0, 0))
         spent, polls = spent + locate_ns, polls + 1
         if availability is Availability.PENDING and not (
-            self._closing and time.monotonic() > self._close_deadline
+            self._closing
+            and (time.monotonic() > self._close_deadline or self._never_ran(decision.step))
         ):
             if len(self._lookups) < 4096:  # decisions still pending; bounded all the same
                 self._lookups[key] = (spent, polls)
@@ -280,6 +285,11 @@ class CaptureWorker:
         finally:
             self._end_busy(built)
         return True
+
+    def _never_ran(self, step: int) -> bool:
+        """Whether training ended before `step` did (known only once it is over)."""
+        last = self._last_ended_step
+        return last is not None and step > last
 
     def _missed(self, step: int) -> None:
         self.stats.missed += 1

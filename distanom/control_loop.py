@@ -195,7 +195,8 @@ class ControlLoop:
             self._drain_until_final()
         capture = self.health.capture
         if capture is not None:
-            capture.close(self.config.analysis.exit_timeout_s)
+            ended = self.boundaries.current_step - 1  # no boundary comes after this
+            capture.close(self.config.analysis.exit_timeout_s, last_ended_step=ended)
         if self.world.rank == 0:
             self.evidence.close(self.run)
             self._write_status(self._outcome[0])

@@ -353,3 +353,29 @@ def test_numpy_numbers_encode_without_the_slow_path() -> None:
 
     document = {"ts": np.float64(1.5), "n": np.int64(3), "bad": float("nan")}
     assert json.loads(encode_document(document)) == {"ts": 1.5, "n": 3, "bad": None}
+
+
+class FutureTracer(ReadyTracer):
+    """Steps up to 40 ended and are held; later ones have not come (yet)."""
+
+    def availability(self, step: int) -> Availability:
+        return Availability.READY if step <= 40 else Availability.PENDING
+
+
+def test_a_step_training_never_reached_does_not_hold_up_the_exit(tmp_path: Path) -> None:
+    # a request for steps after training's end (an on-demand capture, a straggler's trace)
+    run = RunDir(create_run(tmp_path, "ended"))
+    config = load_config(None, ["analysis.on_capture=report"])
+    worker = CaptureWorker(run, WorldInfo.from_env({}), FutureTracer(), config, tracer_name="f")
+    worker.submit([decision(38), decision(45)])
+    began = time.monotonic()
+    worker.close(5.0, last_ended_step=40)
+    assert time.monotonic() - began < 2.0  # not the 5 s it waited for step 45 before
+    assert worker.stats.missed_steps == [45] and run.trace_path(38, 0).exists()
+    # without knowing where training ended, a pending step is waited for until the timeout
+    other = RunDir(create_run(tmp_path, "unknown"))
+    worker = CaptureWorker(other, WorldInfo.from_env({}), FutureTracer(), config, tracer_name="f")
+    worker.submit([decision(45)])
+    began = time.monotonic()
+    worker.close(0.5)
+    assert time.monotonic() - began >= 0.5 and worker.stats.missed_steps == [45]
