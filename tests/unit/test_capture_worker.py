@@ -358,20 +358,27 @@ def test_numpy_numbers_encode_without_the_slow_path() -> None:
 class FutureTracer(ReadyTracer):
     """Steps up to 40 ended and are held; later ones have not come (yet)."""
 
+    last_ready_at = 0.0  # step 40 is PENDING until then
+
     def availability(self, step: int) -> Availability:
-        return Availability.READY if step <= 40 else Availability.PENDING
+        if step < 40 or (step == 40 and time.monotonic() >= self.last_ready_at):
+            return Availability.READY
+        return Availability.PENDING
 
 
 def test_a_step_training_never_reached_does_not_hold_up_the_exit(tmp_path: Path) -> None:
     # a request for steps after training's end (an on-demand capture, a straggler's trace)
     run = RunDir(create_run(tmp_path, "ended"))
     config = load_config(None, ["analysis.on_capture=report"])
-    worker = CaptureWorker(run, WorldInfo.from_env({}), FutureTracer(), config, tracer_name="f")
-    worker.submit([decision(38), decision(45)])
+    tracer = FutureTracer()
+    worker = CaptureWorker(run, WorldInfo.from_env({}), tracer, config, tracer_name="f")
+    tracer.last_ready_at = time.monotonic() + 0.3  # the last ended step, still being written
+    worker.submit([decision(38), decision(40), decision(45)])
     began = time.monotonic()
     worker.close(5.0, last_ended_step=40)
     assert time.monotonic() - began < 2.0  # not the 5 s it waited for step 45 before
-    assert worker.stats.missed_steps == [45] and run.trace_path(38, 0).exists()
+    assert worker.stats.missed_steps == [45]
+    assert run.trace_path(38, 0).exists() and run.trace_path(40, 0).exists()
     # without knowing where training ended, a pending step is waited for until the timeout
     other = RunDir(create_run(tmp_path, "unknown"))
     worker = CaptureWorker(other, WorldInfo.from_env({}), FutureTracer(), config, tracer_name="f")

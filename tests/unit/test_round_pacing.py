@@ -250,6 +250,85 @@ def test_a_group_lost_in_the_final_round_does_not_hold_up_the_exit(
     assert status["state"] == "finished" and status["step"] == 40
 
 
+def test_peers_that_ended_in_the_take_that_held_training_end_do_not_hold_up_the_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The take that holds training's end also fills a round, and that round shows another
+    rank's final flag (ranks ending together): the drain after it must not wait again."""
+    from distanom.consensus import FLAG_FINAL
+
+    class PeerEnded:
+        def __init__(self, result: Any) -> None:
+            self._result = result
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._result, name)
+
+        def ranks_with(self, flag: int) -> list[int]:
+            return [0] if flag == FLAG_FINAL else self._result.ranks_with(flag)
+
+    run_round = control_loop.ControlLoop._run_round
+    seen: list[bool] = []
+
+    def peer_ended(self: control_loop.ControlLoop, *args: Any, **kwargs: Any) -> Any:
+        result = run_round(self, *args, **kwargs)
+        if self._final_taken and not kwargs.get("final"):
+            seen.append(True)
+            return PeerEnded(result)
+        return result
+
+    take = control_loop.StepInbox.take
+
+    def late_take(self: Any, timeout_s: float) -> Any:
+        time.sleep(0.3)  # training's 40 quick steps and its end pile up for one take
+        return take(self, timeout_s)
+
+    monkeypatch.setattr(control_loop.ControlLoop, "_run_round", peer_ended)
+    monkeypatch.setattr(control_loop.StepInbox, "take", late_take)
+    with caplog.at_level("WARNING", logger="distanom"):
+        began = time.monotonic()
+        agent = run_agent(
+            tmp_path, 40, 0.0, ["analysis.exit_timeout_s=5", "consensus.batch_steps=8"]
+        )
+        closed_in = time.monotonic() - began
+    assert not agent.control.is_alive()
+    assert seen, "no round ran after training's end was taken"
+    assert closed_in < 12.0, closed_in  # it waited 5 + 10 s more before
+    assert not [r for r in caplog.records if "still running at exit" in r.getMessage()]
+
+
+def test_the_capture_worker_learns_training_s_last_ended_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class CloseSpy:
+        active, stats = True, None
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[float, int | None]] = []
+
+        def busy_ns(self) -> int:
+            return 0
+
+        def close(self, timeout_s: float, *, last_ended_step: int | None = None) -> None:
+            self.calls.append((timeout_s, last_ended_step))
+
+    spy = CloseSpy()
+    config = load_config(None, ["tracer.backend=none", "analysis.exit_timeout_s=3"])
+    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    agent.install()
+    agent.health.capture = spy  # type: ignore[assignment]
+    layer = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    try:
+        for _ in range(25):
+            layer(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+    finally:
+        agent.close()
+    # 25 optimizer steps end steps 0..24: nothing after step 24 ever ran
+    assert spy.calls == [(3.0, 24)]
+
+
 @pytest.mark.parametrize("backend", ["none", "kineto"])
 def test_the_gathered_row_has_room_for_batch_steps(tmp_path: Path, backend: str) -> None:
     # with a tracer too: rounds away from traced steps are as long as detection's
