@@ -131,9 +131,6 @@ class ControlLoop:
         self._sizer = RoundSizer(config.consensus, config.tracer)
         # with a tracer, a slowdown ends a long round early: it is traced a few steps in
         self._end_rounds_early = config.tracer.backend != "none"
-        # training's end (FINAL) taken from the inbox: a round that fails after it must
-        # not wait for it again (the exit would wait its whole timeout)
-        self._final_taken = False
 
     # -- life cycle (called from the training thread) ----------------------------------
 
@@ -207,9 +204,9 @@ class ControlLoop:
         next_status = 0.0
         self.inbox.wake_at = DRAIN_WAKE_AT
         while True:
-            items = [] if self._final_taken else self.inbox.take(1.0)
-            ended = self._final_taken or any(item is FINAL for item in items)
-            self._final_taken = ended
+            # training's end may be taken already, by a round loop that failed after it
+            items = [] if self.inbox.ended else self.inbox.take(1.0)
+            ended = self.inbox.ended
             self._log_steps([item for item in items if item is not FINAL])
             self._say_peers_ended(ended)
             if ended:
@@ -296,7 +293,6 @@ class ControlLoop:
             items = self.inbox.take(self._sleep_s(due))
             records = [item for item in items if item is not FINAL]
             final = final or len(records) != len(items)
-            self._final_taken = final
             gathered_before = self._gathered_step
             self.pacer.begin(self.detector.median_ms, self._round_steps(builder), final=final)
             if records:  # by columns: no tuple made per step (zip reuses its result)

@@ -42,6 +42,9 @@ class StepInbox:
         self._slow_runs = 0
         self._slow_runs_taken = 0
         self.took_urgent = False  # the last take drained a slow run's last step
+        # the end has been taken: nothing follows it, and no take will return it again
+        # (a consumer that failed after taking it must not wait for it)
+        self.ended = False
         self._slow_run = 0
 
     def put(self, item: Any) -> None:
@@ -86,4 +89,6 @@ class StepInbox:
         while items:  # what is queued meanwhile is taken too; each popleft is atomic
             pop = items.popleft
             out += [pop() for _ in range(len(items))]
+        if out and out[-1] is self._end:  # the one producer puts it last
+            self.ended = True
         return out

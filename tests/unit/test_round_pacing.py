@@ -46,6 +46,17 @@ def test_the_inbox_wakes_its_reader_only_when_enough_is_queued_or_at_the_end() -
     assert items == [END] and waited < 1.0
 
 
+def test_the_inbox_says_once_the_end_has_been_taken() -> None:
+    end = object()
+    inbox = StepInbox(end)
+    inbox.put(1)
+    assert inbox.take(0.0) == [1] and not inbox.ended
+    inbox.put(2)
+    inbox.put(end)
+    assert inbox.take(0.0) == [2, end] and inbox.ended
+    assert inbox.take(0.0) == [] and inbox.ended  # taken once; it stays said
+
+
 def test_an_item_queued_while_the_reader_drains_wakes_its_next_wait() -> None:
     inbox = StepInbox(END)
     inbox.wake_at = 1
@@ -272,7 +283,7 @@ def test_peers_that_ended_in_the_take_that_held_training_end_do_not_hold_up_the_
 
     def peer_ended(self: control_loop.ControlLoop, *args: Any, **kwargs: Any) -> Any:
         result = run_round(self, *args, **kwargs)
-        if self._final_taken and not kwargs.get("final"):
+        if self.inbox.ended and not kwargs.get("final"):
             seen.append(True)
             return PeerEnded(result)
         return result
