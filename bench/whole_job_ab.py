@@ -48,15 +48,16 @@ SEGMENT: dict[str, tuple[int, int]] = {
     "resnet18": (48, 300),
     "resnet18_b64": (40, 200),
     "amp": (24, 200),
-    "compile": (32, 200),
-    "compile_ro": (48, 300),
+    "compile": (48, 200),
+    "compile_ro": (112, 300),
     "hf": (24, 200),
     "lightning": (64, 400),
 }
 # ms per step measured on the H200 (bench/results/whole_job_ab_h200_75da7fd.json;
-# resnet18_b64: whole_job_ab_h200_7114d9d.json), to turn --warmup-s into steps
-NOMINAL_MS = {"resnet18": 8.7, "resnet18_b64": 12.0, "amp": 17.6, "compile": 17.6,
-              "compile_ro": 8.7, "hf": 11.0, "lightning": 3.0}  # fmt: skip
+# resnet18_b64: whole_job_ab_h200_7114d9d.json; compile*: whole_job_ab_compile_h200_be027ec.json),
+# to turn --warmup-s into steps
+NOMINAL_MS = {"resnet18": 8.7, "resnet18_b64": 12.0, "amp": 17.6, "compile": 10.0,
+              "compile_ro": 4.4, "hf": 11.0, "lightning": 3.0}  # fmt: skip
 
 
 # variant suffixes: a variant of VARIANTS with bench-only changes inside the job, through
