@@ -7,6 +7,7 @@ shares with it (`median_parts`, `ranks_cell`, `gc_sentence`, `breakdown_numbers`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +48,8 @@ OUTSIDE_NOTE = (
 # report does not import the agent's torch modules): the report names that clock
 CLOCK_HINT_PCT = 1.0
 ADAPTIVE_BELOW_MS = 10.0
+# anomalies whose evidence sentence the text report prints (the slowest, past this)
+EVIDENCE_LINES = 20
 
 
 def gc_sentence(capture: Capture) -> str | None:
@@ -335,6 +338,22 @@ def straggler_lines(report: Report) -> list[str]:
     return lines or ["no straggler and no drift"]
 
 
+def _evidence_lines(anomalies: Sequence[Anomaly]) -> list[str]:
+    """Each anomaly's evidence sentence; past `EVIDENCE_LINES` anomalies, those of the
+    slowest (by ratio to the median), in step order, and a line saying so: a run's worst
+    step must not be cut for its first few jitters."""
+    shown = list(anomalies)
+    if len(shown) > EVIDENCE_LINES:
+        worst = sorted(shown, key=lambda a: -a.ratio if math.isfinite(a.ratio) else math.inf)
+        shown = sorted(worst[:EVIDENCE_LINES], key=lambda a: a.step)
+    lines = [f"  step {a.step}: {a.verdict.evidence}" for a in shown]
+    if len(shown) < len(anomalies):
+        lines.append(
+            f"  (evidence of the {len(shown)} slowest of {len(anomalies)} shown; all in --json)"
+        )
+    return lines
+
+
 def _anomaly_lines(report: Report) -> list[str]:
     """Every judged anomalous step with its verdict, then the stragglers."""
     anomalies = report.anomalies
@@ -355,9 +374,9 @@ def _anomaly_lines(report: Report) -> list[str]:
         header = ["step", "step ms", "x median", "traced", "judged by", "culprit", "cause"]
         lines += _class_lines(report)
         lines += ["  " + line for line in table(header, rows)]
-        lines += [f"  step {a.step}: {a.verdict.evidence}" for a in anomalies[:20]]
         if len(anomalies) > 200:
             lines.append(f"  ... {len(anomalies) - 200} more (see --json)")
+        lines += _evidence_lines(anomalies)
     lines.append("stragglers:")
     lines += ["  " + line for line in straggler_lines(report)]
     return lines

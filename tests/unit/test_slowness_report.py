@@ -99,3 +99,30 @@ def test_a_capture_whose_trace_names_no_cause_points_to_the_evidence_verdict(
     section = html[html.index('id="step-40"') :]
     assert "The trace names no cause; the step&#x27;s evidence does" in section
     assert "rank 0 — host stall" in section[: section.index("</p>", section.index("The trace"))]
+
+
+def test_past_twenty_anomalies_the_text_gives_the_slowest_ones_evidence(tmp_path: Path) -> None:
+    # 30 mild anomalies around one 60x step late in the run: its evidence is printed,
+    # the cut is said, and the evidence lines stay in step order
+    run = make_run(tmp_path, [], hosts=["a", "a"])
+    late = (StepEvidence(10.0, 1, 1.0, 0.0), StepEvidence(40.0, 1, 1.0, 0.0))
+    writer = AnomalyWriter(run)
+    for step in range(10, 40):
+        slow = step == 35
+        writer.write(
+            AnomalyRecord(
+                step=step, step_ms=900.0 if slow else 25.0 + step / 10, median_ms=15.0,
+                threshold_ms=22.5, traced=False, judged_by="condition", slowest_rank=1,
+                durations_ms=(15.0, 900.0 if slow else 25.0), evidence=late,
+                arrive_median_ms=(10.0, 10.0), cpu_median_ms=(1.0, 1.0),
+            )
+        )  # fmt: skip
+    writer.close()
+    text = render_text(build_report(load_run(run.path)))
+    evidence_steps = [int(line.split()[1][:-1]) for line in text.splitlines()
+                      if line.startswith("  step ") and line.split()[1][:-1].isdigit()]  # fmt: skip
+    assert 35 in evidence_steps and len(evidence_steps) == 20
+    assert evidence_steps == sorted(evidence_steps)
+    # the 19 others are the slowest of the mild ones: steps 20-39 but 35
+    assert set(evidence_steps) == set(range(20, 40))
+    assert "(evidence of the 20 slowest of 30 shown; all in --json)" in text
