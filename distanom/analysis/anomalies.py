@@ -15,8 +15,13 @@ Pure (no torch, no files). Rules, in order (slowdown = step time - median):
    slowdown (`python_gc`); training-thread CPU time that grew by at least
    `CPU_SHARE` of the lateness (`host_busy`: the thread was computing); otherwise
    `host_stall` (late, off the CPU: sleeping, I/O, a lock, waiting on the device).
-   No rank late while the step was slow: `slow_collective` (the time went inside the
-   collective or after it, on every rank alike). Several ranks late by about as much
+   No rank late, but one rank's step longer than every other's by `CULPRIT_SHARE` of
+   the slowdown: its time went after the collective (arrivals are timed from each
+   rank's own step start), so it is the culprit with the same causes, unless the step
+   before was anomalous and another rank's step ended that much late there: this rank
+   waited inside the collective for that one, the culprit, with its late step's cause.
+   No rank late and none apart: `slow_collective` (the time went inside the collective
+   or after it, on every rank alike). Several ranks late by about as much
    (grown by at least `TOGETHER_SHARE` of the latest one's growth, and by at least
    `CULPRIT_SHARE` of the slowdown): no culprit, the time went before the collective on
    each of them; the cause is the strongest host signal among them (GC, then busy,
@@ -149,8 +154,9 @@ def anomalies_of(
                 capture.step, capture.step_ms, capture.median_ms, ratio, True, "unrecorded", verdict
             )
         )
+    by_step = {record.step: record for record in records}
     for record in records:
-        verdict = judge(record)
+        verdict = judge(record, by_step.get(record.step - 1))
         trace = traced.get(record.step)
         if trace is not None and trace.cause == "unknown" and verdict.cause != "unknown":
             trace_json = {
@@ -285,14 +291,15 @@ def _explained(verdict: AnomalyVerdict) -> bool:
     return verdict.cause not in ("unknown", "None", "")
 
 
-def judge(record: AnomalyRecord) -> AnomalyVerdict:
-    """The evidence verdict of one anomalous step (rules 2 and 3 of the module docstring)."""
+def judge(record: AnomalyRecord, previous: AnomalyRecord | None = None) -> AnomalyVerdict:
+    """The evidence verdict of one anomalous step (rules 2 and 3 of the module docstring;
+    `previous`: the record of the step before, when that step was anomalous too)."""
     slowdown = record.step_ms - record.median_ms if record.median_ms > 0 else record.step_ms
     slowdown = max(slowdown, 1e-9)
     evidence = list(record.evidence)
     arrivals = {r: e.arrive_ms for r, e in enumerate(evidence) if math.isfinite(e.arrive_ms)}
     if len(arrivals) >= 2:
-        return _by_arrival(record, evidence, arrivals, slowdown)
+        return _by_arrival(record, evidence, arrivals, slowdown, previous)
     return _by_durations(record, evidence, slowdown)
 
 
@@ -301,6 +308,7 @@ def _by_arrival(
     evidence: list[StepEvidence],
     arrivals: dict[int, float],
     slowdown: float,
+    previous: AnomalyRecord | None,
 ) -> AnomalyVerdict:
     medians = record.arrive_median_ms
     first = min(arrivals.values())
@@ -319,6 +327,9 @@ def _by_arrival(
     }
     if grown[culprit] < CULPRIT_SHARE * slowdown:
         spread = max(arrivals.values()) - first
+        after = _after_collective(record, evidence, spread, slowdown, details, previous)
+        if after is not None:
+            return after
         return AnomalyVerdict(
             None,
             "slow_collective",
@@ -339,6 +350,76 @@ def _by_arrival(
         f"slow); {why}"
     )
     return AnomalyVerdict(culprit, cause, text, "arrival", details)
+
+
+def _after_collective(
+    record: AnomalyRecord,
+    evidence: list[StepEvidence],
+    spread: float,
+    slowdown: float,
+    details: dict[str, Any],
+    previous: AnomalyRecord | None,
+) -> AnomalyVerdict | None:
+    """Every rank reached the last collective on time, yet one rank's step took longer
+    than every other's by `CULPRIT_SHARE` of the slowdown: its time went after the
+    collective (arrivals are measured from each rank's own step start). Either that rank
+    worked or waited after it (e.g. between backward and the optimizer step): the culprit;
+    or it waited inside it for a rank that began the step late, whose step before ended
+    late by as much (`previous`): that rank is the culprit, with the cause of its late
+    step. None when no one rank's step stands out (the collective itself was slow)."""
+    excess = _excess(record)
+    if len(excess) < 2:
+        return None
+    slowest = max(excess, key=lambda r: (excess[r], -r))
+    lead = excess[slowest] - max(v for r, v in excess.items() if r != slowest)
+    if lead < CULPRIT_SHARE * slowdown:
+        return None
+    details = {**details, "durations_ms": _durations_json(record)}
+    before = _excess(previous) if previous is not None else {}
+    starters = [
+        r
+        for r in before
+        if r != slowest and before[r] - before.get(slowest, 0.0) >= CULPRIT_SHARE * lead
+    ]
+    if previous is not None and starters:
+        starter = max(starters, key=lambda r: (before[r], -r))
+        earlier = judge(previous)
+        cause = earlier.cause if earlier.culprit_rank == starter else "host_stall"
+        return AnomalyVerdict(
+            starter,
+            cause,
+            f"rank {slowest} took {lead:.1f} ms longer than the others after reaching the "
+            f"step's last collective on time: it waited there for rank {starter}, whose "
+            f"step {previous.step} ended {before[starter]:.1f} ms late "
+            f"(step {previous.step}: {cause.replace('_', ' ')})",
+            "arrival",
+            {**details, "waited_for_step": previous.step},
+        )
+    cause, why = _device_cause(record, evidence, slowest, slowdown) or _host_cause(
+        record, evidence, slowest, lead, slowdown
+    )
+    return AnomalyVerdict(
+        slowest,
+        cause,
+        f"every rank reached the step's last collective within {spread:.1f} ms of the "
+        f"first; then rank {slowest}'s step took {lead:.1f} ms longer than the others' "
+        f"(after the collective, e.g. between backward and the optimizer step); {why}",
+        "arrival",
+        details,
+    )
+
+
+def _excess(record: AnomalyRecord) -> dict[int, float]:
+    """Per rank with a known duration: its step time over the median."""
+    return {
+        rank: duration - record.median_ms
+        for rank, duration in enumerate(record.durations_ms)
+        if math.isfinite(duration)
+    }
+
+
+def _durations_json(record: AnomalyRecord) -> dict[str, float | None]:
+    return {str(r): _round(t) for r, t in enumerate(record.durations_ms) if math.isfinite(t)}
 
 
 def _late_together(

@@ -209,3 +209,45 @@ def test_status_counts_the_trace_files_kept(tmp_path: Path) -> None:
     assert "trace files kept 5 (0.0 MB on rank 0, 2 replaced)" in text
     status["captures"] = {"written": 3, "bytes": 2_500_000}  # a status from before `replaced`
     assert "trace files kept 3 (2.5 MB on rank 0)" in render_status(RunDir(tmp_path), status)
+
+
+def test_a_rank_slow_after_the_last_collective_is_the_culprit() -> None:
+    # DDP: the gradients' all-reduce ends in backward; rank 1 then sleeps 300 ms before
+    # optimizer.step(). Both reached the collective on time (arrivals are from each
+    # rank's own step start), but only rank 1's step was slow: rank 1, a host stall
+    ev = [StepEvidence(0.47, 1, 1.0, 0.0), StepEvidence(0.46, 1, 1.0, 0.0)]
+    verdict = judge(record(ev, durations=(17.0, 315.0), arrive_median_ms=(0.5, 0.5)))
+    assert (verdict.culprit_rank, verdict.cause, verdict.source) == (1, "host_stall", "arrival")
+    assert "then rank 1's step took 298.0 ms longer than the others'" in verdict.evidence
+    assert verdict.details["durations_ms"] == {"0": 17.0, "1": 315.0}
+    # busy on the CPU after the collective (e.g. a checkpoint's serialization)
+    busy = [StepEvidence(0.47, 1, 1.0, 0.0), StepEvidence(0.46, 1, 290.0, 0.0)]
+    verdict = judge(record(busy, durations=(17.0, 315.0), arrive_median_ms=(0.5, 0.5)))
+    assert (verdict.culprit_rank, verdict.cause) == (1, "host_busy")
+
+
+def test_waiting_for_a_rank_that_began_the_step_late_names_that_rank() -> None:
+    # the step after: rank 1 began it 300 ms late, rank 0 waited in its collective; rank
+    # 0's step is the slow one, the culprit is rank 1 (its step before ended late)
+    ev = [StepEvidence(0.48, 1, 1.0, 0.0), StepEvidence(1.1, 1, 1.0, 0.0)]
+    before = record(ev, durations=(17.0, 315.0), arrive_median_ms=(0.5, 0.5))
+    after = record(ev, step=41, durations=(315.0, 17.0), arrive_median_ms=(0.5, 0.5))
+    verdict = judge(after, before)
+    assert (verdict.culprit_rank, verdict.cause) == (1, "host_stall")
+    assert "it waited there for rank 1, whose step 40 ended 300.0 ms late" in verdict.evidence
+    assert verdict.details["waited_for_step"] == 40
+    # without the step before, rank 0 itself is named: the rule needs that record
+    assert judge(after).culprit_rank == 0
+    # through anomalies_of, which hands each record the one before it
+    verdicts = {a.step: a.verdict for a in anomalies_of([before, after])}
+    assert (verdicts[40].culprit_rank, verdicts[41].culprit_rank) == (1, 1)
+    # a step before where the slow rank was slow too is no excuse: rank 0 again
+    both = record(ev, durations=(315.0, 315.0), arrive_median_ms=(0.5, 0.5))
+    assert judge(after, both).culprit_rank == 0
+
+
+def test_equally_slow_after_the_collective_is_still_the_collective() -> None:
+    # every rank's step as slow and every arrival on time: no rank stands out
+    ev = [StepEvidence(0.47, 1, 1.0, 0.0), StepEvidence(0.46, 1, 1.0, 0.0)]
+    verdict = judge(record(ev, durations=(300.0, 315.0), arrive_median_ms=(0.5, 0.5)))
+    assert (verdict.culprit_rank, verdict.cause) == (None, "slow_collective")
