@@ -39,6 +39,10 @@ def main() -> None:
     parser.add_argument("--stall-rank", type=int, default=-1)
     parser.add_argument("--stall-steps", type=parse_steps, default=set())
     parser.add_argument("--stall-s", type=float, default=0.5)
+    parser.add_argument(
+        "--stall-after-backward", action="store_true",
+        help="stall between backward() and optimizer.step(), after the gradients' all-reduce",
+    )  # fmt: skip
     parser.add_argument("--gpu-sleep-rank", type=int, default=-1)
     parser.add_argument("--gpu-sleep-steps", type=parse_steps, default=set())
     parser.add_argument("--gpu-sleep-cycles", type=int, default=20_000_000)
@@ -76,12 +80,15 @@ def main() -> None:
             os._exit(0)  # a rank that vanishes without any cleanup
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        if rank == args.stall_rank and step in args.stall_steps:
+        stall = rank == args.stall_rank and step in args.stall_steps
+        if stall and not args.stall_after_backward:
             time.sleep(args.stall_s)
         if step in args.all_slow_steps:
             time.sleep(args.all_slow_s)
         loss = nn.functional.mse_loss(model(inputs), targets)
         loss.backward()
+        if stall and args.stall_after_backward:
+            time.sleep(args.stall_s)
         if use_cuda and rank == args.gpu_sleep_rank and step in args.gpu_sleep_steps:
             torch.cuda._sleep(args.gpu_sleep_cycles)
         optimizer.step()

@@ -51,6 +51,27 @@ def test_untraced_stalls_each_get_the_stalled_rank_as_culprit(
     assert "anomalies (" in text and "rank 2 reached the step's last collective" in text
 
 
+def test_a_stall_after_backward_names_the_stalled_rank_in_both_steps_it_slows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # DDP's all-reduce ends inside backward(); rank 1 then sleeps before optimizer.step():
+    # its own step is slow (after the collective), and rank 0's next one waits for it
+    done = torchrun(
+        2,
+        [*UNTRACED, "--set", "detect.min_steps=15"],
+        ["--steps", "70", "--step-sleep", "0.01", "--stall-rank", "1",
+         "--stall-steps", "40", "--stall-s", "0.3", "--stall-after-backward"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    anomalies = {a["step"]: a for a in report_json(tmp_path / "runs", capsys)["anomalies"]}
+    stalled, waited = anomalies[40]["verdict"], anomalies[41]["verdict"]
+    assert (stalled["culprit_rank"], stalled["cause"]) == (1, "host_stall"), stalled
+    assert "then rank 1's step took" in stalled["evidence"]
+    assert (waited["culprit_rank"], waited["cause"]) == (1, "host_stall"), waited
+    assert "it waited there for rank 1, whose step 40 ended" in waited["evidence"]
+
+
 def test_a_rank_slower_from_some_step_on_is_named_first_among_stragglers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
