@@ -179,6 +179,8 @@ def request_capture(run_dir: str, n_steps: int, ranks_text: str | None, timeout_
     (CaptureRequestError when refused, stopped or timed out)."""
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise CaptureRequestError(f"--timeout must be a positive number of seconds: {timeout_s}")
+    ranges = parse_ranks(ranks_text)
+    validate_request(n_steps, ranges, None)  # a bad argument is said before the job's state
     run = RunDir.open(run_dir)
     status = read_status(run)
     if not job_alive(status):
@@ -187,7 +189,6 @@ def request_capture(run_dir: str, n_steps: int, ranks_text: str | None, timeout_
             state = "its status heartbeat stopped"
         raise CaptureRequestError(f"{run.path}: the job is not running ({state}); nothing to ask")
     assert status is not None
-    ranges = parse_ranks(ranks_text)
     world_size = world_size_of(dict(status))
     validate_request(n_steps, ranges, world_size)
     request_id = submit_request(run, n_steps, ranges)

@@ -106,8 +106,11 @@ def parse_ranks(text: str | None) -> tuple[tuple[int, int], ...]:
     return tuple(merged)
 
 
-def validate_request(n_steps: int, ranges: tuple[tuple[int, int], ...], world_size: int) -> None:
-    """Raise CaptureRequestError unless the step count and ranks fit this job."""
+def validate_request(
+    n_steps: int, ranges: tuple[tuple[int, int], ...], world_size: int | None
+) -> None:
+    """Raise CaptureRequestError unless the step count and ranks fit this job (with
+    `world_size` None, every check but the ranks' existence)."""
     if not 1 <= n_steps <= MAX_REQUEST_STEPS:
         raise CaptureRequestError(f"--steps must be 1..{MAX_REQUEST_STEPS}, got {n_steps}")
     if len(ranges) > MAX_RANK_RANGES:
@@ -116,6 +119,8 @@ def validate_request(n_steps: int, ranges: tuple[tuple[int, int], ...], world_si
         )
     if any(lo < 0 or hi < lo for lo, hi in ranges):
         raise CaptureRequestError("--ranks: ranges must be non-negative and run forwards")
+    if world_size is None:
+        return
     unknown = [hi for _, hi in ranges if hi >= world_size]
     if unknown:
         raise CaptureRequestError(

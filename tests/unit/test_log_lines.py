@@ -67,3 +67,22 @@ def test_a_stale_running_status_is_not_called_running(tmp_path) -> None:  # type
     with pytest.raises(CaptureRequestError, match="not running") as info:
         request_capture(str(tmp_path), 1, None, 1.0)
     assert "(running)" not in str(info.value) and "heartbeat stopped" in str(info.value)
+
+
+def test_capture_checks_its_arguments_before_the_jobs_state(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    import pytest
+
+    from distanom.errors import CaptureRequestError
+    from distanom.live import request_capture
+
+    (tmp_path / "status.json").write_text(json.dumps({"state": "finished", "updated_at": 1.0}))
+    (tmp_path / "run.json").write_text("{}")
+    with pytest.raises(CaptureRequestError, match=r"--steps must be 1\.\.\d+, got 0"):
+        request_capture(str(tmp_path), 0, None, 1.0)
+    with pytest.raises(CaptureRequestError, match="--ranks"):
+        request_capture(str(tmp_path), 1, "x", 1.0)
+    # good arguments: then the job's state is what is said
+    with pytest.raises(CaptureRequestError, match=r"not running \(finished\)"):
+        request_capture(str(tmp_path), 1, "0", 1.0)
