@@ -174,6 +174,8 @@ def _overhead_lines(tracer: dict[str, Any]) -> list[str]:
     fraction = duty.get("traced_fraction")
     if not isinstance(fraction, (int, float)):
         return []
+    if "backend" in tracer and tracer["backend"] is None:
+        return []  # no tracer ever started (a run that failed first): nothing was traced
     budget = duty.get("budget_pct")
     measured = (
         f"measured overhead {overhead:.1f}% of step time while tracing"

@@ -131,6 +131,17 @@ def test_no_overhead_line_before_any_untraced_window(tmp_path: Path) -> None:
     assert "overhead not measured yet (no traced window compared with an untraced one" in text
 
 
+def test_no_tracing_line_when_no_tracer_started(tmp_path: Path) -> None:
+    # a script that failed before its first step: the duty cycle's first window was
+    # decided, but nothing was traced, and "100% of steps traced" would say otherwise
+    run = make_run(tmp_path, [], hosts=["a"])
+    tracer = {"backend": None, "note": "tracer: not started"}
+    tracer["duty_cycle"] = {"traced_fraction": 1.0, "budget_pct": 1.0}
+    write_json_atomic(run.status_json, {"state": "failed", "world_size": 1, "tracer": tracer})
+    text = render_text(run_report(load_run(str(run.path))))
+    assert "tracer: not started" in text and "tracing:" not in text
+
+
 def test_header_names_which_median_the_threshold_multiplies(tmp_path: Path) -> None:
     """The run's median and the detector's rolling median differ: both are labelled, and
     the threshold is shown as the multiple of the one it comes from."""
