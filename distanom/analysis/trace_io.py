@@ -278,9 +278,24 @@ def load_trace(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYT
     """Read a trace file and reduce it to a compact `Trace` (see `trace_from_document`)."""
     with _gc_paused():
         doc = read_trace_document(path, max_bytes=max_bytes)
+        _refuse_merged(doc, path)
         trace = trace_from_document(doc, os.fspath(path))
         del doc  # freed by reference counting before the cyclic GC resumes
     return trace
+
+
+def _refuse_merged(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """The report's merged trace holds every rank (for viewing): one table of it would
+    add the ranks' times together, so it is refused by name."""
+    own = doc.get("distanom")
+    if isinstance(own, dict) and own.get("merged") is True:
+        ranks = own.get("ranks")
+        count = f"{len(ranks)} ranks" if isinstance(ranks, dict) else "every rank"
+        raise _fail(
+            path,
+            f"a merged trace of {count}, for viewing; analyze one rank's file "
+            "(rank<R>.trace.json.gz beside it)",
+        )
 
 
 # Whether loads may pause the cyclic GC. Inside a training process the agent turns it off:

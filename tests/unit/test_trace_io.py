@@ -318,3 +318,26 @@ def test_missing_stream_and_host_spans() -> None:
     )
     assert trace.gpu_events[0].stream is None
     assert [e.name for e in trace.host_events] == ["aten::mm", "ann"]
+
+
+def test_analyze_refuses_the_reports_merged_trace_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # every rank in one document: one table of it would add the ranks' times together
+    from distanom.cli import main as cli_main
+
+    doc: dict[str, Any] = {"traceEvents": [gpu("k", 0.0, 5.0)]}
+    doc["distanom"] = {"merged": True, "step": 3, "ranks": {"0": "a", "1": "a"}}
+    merged = tmp_path / "merged.trace.json.gz"
+    merged.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    with pytest.raises(TraceFormatError, match="a merged trace of 2 ranks"):
+        load_trace(merged)
+    capsys.readouterr()
+    assert cli_main(["analyze", str(merged)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "merged trace of 2 ranks" in line and "rank<R>.trace.json.gz" in line
+    # the same document without the mark is one rank's trace, analyzed as before
+    del doc["distanom"]
+    single = tmp_path / "rank0.trace.json.gz"
+    single.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    assert load_trace(single).gpu_events
