@@ -182,6 +182,9 @@ class Agent:
         stats = self.health.capture.stats if self.health.capture else None
         duty = self.duty.report() or {}
         run = self.run
+        where = str(run.path) if run is not None else None
+        if where is not None and self.health.check_run_dir():
+            where += " (removed during the run)"
         return end_line(
             outcome=outcome if outcome == "finished" else f"{outcome} (exit status {exit_code})",
             steps=self.boundaries.current_step,
@@ -189,7 +192,7 @@ class Agent:
             kept=stats.kept if stats else 0,
             bytes_written=stats.bytes_written if stats else 0,
             missed=stats.missed if stats else 0,
-            where=str(run.path) if run is not None else None,
+            where=where,
             overhead_pct=duty.get("measured_overhead_pct"),
             capture_ms=self.boundaries.last_busy_ns / 1e6,
             replaced=stats.dropped if stats else 0,

@@ -25,6 +25,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,9 +88,19 @@ class CaptureWorker:
     """One per rank; see the module docstring."""
 
     def __init__(
-        self, run: RunDir, world: WorldInfo, tracer: Tracer, config: Config, *, tracer_name: str
+        self,
+        run: RunDir,
+        world: WorldInfo,
+        tracer: Tracer,
+        config: Config,
+        *,
+        tracer_name: str,
+        warn: Callable[..., None] | None = None,
     ) -> None:
         self._run = run
+        # a failed write's warning, once per key (the agent's says once for every writer
+        # when the whole run directory is gone)
+        self._warn = warn or _WarnOnce()
         self._world = world
         self._tracer = tracer
         self._config = config
@@ -97,8 +108,6 @@ class CaptureWorker:
         self._queue: queue.SimpleQueue[CaptureDecision | None] = queue.SimpleQueue()
         self._pending: list[CaptureDecision] = []
         self._kinds: dict[int, set[str]] = {}  # step -> kinds this rank holds a trace for
-        self._cleanup_failed = False  # warn once about a capture folder left behind
-        self._contended_warned = False  # warn once about a folder removed under a write
         self._max_bytes = int(config.capture.max_disk_mb * 1024 * 1024)
         self._closing = False
         self._close_deadline = math.inf
@@ -107,7 +116,7 @@ class CaptureWorker:
         # time spent in heavy work (monotonic ns), and when the current one began: the
         # agent charges it to the steps it overlapped, which detection then discounts
         self._busy_ns = 0
-        self._analysis_failed = False  # warn once, then leave the tables to the report
+        self._analysis_failed = False  # then the tables are left to the report
         self._busy_since: int | None = None
         self._busy_lookup = False  # the current work is a tracer lookup (see busy_ns)
         # (step, kind) -> time spent asking the tracer for it so far (ns), and how often
@@ -343,9 +352,12 @@ class CaptureWorker:
         except CaptureFolderContendedError as err:
             # a race with other ranks' cleanup, not a broken run directory: this capture
             # is missed, capture goes on
-            if not self._contended_warned:
-                self._contended_warned = True
-                log.warning("capture of step %d missed (logged once): %s", decision.step, err)
+            self._warn(
+                "capture-contended",
+                "capture of step %d missed (logged once): %s",
+                decision.step,
+                err,
+            )
             self._missed(decision.step)
             return
         except BaseException:
@@ -377,7 +389,8 @@ class CaptureWorker:
             write_rank_tables(self._run, step, self._world.rank, path, self._config.analysis.engine)
         except Exception as err:  # tables can be computed again at report time
             self._analysis_failed = True
-            log.warning(
+            self._warn(
+                "capture-tables",
                 "capture: tables of step %d not computed (%s); distanom report will compute them",
                 step,
                 err,
@@ -407,14 +420,13 @@ class CaptureWorker:
         try:
             self._run.remove_capture_dir_if_empty(step)
         except Exception as err:
-            if not self._cleanup_failed:
-                self._cleanup_failed = True
-                log.warning(
-                    "capture: could not remove the emptied folder of step %d (%s); "
-                    "empty capture folders may be left behind",
-                    step,
-                    err,
-                )
+            self._warn(
+                "capture-cleanup",
+                "capture: could not remove the emptied folder of step %d (%s); "
+                "empty capture folders may be left behind",
+                step,
+                err,
+            )
 
     def _index(
         self,
@@ -449,7 +461,20 @@ class CaptureWorker:
         """Count a failed capture; the first is logged, the rest only counted."""
         self.stats.errors += 1
         self.stats.last_error = reason
-        if self.stats.errors == 1:
-            log.warning(
-                "capture: %s (logged once, later failures are counted; capture goes on)", reason
-            )
+        self._warn(
+            "capture-error",
+            "capture: %s (logged once, later failures are counted; capture goes on)",
+            reason,
+        )
+
+
+class _WarnOnce:
+    """Warn once per key (a worker made without the agent's health, as in tests)."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def __call__(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._seen:
+            self._seen.add(key)
+            log.warning(message, *args)

@@ -15,12 +15,9 @@ import collections
 import contextlib
 import logging
 import math
-import platform
 import threading
 import time
 from pathlib import Path
-
-import torch
 
 from distanom.boundary import FINAL, STEP_SKIPPED, StepBoundaries, StepRecord
 from distanom.capture import CaptureWorker
@@ -51,13 +48,12 @@ from distanom.health import Health
 from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
 from distanom.pacing import RoundPacer
-from distanom.records.run_info import build_run_info, write_run_info
+from distanom.records.run_info import build_run_info, runtime_versions, write_run_info
 from distanom.records.status import TracerReport, write_status
 from distanom.records.steps import StepsWriter
 from distanom.request_desk import RequestDesk
 from distanom.rounds import RoundBuilder, RoundSizer
 from distanom.rundir import RunDir, create_run, update_latest
-from distanom.version import __version__
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
 
 log = logging.getLogger(__name__)
@@ -113,11 +109,11 @@ class ControlLoop:
         self._outcome = ("finished", 0)  # how the script ended: the run's last state
         self._recent: collections.deque[StepSample] = collections.deque(maxlen=RECENT_STEPS)
         self._gathered_step = -1
-        self.requests = RequestDesk(world.world_size, health.warn_once)  # used on rank 0
+        self.requests = RequestDesk(world.world_size, health.warn_write_failed)  # used on rank 0
         self._steps: StepsWriter | None = None
         self._started_at = time.time()
         self._round_began = time.monotonic()  # when the latest round started waiting
-        self.evidence = EvidenceTier(boundaries.evidence_marks, world.world_size, health.warn_once)
+        self.evidence = EvidenceTier(boundaries.evidence_marks, world.world_size, health)
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
         self.hang_watch: HangWatch | None = None  # told when a round fails
         self.rounds = 0  # rounds run
@@ -250,6 +246,7 @@ class ControlLoop:
             self.health.capture_off(f"{run.path}: not writable ({err.strerror})")
             return
         self.run = run
+        self.health.run_dir = run.path
         if world.rank == 0:
             hosts = [self.group.lookup(f"host/{r}") for r in range(world.world_size)]
             self._write_run_json(hosts)
@@ -260,12 +257,7 @@ class ControlLoop:
             return
         info = build_run_info(
             run_id=self.run.run_id,
-            versions={
-                "distanom": __version__,
-                "torch": torch.__version__,
-                "cuda": torch.version.cuda,
-                "python": platform.python_version(),
-            },
+            versions=runtime_versions(),
             world_size=self.world.world_size,
             started_at=self._started_at,
             argv=self.argv,
@@ -496,7 +488,12 @@ class ControlLoop:
                 self.health.capture_off("no tracer is running")
                 return
             capture = CaptureWorker(
-                self.run, self.world, tracer, self.config, tracer_name=tracer.name
+                self.run,
+                self.world,
+                tracer,
+                self.config,
+                tracer_name=tracer.name,
+                warn=self.health.warn_write_failed,
             )
             self.health.capture = capture
         capture.submit(decisions)
@@ -551,18 +548,19 @@ class ControlLoop:
         try:
             steps.write_fields(rows)
         except (OSError, ValueError) as err:
-            self._warn_once("steps", "steps file: %s; step times not recorded", err)
-            self._steps = None
+            self._steps_failed(err)
 
     def _flush_steps(self) -> None:
-        steps = self._steps
-        if steps is not None:
-            try:
-                steps.flush()
-            except (OSError, ValueError) as err:  # ValueError: closed at exit meanwhile
-                reason = (err.strerror if isinstance(err, OSError) else None) or str(err)
-                self._warn_once("steps", "steps file: %s; step times not recorded", reason)
-                self._steps = None
+        try:
+            if self._steps is not None:
+                self._steps.flush()
+        except (OSError, ValueError) as err:  # ValueError: closed at exit meanwhile
+            self._steps_failed(err)
+
+    def _steps_failed(self, err: Exception) -> None:
+        reason = (err.strerror if isinstance(err, OSError) else None) or str(err)
+        self.health.warn_write_failed("steps", "steps file: %s; step times not recorded", reason)
+        self._steps = None
 
     # -- status (rank 0) ---------------------------------------------------------------
 
@@ -571,7 +569,7 @@ class ControlLoop:
         return tracer_report(self.boundaries, self.duty)
 
     def _write_status(self, state: str) -> None:
-        if self.run is None:
+        if self.run is None or self.health.run_dir_gone:
             return
         stragglers = self.evidence.write_stragglers(self.run)  # scores for the file and here
         try:
@@ -592,4 +590,4 @@ class ControlLoop:
             )
             write_status(self.run, body)
         except (OSError, ValueError) as err:
-            self._warn_once("status", "status file not written (%s)", err)
+            self.health.warn_write_failed("status", "status file not written (%s)", err)

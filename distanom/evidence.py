@@ -27,7 +27,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from distanom.anomaly_journal import AnomalyJournal
@@ -40,6 +40,7 @@ from distanom.flight_recorder import (
     buffer_size,
     read_entries,
 )
+from distanom.health import Health
 from distanom.records.anomalies import (
     AnomalyWriter,
     StepEvidence,
@@ -296,13 +297,12 @@ class EvidenceTier:
     rank 0 the journal. Each part steps aside on a failure (logged once); training and
     detection go on."""
 
-    def __init__(
-        self, marks: EvidenceMarks, world_size: int, warn_once: Callable[..., None]
-    ) -> None:
+    def __init__(self, marks: EvidenceMarks, world_size: int, health: Health) -> None:
         self.collector = EvidenceCollector(marks)
         self.journal: AnomalyJournal | None = None
         self._world_size = world_size
-        self._warn_once = warn_once
+        self._warn_once = health.warn_once
+        self._warn_write_failed = health.warn_write_failed  # writes into the run directory
         self._off = False
         # the body last written, less scored_steps
         self._stragglers_written: dict[str, Any] | None = None
@@ -336,7 +336,7 @@ class EvidenceTier:
         try:
             writer: AnomalyWriter | None = AnomalyWriter(run)
         except OSError as err:
-            self._warn_once("anomalies", "anomalies file: %s; not recorded", err.strerror)
+            self._warn_write_failed("anomalies", "anomalies file: %s; not recorded", err.strerror)
             writer = None
         self.journal = AnomalyJournal(self._world_size, writer)
 
@@ -360,7 +360,9 @@ class EvidenceTier:
                     return straggler
         except Exception as err:  # records and scores step aside, detection goes on
             self.journal = None
-            self._warn_once("journal", "anomaly journal: %s; anomalies are not recorded", err)
+            self._warn_write_failed(
+                "journal", "anomaly journal: %s; anomalies are not recorded", err
+            )
         return None
 
     def scores(self) -> dict[str, Any] | None:
@@ -383,7 +385,7 @@ class EvidenceTier:
             self._stragglers_written = news
         except (OSError, ValueError) as err:
             # written with status.json: one warning for both
-            self._warn_once("status", "status file not written (%s)", err)
+            self._warn_write_failed("status", "status file not written (%s)", err)
         return body
 
     def close(self, run: RunDir | None) -> None:

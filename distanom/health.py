@@ -9,6 +9,9 @@ value, so no lock is needed.
 from __future__ import annotations
 
 import logging
+import os
+import stat
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,6 +29,8 @@ class Health:
         self.capture: CaptureWorker | None = None  # made by the control thread at need
         # the control thread's heavy rounds so far (monotonic ns), charged like capture work
         self.control_busy_ns = 0
+        self.run_dir: Path | None = None  # set by the control thread once it exists
+        self.run_dir_gone = False  # removed (or replaced) under the running job
         self._warned: set[str] = set()
 
     def warn_once(self, key: str, message: str, *args: Any) -> None:
@@ -33,6 +38,36 @@ class Health:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message, *args)
+
+    def warn_write_failed(self, key: str, message: str, *args: Any) -> None:
+        """A write into the run directory failed: the writer's warning, once per `key`;
+        but if the run directory itself is gone, one warning for every writer (a removed
+        run directory fails them all at once, and the cause is one)."""
+        if not self.check_run_dir():
+            self.warn_once(key, message, *args)
+
+    def check_run_dir(self) -> bool:
+        """True if the run directory is gone (no longer a directory at its path, a link
+        counting as gone); the first time, capture steps aside and one warning says so."""
+        if self.run_dir_gone:
+            return True
+        run_dir = self.run_dir
+        if run_dir is None:
+            return False
+        try:
+            if stat.S_ISDIR(os.lstat(run_dir).st_mode):
+                return False
+        except OSError:
+            pass
+        self.run_dir_gone = True
+        if self.capture_off_reason is None:
+            self.capture_off_reason = f"run directory {run_dir} is gone"
+        self.warn_once(
+            "run-dir-gone",
+            "run directory %s was removed; distanom writes nothing more (training goes on)",
+            run_dir,
+        )
+        return True
 
     def capture_off(self, reason: str) -> None:
         """Capture steps aside on this rank for the rest of the run (the first reason stays)."""

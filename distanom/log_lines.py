@@ -68,7 +68,7 @@ def end_line(
     if replaced:
         captured += f" after {replaced} replaced"
     if missed:
-        captured += f", {missed} captures missed"
+        captured += f", {missed} capture{'s' if missed != 1 else ''} missed"
     parts.append(captured + (f" in {where}" if where else ""))
     parts.append(f"{capture_ms:.1f} ms of capture work")
     if overhead_pct is not None:

@@ -31,6 +31,22 @@ class RunInfo(TypedDict, total=False):
     nodes: dict[str, list[int]]  # host -> its ranks
 
 
+def runtime_versions() -> dict[str, str | None]:
+    """This process's distanom, torch, cuda and python versions, in run.json's order."""
+    import platform
+
+    import torch  # here: readers of run.json need no torch
+
+    from distanom.version import __version__
+
+    return {
+        "distanom": __version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
 def build_run_info(
     *,
     run_id: str | None,

@@ -416,12 +416,13 @@ def test_stragglers_json_is_rewritten_when_the_scores_change_not_per_round(
     end writes the final body."""
     from distanom.anomaly_journal import AnomalyJournal
     from distanom.evidence import EvidenceMarks, EvidenceTier
+    from distanom.health import Health
 
     written: list[dict[str, object]] = []
     monkeypatch.setattr(
         evidence_module, "write_stragglers", lambda run, body, final: written.append(body)
     )
-    tier = EvidenceTier(EvidenceMarks(), 2, lambda *args: None)
+    tier = EvidenceTier(EvidenceMarks(), 2, Health())
     tier.journal = AnomalyJournal(2, None)
     run = object()
     for step in range(1, 40):

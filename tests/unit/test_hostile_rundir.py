@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from distanom import rundir
+from distanom.capture import CaptureWorker
+from distanom.config import load_config
 from distanom.errors import CaptureRequestError
 from distanom.records.requests import (
     MAX_REQUESTS_PER_POLL,
@@ -23,7 +25,8 @@ from distanom.records.requests import (
 from distanom.records.steps import StepRow, StepsWriter
 from distanom.rundir import RunDir, create_run
 from distanom.safe_io import UnsafePathError
-from tests.unit.test_capture_worker import rank_worker, reference
+from distanom.world import WorldInfo
+from tests.unit.test_capture_worker import ReadyTracer, rank_worker, reference, wait_for
 
 RECORD = {"event": "written", "step": 1, "rank": 0, "trace": "captures/step_1/rank0.trace.json.gz"}
 
@@ -234,3 +237,49 @@ def test_rank0_polling_survives_every_hostile_request(
     monkeypatch.setattr(request_desk, "pending_requests", broken)
     desk.poll(run)  # logged once, never raised into the round loop
     assert desk.offered is None and health.capture_off_reason is None
+
+
+def test_a_removed_run_directory_is_said_once_for_every_writer(
+    run: RunDir, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import shutil
+
+    from distanom.health import Health
+
+    health = Health()
+    health.run_dir = run.path
+    health.warn_write_failed("status", "status file not written (%s)", "disk full")
+    assert not health.run_dir_gone and health.capture_off_reason is None  # a writer's own
+    shutil.rmtree(run.path)
+    for key in ("status", "steps", "capture-tables", "answer"):
+        health.warn_write_failed(key, "%s failed", key)
+    assert health.run_dir_gone and health.capture_is_off()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "status file not written (disk full)",
+        f"run directory {run.path} was removed; distanom writes nothing more (training goes on)",
+    ]
+    # a link put in its place is no run directory either: it is never written through
+    other = Health()
+    run.path.symlink_to(tmp_path, target_is_directory=True)
+    other.run_dir = run.path
+    assert other.check_run_dir() and other.capture_stepped_aside()
+
+
+def test_a_capture_worker_reports_its_failures_through_the_agents_warning(
+    run: RunDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def tables_fail(*args: object) -> None:
+        raise FileNotFoundError("the trace is gone")
+
+    monkeypatch.setattr("distanom.analysis.tables_io.write_rank_tables", tables_fail)
+    said: list[str] = []
+    config = load_config(None, ["analysis.on_capture=now"])
+    worker = CaptureWorker(
+        run, WorldInfo.from_env({}), ReadyTracer(), config, tracer_name="ready",
+        warn=lambda key, message, *args: said.append(key),
+    )  # fmt: skip
+    worker.submit([reference(3), reference(4)])
+    wait_for(lambda: worker.stats.written == 2)
+    worker.close(5.0)
+    assert said == ["capture-tables"]  # the tables are left to the report after the first

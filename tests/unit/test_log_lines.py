@@ -48,7 +48,7 @@ def test_end_line_says_what_was_captured_where_and_at_what_cost() -> None:
     assert CaptureStats(written=7, dropped=2).kept == 5
     assert line == (
         "finished: 200 steps (3 with the optimizer step skipped); 6 trace files (2.5 MB), "
-        "1 captures missed in runs/x; 12.3 ms of capture work; tracing cost 1.2% of step time"
+        "1 capture missed in runs/x; 12.3 ms of capture work; tracing cost 1.2% of step time"
     )
 
 
