@@ -514,6 +514,7 @@ class OverheadGovernor:
         return {
             "budget_pct": self.budget_pct,
             "window_steps": self.params.window_steps,
+            "min_fraction": self.params.min_fraction,
             "lag_steps": self.params.lag_steps,
             "burst_windows": self.params.burst_windows,
             "windows_decided": self._n_decided,

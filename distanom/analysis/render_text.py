@@ -50,6 +50,7 @@ CLOCK_HINT_PCT = 1.0
 ADAPTIVE_BELOW_MS = 10.0
 # anomalies whose evidence sentence the text report prints (the slowest, past this)
 EVIDENCE_LINES = 20
+OVER_BUDGET_FACTOR = 1.5  # effective tracing cost over budget x this gets explained
 
 
 def gc_sentence(capture: Capture) -> str | None:
@@ -188,7 +189,7 @@ def _overhead_lines(tracer: dict[str, Any]) -> list[str]:
         line += f": {effective:.2f}% of the run"
     if isinstance(budget, (int, float)):
         line += f" (budget {budget:g}%)"
-    lines = [line]
+    lines = [line, *_over_budget_lines(duty)]
     for direction, count_key, excess_key, all_key in (
         ("on", "switches_on", "switch_on_excess_ms", "tracing_starts"),
         ("off", "switches_off", "switch_excess_ms", "tracing_stops"),
@@ -208,6 +209,36 @@ def _overhead_lines(tracer: dict[str, Any]) -> list[str]:
                 "(median of the recent ones), counted in the overhead"
             )
     return lines
+
+
+def _over_budget_lines(duty: dict[str, Any]) -> list[str]:
+    """Why tracing cost the run more than OVER_BUDGET_FACTOR x its budget: what the
+    governor cannot hold back (its always-traced floor, the window that measures the
+    cost, captures traced whatever the budget; docs/budget.md)."""
+    numbers = (int, float)
+    keys = ("budget_pct", "effective_overhead_pct", "measured_overhead_pct", "steps_recorded")
+    values = [duty.get(key) for key in keys]
+    if not all(isinstance(v, numbers) for v in values):
+        return []
+    budget, effective, overhead, steps = (float(v) for v in values)  # type: ignore[arg-type]
+    if budget <= 0 or steps <= 0 or effective <= OVER_BUDGET_FACTOR * budget:
+        return []
+    head = f"  over budget: tracing costs {overhead:.0f}% of a traced step, so"
+    floor = duty.get("min_fraction")
+    if isinstance(floor, numbers) and floor * overhead > budget:
+        return [
+            f"{head} even the {floor:.2%} of windows always traced (to keep measuring it) "
+            "costs more than the budget"
+        ]
+    window = duty.get("window_steps")
+    start = window * overhead / steps if isinstance(window, int) else None
+    return [
+        f"{head} the window traced at the start to measure that"
+        + (f" ({start:.2f}% of this run)" if start is not None else "")
+        + " and captures traced whatever the budget (requests, stragglers) are paid before"
+        f" tracing less can make up for them; {steps:.0f} steps were too few, a longer run"
+        " comes back to the budget"
+    ]
 
 
 def _run_lines(report: Report) -> list[str]:

@@ -220,3 +220,38 @@ def test_damaged_costs_in_the_index_are_left_out(tmp_path: Path) -> None:
     assert report_json(report)["capture_cost"]["files"] == 1
     assert report_json(report)["capture_cost"]["median_ms"] == 20.0
     json.dumps(report_json(report), allow_nan=False)  # what `distanom report --json` does
+
+
+def _budgeted_run(tmp_path: Path, **duty: float) -> str:
+    run = make_run(tmp_path, [], hosts=["a", "a"])
+    body = {"budget_pct": 1.0, "traced_fraction": 0.08, "window_steps": 16}
+    body.update(min_fraction=1 / 256, **duty)
+    write_json_atomic(
+        run.status_json,
+        {"state": "finished", "world_size": 2, "tracer": {"backend": "kineto", "duty_cycle": body}},
+    )
+    return render_text(run_report(load_run(str(run.path))))
+
+
+def test_tracing_far_over_its_budget_is_explained(tmp_path: Path) -> None:
+    # a short run of ms-long CPU steps: the measuring window alone is 16 x 90% / 300
+    short = _budgeted_run(
+        tmp_path / "a", measured_overhead_pct=90.1, effective_overhead_pct=7.53, steps_recorded=300
+    )
+    assert "7.53% of the run (budget 1%)" in short
+    assert (
+        "over budget: tracing costs 90% of a traced step, so the window traced at the start "
+        "to measure that (4.81% of this run) and captures traced whatever the budget" in short
+    )
+    assert "300 steps were too few" in short
+    # tracing at 3x the step: even the 1-in-256 floor is over a 1% budget
+    floor = _budgeted_run(
+        tmp_path / "b", measured_overhead_pct=300.0, effective_overhead_pct=1.6,
+        steps_recorded=90_000,
+    )  # fmt: skip
+    assert "even the 0.39% of windows always traced (to keep measuring it)" in floor
+    # within 1.5x the budget: nothing to explain
+    fine = _budgeted_run(
+        tmp_path / "c", measured_overhead_pct=90.0, effective_overhead_pct=1.4, steps_recorded=300
+    )
+    assert "over budget" not in fine
