@@ -180,8 +180,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
     if args.check or args.overrides:
         config = load_config(args.check, args.overrides)
-        if args.check:
-            print(f"{args.check}: valid")
+        if args.check:  # what was checked: the file, and the overrides on top of it
+            changed = "".join(f" --set {text}" for text in args.overrides)
+            print(f"{args.check}{changed}: valid")
         else:  # the resolved config, in the form --config takes
             changed = " ".join(f"--set {text}" for text in args.overrides)
             sys.stdout.write(render_config_yaml(config, changed_by=changed))

@@ -78,3 +78,14 @@ def test_any_text_loads_or_fails_with_a_yaml_error(text: str) -> None:
         safe_yaml.load(text)
     except (safe_yaml.YamlRefused, yaml.YAMLError) as err:
         assert str(err)  # a refusal always says what it refused
+
+
+def test_config_check_names_the_overrides_it_checked_with_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "my.yaml"
+    path.write_text("detect:\n  multiplier: 2\n")
+    assert cli_main(["config", "--check", str(path), "--set", "detect.multiplier=3"]) == 0
+    assert capsys.readouterr().out == f"{path} --set detect.multiplier=3: valid\n"
+    assert cli_main(["config", "--check", str(path), "--set", "detect.multiplier=x"]) == 2
+    assert "--set: detect.multiplier" in capsys.readouterr().err
