@@ -407,7 +407,10 @@ def test_a_round_pauses_about_a_step_between_its_phases(
     assert len(paced) >= 4  # two per round once a median is known (none before, nor at the end)
     assert agent.control.pacer.pauses == len(paced)
     assert all(s <= pacing.PACE_MAX_S for s in paced)
-    assert max(paced) == pytest.approx(0.004, rel=0.5)  # ~ the median step, once known
+    # ~ the median step once known (4 ms of sleep, more on a loaded machine: the
+    # detector's median, not the script's sleep, is what the pause follows)
+    median_s = agent.control.detector.median_ms / 1e3
+    assert median_s >= 0.004 and max(paced) == pytest.approx(min(median_s, 0.01), rel=0.5)
     assert pauses[-1] == 0.0  # the final round: training is over, nothing to pace for
     # a 128-step round is well over a tenth of a 4 ms step on any CPU
     work = agent.control.pacer.work_ms
