@@ -457,14 +457,17 @@ class TracePlanner:
         return self._afford(wanted, recorded_steps, costs())
 
     def _observe(self, start: int, ratio: float) -> bool:
-        """Feed an event start to the learner; whether it showed the start periodic.
-        Predictions whose window ended before it are counted first, as `run_periods`
-        does, so what is learned does not depend on how steps fall into rounds."""
+        """Feed an event start to the learner; whether a series predicted it (a window
+        was planned for it, or declined). A start that only completes a new series was
+        predicted by nothing: its episode still gets its own window (on a loaded host
+        two noise spikes and a real slowdown's start can line up). Predictions whose
+        window ended before it are counted first, as `run_periods` does, so what is
+        learned does not depend on how steps fall into rounds."""
         self.learner.expire(start - 1)
         before = len(self.learner.series)
-        periodic = bool(self.learner.observe(start, ratio))
+        self.learner.observe(start, ratio)
         self.counts.series_learned += max(0, len(self.learner.series) - before)
-        return periodic
+        return any(starts == [start] for _, starts in self.learner.joined)
 
     def _weak_event(self, episode: _Episode) -> tuple[int, float] | None:
         """`episode` as a weak event (or, not ended yet, as one so far): no strong step,

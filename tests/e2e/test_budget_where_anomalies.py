@@ -72,7 +72,7 @@ def test_a_periodic_stall_is_traced_from_its_fourth_occurrence_at_a_one_percent_
     assert "periodic" in text and "every ~100 steps: 8 times, steps 100 to 800" in text
 
 
-SLOWDOWN = range(700, 800)  # every rank 2-3x slower for 100 steps
+SLOWDOWN = range(700, 800)  # every rank 3-4x slower for 100 steps
 
 
 def test_a_lasting_slowdown_is_traced_within_its_first_two_windows(
@@ -82,11 +82,14 @@ def test_a_lasting_slowdown_is_traced_within_its_first_two_windows(
     # is traced this early only because its first slow steps end the round early (10
     # steps in on the 2-core VM; without early rounds 25-60). At a 0.1% budget the duty
     # cycle's own windows end with its first measurements (step ~480), before it.
+    # At 1.5x a loaded 2-core host makes 4-step noise episodes of up to 2.4x that spend
+    # the planner's advance (~2 windows at 0.1%) before step 700: at 2x (and a 4x
+    # slowdown) they are rare, and the mechanism under test is the same.
     report = budgeted_job(
         tmp_path, capsys, 2,
-        ["--set", "tracer.overhead_budget_pct=0.1"],
+        ["--set", "tracer.overhead_budget_pct=0.1", "--set", "detect.multiplier=2"],
         ["--steps", "900", "--width", "16", "--step-sleep", "0.01",
-         "--all-slow-steps", ",".join(map(str, SLOWDOWN)), "--all-slow-s", "0.02"],
+         "--all-slow-steps", ",".join(map(str, SLOWDOWN)), "--all-slow-s", "0.03"],
     )  # fmt: skip
     status = json.loads((tmp_path / "runs" / "latest" / "status.json").read_text())
     why = (report["tracer"].get("duty_cycle"), status["agent_cost"])

@@ -451,3 +451,20 @@ def test_the_duty_cycle_answers_each_window_as_its_governor_decided_it() -> None
     assert duty.wanted(3001) is None
     duty.governor = OverheadGovernor(1.0, governor.params, first_step=1)
     assert duty.wanted(3001) is None  # the new governor has no data: not the cached answer
+
+
+def test_a_lasting_slowdown_that_completes_a_coincidental_series_still_gets_its_window() -> None:
+    # two noise spikes 200 steps apart, then a real slowdown 200 steps later: the three
+    # starts line up as "every 200", but nothing predicted the slowdown, nothing traced it
+    anomalies = {300: 2.5, 500: 2.5, **{s: 2.5 for s in range(700, 800)}}
+    planner = TracePlanner(1.0, merge_gap_steps=5)
+    planned, _ = run(planner, 900, anomalies)
+    assert planner.counts.series_learned == 1
+    assert planner.counts.episode_windows == 1
+    assert planned and min(planned) - 700 < 16
+    # a start the series did predict is its window's business, not an episode's
+    periodic = {s + d: 4.0 for s in range(200, 3001, 200) for d in range(6)}
+    planner = TracePlanner(1.0, merge_gap_steps=5)
+    planned, _ = run(planner, 3100, periodic)
+    assert planner.counts.episode_windows == 3  # the three starts that taught the period
+    assert all(s in planned for s in range(800, 3001, 200))
