@@ -28,7 +28,8 @@ the plan of extra traced steps that follows from it (docs/budget.md):
   miss at least as often as they hit (and twice or more) is dropped, and so is one whose
   first prediction missed: it was a coincidence, or it ended. Series that have not hit
   yet spend at most the advance and `probation_share` of the rest of the allowance, so
-  coincidences cannot starve the proven series.
+  coincidences cannot starve the proven series, and always leave one episode window's
+  worth of the allowance, so they cannot starve a lasting slowdown either.
 - Budget: the planned steps are charged to the same budget as the duty cycle, at the
   costs the overhead governor measured (a traced step's extra time, a switch on and
   off). The planner may spend `share` of the budget plus a small advance
@@ -507,6 +508,9 @@ class TracePlanner:
         # the advance stays open to a new series: its first window is the 4th start
         advance = self.params.advance_step_times
         probation = self.params.probation_share * (allowance - advance) + advance
+        # a series yet to hit is a guess (on a loaded host, often a coincidence); a
+        # lasting slowdown is happening: guesses leave one episode window's worth unspent
+        reserve = costs.tracing(self.params.episode_steps)
         chosen: list[int] = []
         spent = 0.0
         for want in wanted:
@@ -515,8 +519,13 @@ class TracePlanner:
             adjacent = any(s - 1 in self._planned or s + 1 in self._planned for s in new)
             cost = costs.tracing(len(new), switches=not adjacent)
             unproven = series is not None and not series.hits
-            if self.counts.spent_step_times + spent + cost > allowance or (
-                unproven and self.counts.probation_step_times + cost > probation
+            total = self.counts.spent_step_times + spent + cost
+            if total > allowance or (
+                unproven
+                and (
+                    self.counts.probation_step_times + cost > probation
+                    or total + reserve > allowance
+                )
             ):
                 self._decline([want])
                 continue

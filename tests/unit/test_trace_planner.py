@@ -468,3 +468,18 @@ def test_a_lasting_slowdown_that_completes_a_coincidental_series_still_gets_its_
     planned, _ = run(planner, 3100, periodic)
     assert planner.counts.episode_windows == 3  # the three starts that taught the period
     assert all(s in planned for s in range(800, 3001, 200))
+
+
+def test_a_series_yet_to_hit_never_takes_the_last_episode_window_of_the_allowance() -> None:
+    # at 0.1% the allowance is ~the 6-step-time advance: two noise episodes take 3.64, a
+    # coincidental series (370, 570, 770) would take 1.95 more for its guess at 970, and
+    # the real slowdown at 1050 would find 0.4 step times left
+    anomalies = {
+        **{s: 2.5 for s in range(100, 104)}, **{s: 2.5 for s in range(230, 234)},
+        370: 2.5, 570: 2.5, 770: 2.5, **{s: 2.5 for s in range(1050, 1150)},
+    }  # fmt: skip
+    planner = TracePlanner(0.1, merge_gap_steps=5)
+    planned, _ = run(planner, 1200, anomalies)
+    assert planner.counts.series_learned == 1 and planner.counts.periodic_windows == 0
+    assert planner.counts.episode_windows == 3
+    assert min(s for s in planned if s > 300) - 1050 < 16
