@@ -64,6 +64,10 @@ class Agent:
     ) -> None:
         self.config = config
         self.world = world
+        # absolute, so a script that changes directory (Hydra's job.chdir) still writes
+        # into the run it started; shown to the user the way it was given
+        self._run_base_given = run_base
+        run_base = run_base.absolute()
         self.health = Health()
         self.duty = DutyCycle(config)
         inbox = StepInbox(FINAL)
@@ -182,7 +186,9 @@ class Agent:
         stats = self.health.capture.stats if self.health.capture else None
         duty = self.duty.report() or {}
         run = self.run
-        where = str(run.path) if run is not None else None
+        where = None
+        if run is not None:
+            where = str(self._run_base_given / run.path.name)
         if where is not None and self.health.check_run_dir():
             where += " (removed during the run)"
         return end_line(

@@ -120,3 +120,32 @@ def test_a_rank_that_ends_first_ends_consensus_cleanly(tmp_path: Path) -> None:
     )
     steps = (tmp_path / "r" / "latest" / "steps" / "rank0.csv").read_text().splitlines()
     assert int(steps[-1].split(",")[0]) == 249  # rank 0's steps recorded to its end
+
+
+def test_a_script_that_changes_directory_still_writes_into_its_run(tmp_path: Path) -> None:
+    # Hydra's job.chdir and many scripts move to an output folder once started: the run
+    # directory given as `runs` stays the one under the launch directory
+    script = tmp_path / "moving_train.py"
+    script.write_text(
+        "import os, runpy, sys\n"
+        "os.makedirs('elsewhere', exist_ok=True)\n"
+        "os.chdir('elsewhere')\n"
+        f"sys.argv = [{str(TOY)!r}, *sys.argv[1:]]\n"
+        f"runpy.run_path({str(TOY)!r}, run_name='__main__')\n"
+    )
+    done = torchrun(
+        2,
+        ["--run-dir", "runs", *FAST],
+        ["--steps", "60", "--stall-rank", "1", "--stall-steps", "40", "--stall-s", "0.4"],
+        cwd=tmp_path,
+        script=script,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "WARNING" not in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "elsewhere" / "runs").exists()
+    run = (tmp_path / "runs" / "latest").resolve()
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    assert len((run / "steps" / "rank1.csv").read_text().splitlines()) > 50
+    assert list(run.glob("captures/step_40/rank*.trace.json.gz"))
+    ends = [line for line in done.stderr.splitlines() if "INFO finished: 60 steps" in line]
+    assert len(ends) == 2 and all(f"in runs/{run.name};" in line for line in ends), ends
