@@ -95,12 +95,12 @@ class CaptureWorker:
         config: Config,
         *,
         tracer_name: str,
-        warn: Callable[..., None] | None = None,
+        warn: Callable[..., None],
     ) -> None:
         self._run = run
-        # a failed write's warning, once per key (the agent's says once for every writer
-        # when the whole run directory is gone)
-        self._warn = warn or _WarnOnce()
+        # a failure's warning, once per key (`Health.warn_write_failed`: once for every
+        # writer when the whole run directory is gone)
+        self._warn = warn
         self._world = world
         self._tracer = tracer
         self._config = config
@@ -466,15 +466,3 @@ class CaptureWorker:
             "capture: %s (logged once, later failures are counted; capture goes on)",
             reason,
         )
-
-
-class _WarnOnce:
-    """Warn once per key (a worker made without the agent's health, as in tests)."""
-
-    def __init__(self) -> None:
-        self._seen: set[str] = set()
-
-    def __call__(self, key: str, message: str, *args: Any) -> None:
-        if key not in self._seen:
-            self._seen.add(key)
-            log.warning(message, *args)

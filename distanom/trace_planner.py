@@ -367,7 +367,7 @@ class _Episode:
     last: int
     steps: int = 1
     traced: bool = False
-    periodic: bool = False
+    predicted: bool = False  # a series predicted its start: that window is the series'
     asked: bool = False
     strong: bool = False  # holds a strong event (observed as it came)
     ended: bool = False
@@ -423,9 +423,9 @@ class TracePlanner:
                 strong = self._strong_last
                 self._strong_last = step
                 if strong is None or step - strong - 1 > self.merge_gap_steps:
-                    episode.periodic |= self._observe(step, ratio)
+                    episode.predicted |= self._observe(step, ratio)
             if episode.steps >= self.params.lasting_min_steps and not (
-                episode.traced or episode.periodic or episode.asked
+                episode.traced or episode.predicted or episode.asked
             ):
                 episode.asked = True  # once per episode, served or declined
                 span = range(earliest, earliest + self.params.episode_steps)
@@ -483,7 +483,7 @@ class TracePlanner:
             episode.ended = True
             event = self._weak_event(episode)
             if event is not None:
-                episode.periodic |= self._observe(*event)
+                episode.predicted |= self._observe(*event)
 
     def _allowance(self, recorded_steps: int) -> float:
         """What the planner may have spent by now, in step times."""

@@ -13,10 +13,16 @@ from distanom import rundir
 from distanom.capture import CaptureWorker
 from distanom.config import load_config
 from distanom.detect import CaptureDecision
+from distanom.health import Health
 from distanom.records.index import read_index
 from distanom.rundir import RunDir, create_run
 from distanom.tracers.base import Availability, StepTrace
 from distanom.world import WorldInfo
+
+
+def warn() -> Callable[..., None]:
+    """A fresh rank's warning (the agent's, no run directory set: once per key)."""
+    return Health().warn_write_failed
 
 
 class VanishingTracer:
@@ -45,7 +51,9 @@ def test_a_step_gone_between_two_calls_is_missed_and_capture_goes_on(tmp_path: P
     run = RunDir(create_run(tmp_path, "race"))
     config = load_config(None, ["analysis.on_capture=report"])
     tracer = VanishingTracer()
-    worker = CaptureWorker(run, WorldInfo.from_env({}), tracer, config, tracer_name="vanishing")
+    worker = CaptureWorker(
+        run, WorldInfo.from_env({}), tracer, config, tracer_name="vanishing", warn=warn()
+    )
     worker.submit([decision(5), decision(9)])
     deadline = time.monotonic() + 10
     while tracer.reads < 2 and time.monotonic() < deadline:
@@ -89,7 +97,12 @@ def rank_worker(run: RunDir, rank: int, world: int, tracer: object | None = None
     config = load_config(None, ["analysis.on_capture=report"])
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
     return CaptureWorker(
-        run, WorldInfo.from_env(env), tracer or ReadyTracer(), config, tracer_name="ready"
+        run,
+        WorldInfo.from_env(env),
+        tracer or ReadyTracer(),
+        config,
+        tracer_name="ready",
+        warn=warn(),
     )
 
 
@@ -371,7 +384,9 @@ def test_a_step_training_never_reached_does_not_hold_up_the_exit(tmp_path: Path)
     run = RunDir(create_run(tmp_path, "ended"))
     config = load_config(None, ["analysis.on_capture=report"])
     tracer = FutureTracer()
-    worker = CaptureWorker(run, WorldInfo.from_env({}), tracer, config, tracer_name="f")
+    worker = CaptureWorker(
+        run, WorldInfo.from_env({}), tracer, config, tracer_name="f", warn=warn()
+    )
     tracer.last_ready_at = time.monotonic() + 0.3  # the last ended step, still being written
     worker.submit([decision(38), decision(40), decision(45)])
     began = time.monotonic()
@@ -381,7 +396,9 @@ def test_a_step_training_never_reached_does_not_hold_up_the_exit(tmp_path: Path)
     assert run.trace_path(38, 0).exists() and run.trace_path(40, 0).exists()
     # without knowing where training ended, a pending step is waited for until the timeout
     other = RunDir(create_run(tmp_path, "unknown"))
-    worker = CaptureWorker(other, WorldInfo.from_env({}), FutureTracer(), config, tracer_name="f")
+    worker = CaptureWorker(
+        other, WorldInfo.from_env({}), FutureTracer(), config, tracer_name="f", warn=warn()
+    )
     worker.submit([decision(45)])
     began = time.monotonic()
     worker.close(0.5)
