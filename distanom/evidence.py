@@ -10,8 +10,9 @@ without a trace, folded into the consensus round.
   its CPU and GC time. Flight Recorder is read at most every `READ_MAX_INTERVAL_S`,
   sooner when collectives come fast enough to fill `READ_FILL` of the buffer; the entries of
   distanom's own group (enqueued on the control thread) are left out. A step's
-  evidence is final once a read after its end has been made; a read that took longer
-  than `READ_GIVE_UP_MS` three times switches reading off (logged once).
+  evidence is final once a read after its end has been made; `SLOW_READS_IN_A_ROW`
+  reads in a row that each cost more than `READ_GIVE_UP_MS` of the control thread's CPU
+  switch reading off (logged once).
 - `distanom.anomaly_journal.AnomalyJournal` (rank 0's control thread): gathers every
   rank's evidence from the rounds, scores stragglers, and appends each anomalous step
   the detector judged to anomalies.jsonl once its evidence is in.
@@ -56,7 +57,11 @@ READ_MAX_INTERVAL_S = 1.0
 # A read converts the whole buffer (about 8 us an entry on CPU): reading when it is this
 # full makes each entry read about once (~8 us per collective), leaving room for bursts.
 READ_FILL = 0.75
+# A read's cost to training is the CPU it takes (holding the GIL), not its wall time: on
+# a loaded host, preemption and waiting for the GIL made reads of a few ms look slow and
+# switched arrival (hence straggler scoring) off for the rest of the run.
 READ_GIVE_UP_MS = 20.0
+SLOW_READS_IN_A_ROW = 3
 MAX_PENDING_STEPS = 4096  # evidence and marks kept for steps not yet final / gathered
 
 
@@ -192,21 +197,21 @@ class EvidenceCollector:
             self._open.pop(next(iter(self._open)))
 
     def _read(self, now: float) -> None:
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.thread_time()
         entries = read_entries()
-        spent_ms = (time.perf_counter() - began) * 1e3
+        cpu_ms = (time.thread_time() - began_cpu) * 1e3
         self.reads += 1
-        self.read_ms += spent_ms
-        if spent_ms > READ_GIVE_UP_MS:
-            self._slow_reads += 1
-            if self._slow_reads >= 3:
-                self._read_fr = False
-                log.warning(
-                    "evidence: reading Flight Recorder took %.0f ms (buffer %d); collective "
-                    "arrival is no longer recorded",
-                    spent_ms,
-                    self._buffer,
-                )
+        self.read_ms += (time.perf_counter() - began) * 1e3
+        self._slow_reads = self._slow_reads + 1 if cpu_ms > READ_GIVE_UP_MS else 0
+        if self._slow_reads >= SLOW_READS_IN_A_ROW:
+            self._read_fr = False
+            log.warning(
+                "evidence: reading Flight Recorder took %.0f ms of CPU %d times in a row "
+                "(buffer %d); collective arrival is no longer recorded",
+                cpu_ms,
+                self._slow_reads,
+                self._buffer,
+            )
         new = self._new_entries(entries)
         carried, self._carry = self._carry, []
         if carried or new:

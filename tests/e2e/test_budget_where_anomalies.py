@@ -74,7 +74,7 @@ def test_a_periodic_stall_is_traced_from_its_fourth_occurrence_at_a_one_percent_
     assert "periodic" in text and "every ~100 steps: 8 times, steps 100 to 800" in text
 
 
-SLOWDOWN = range(700, 800)  # every rank 3-4x slower for 100 steps
+SLOWDOWN = range(700, 800)  # every rank ~4-6x slower for 100 steps
 
 
 def test_a_lasting_slowdown_is_traced_within_its_first_two_windows(
@@ -85,13 +85,14 @@ def test_a_lasting_slowdown_is_traced_within_its_first_two_windows(
     # steps in on the 2-core VM; without early rounds 25-60). At a 0.1% budget the duty
     # cycle's own windows end with its first measurements (step ~480), before it.
     # At 1.5x a loaded 2-core host makes 4-step noise episodes of up to 2.4x that spend
-    # the planner's advance (~2 windows at 0.1%) before step 700: at 2x (and a 4x
-    # slowdown) they are rare, and the mechanism under test is the same.
+    # the planner's advance (~2 windows at 0.1%) before step 700: at 2x they are rare,
+    # and the mechanism under test is the same. The slowdown adds 60 ms: a loaded CI
+    # host ran these steps at 22 ms, where 30 ms more judged only 46 of its 100 steps.
     report = budgeted_job(
         tmp_path, capsys, 2,
         ["--set", "tracer.overhead_budget_pct=0.1", "--set", "detect.multiplier=2"],
         ["--steps", "900", "--width", "16", "--step-sleep", "0.01",
-         "--all-slow-steps", ",".join(map(str, SLOWDOWN)), "--all-slow-s", "0.03"],
+         "--all-slow-steps", ",".join(map(str, SLOWDOWN)), "--all-slow-s", "0.06"],
     )  # fmt: skip
     status = json.loads((tmp_path / "runs" / "latest" / "status.json").read_text())
     why = (report["tracer"].get("duty_cycle"), status["agent_cost"])

@@ -97,6 +97,7 @@ def test_a_rank_slower_from_some_step_on_is_named_first_among_stragglers(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = report_json(tmp_path / "runs", capsys)
+    assert report["stragglers"], done.stderr[-3000:]
     first = report["stragglers"][0]
     assert first["rank"] == 1, report["stragglers"]
     assert slow_from - 5 <= first["since_step"] <= slow_from + 5

@@ -69,13 +69,19 @@ def test_request_two_steps_on_two_ranks_of_a_running_job(
 
     run = (runs / "latest").resolve()
     records = [json.loads(line) for line in (run / "index.jsonl").read_text().splitlines()]
-    requested = [r for r in records if r.get("request") and r["event"] == "written"]
-    steps = sorted({r["step"] for r in requested})
+    written = [r for r in records if r.get("request") and r["event"] == "written"]
+    steps = sorted({int(line.split()[1]) for line in lines})  # the ones the CLI printed
     assert len(steps) == 2 and steps[1] == steps[0] + 1
-    assert sorted((r["step"], r["rank"]) for r in requested) == [
+    ours = [r for r in written if r["step"] in steps]
+    (number,) = {r["request"] for r in ours}
+    assert sorted((r["step"], r["rank"]) for r in ours) == [
         (steps[0], 1), (steps[0], 3), (steps[1], 1), (steps[1], 3),
     ]  # fmt: skip
-    assert {r["kind"] for r in requested} == {"requested"}
+    # any other is distanom's own, under its own number: a rank that a loaded host kept
+    # late is named a straggler and traced once on every rank
+    own = [r for r in written if r["step"] not in steps]
+    assert all(r["request"] != number for r in own), own
+    assert {r["kind"] for r in written} == {"requested"}
 
     capsys.readouterr()
     assert cli_main(["status", str(runs)]) == 0

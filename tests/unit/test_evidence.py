@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,53 @@ def test_a_read_is_due_for_steps_not_yet_taken_in(fr: FakeFr) -> None:
     marks.marks.append((2, int(1200.0 * MS), int(4 * MS)))  # a step the thread ended
     assert collector.next_read_at() < math.inf  # due: the round loop must wake for it
     assert not EvidenceCollector(marks, read_fr=False).next_read_at() < math.inf
+
+
+class CostlyReads(FakeFr):
+    """Reads that wait (sleep: wall time, no CPU) or work (spin: the thread's CPU)."""
+
+    def __init__(self, costs: list[str]) -> None:
+        super().__init__()
+        self.costs = costs
+
+    def __call__(self, limit: int = 0) -> tuple[FrEntry, ...]:
+        cost = self.costs.pop(0) if self.costs else "fast"
+        if cost == "wait":  # preempted, or waiting for the GIL: costs training nothing
+            time.sleep(0.03)
+        elif cost == "work":
+            until = time.thread_time() + 0.025
+            while time.thread_time() < until:
+                pass
+        return tuple(self.entries)
+
+
+def reads_after(monkeypatch: pytest.MonkeyPatch, costs: list[str]) -> EvidenceCollector:
+    monkeypatch.setattr(evidence_module, "read_entries", CostlyReads(costs))
+    marks = EvidenceMarks()
+    collector = EvidenceCollector(marks, read_fr=True)
+    for step in range(len(costs) + 1):  # step 0 has no start: nothing to read for
+        marks.marks.append((step, int((1000.0 + step) * MS), int(step * MS)))
+        collector.poll(force=True)
+    return collector
+
+
+def test_reads_slow_by_the_wall_clock_alone_keep_arrival_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    collector = reads_after(monkeypatch, ["wait"] * 5)
+    assert collector.reads == 5 and collector.read_ms >= 5 * 25
+    assert collector.reading_flight_recorder
+
+
+def test_only_reads_costly_in_cpu_several_times_in_a_row_switch_arrival_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spread = reads_after(monkeypatch, ["work", "work", "fast", "work", "work", "fast"])
+    assert spread.reading_flight_recorder  # four costly reads, never three in a row
+    in_a_row = ["fast", *["work"] * evidence_module.SLOW_READS_IN_A_ROW, "fast", "fast"]
+    collector = reads_after(monkeypatch, in_a_row)
+    assert not collector.reading_flight_recorder
+    assert collector.reads == 1 + evidence_module.SLOW_READS_IN_A_ROW  # none after
 
 
 def test_add_gc_many_is_add_gc_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
