@@ -1,6 +1,7 @@
 """The house rules of the product code (distanom/), checked from its source text: no
 module over 600 lines, no import circle, a docstring on every module and on every public
-definition, and no test double shipped in the package."""
+definition, no test double shipped in the package, and every module named in
+docs/design.md's module map."""
 
 from __future__ import annotations
 
@@ -147,3 +148,25 @@ def test_every_module_and_public_definition_has_a_docstring() -> None:
 def test_no_test_double_ships_in_the_package() -> None:
     doubles = [p.name for p in PACKAGE.rglob("*.py") if "synth" in p.stem or "fake" in p.stem]
     assert doubles == []
+
+
+def _named_in_module_map() -> set[str]:
+    """The names in backticks in docs/design.md's "Modules" section, each also as its
+    last path part and without ".py"."""
+    text = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
+    section = text.split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
+    names: set[str] = set()
+    for token in section.split("`")[1::2]:
+        last = token.rstrip("/").rsplit("/", 1)[-1]
+        names.update({token, last, last.removesuffix(".py")})
+    return names
+
+
+def test_every_module_is_in_the_design_module_map() -> None:
+    named = _named_in_module_map()
+    unnamed = [
+        str(path.relative_to(PACKAGE))
+        for path in _modules().values()
+        if path.name != "__init__.py" and path.stem not in named
+    ]
+    assert unnamed == [], "add them to docs/design.md's Modules table"
