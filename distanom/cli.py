@@ -40,12 +40,20 @@ class _Parser(argparse.ArgumentParser):
         raise DistanomError(f"{command}: {message}" if command else message)
 
 
+# launch's --run-dir default: run from where the job started, no argument is needed
+_RUN_DIR_DEFAULT: dict[str, Any] = {
+    "nargs": "?",
+    "default": "runs",
+    "help": "a run, or a folder of runs (its latest); default: runs",
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="distanom", description="Inspect distanom runs, traces and live jobs.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     report = commands.add_parser("report", help="summarise a run directory")
-    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("run_dir", metavar="RUN_DIR", **_RUN_DIR_DEFAULT)
     report.add_argument("--json", action="store_true", help="machine-readable output")
     report.add_argument(
         "--html",
@@ -63,14 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     status = commands.add_parser("status", help="live state of a (running) job")
-    status.add_argument("run_dir", metavar="RUN_DIR")
+    status.add_argument("run_dir", metavar="RUN_DIR", **_RUN_DIR_DEFAULT)
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument(
         "--watch", nargs="?", type=float, const=2.0, metavar="SECONDS", help="refresh in place"
     )
 
     capture = commands.add_parser("capture", help="ask a running job to capture steps now")
-    capture.add_argument("run_dir", metavar="RUN_DIR")
+    capture.add_argument("run_dir", metavar="RUN_DIR", **_RUN_DIR_DEFAULT)
     capture.add_argument("--steps", type=int, default=1, help="how many steps (default 1)")
     capture.add_argument("--ranks", default=None, help="e.g. 0,3-5 (default: every rank)")
     capture.add_argument(

@@ -324,6 +324,8 @@ def _format_validation_error(source: str, err: ValidationError) -> str:
         return f"{source}: unknown key '{key}' (allowed here: {', '.join(allowed)}){more}"
     got = first.get("input")
     shown = "" if isinstance(got, dict) else f" (got {got!r})"
+    if isinstance(got, bool) and kind != "bool_type":  # `yes`, `no`, `on`, `off` in YAML 1.1
+        shown = f" (got {got!r}: YAML reads yes/no/on/off as true/false; quote it)"
     message = _clean_message(first["msg"])
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         message = "must be a section of keys (key: value lines), not a single value"
@@ -375,10 +377,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except YamlRefused as err:
         raise ConfigError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or "syntax error"
-        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+        raise ConfigError(f"{path}: not valid YAML{_where(err, text)}: {_problem(err)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -387,6 +386,20 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             f"got {type(data).__name__}"
         )
     return data
+
+
+def _where(err: yaml.YAMLError, text: str) -> str:
+    mark = getattr(err, "problem_mark", None)
+    if mark is None:
+        return ""
+    if text[mark.index :].strip() == "":  # at the end: name the last line, not the one after
+        return f" at the end of the file (line {max(1, len(text.rstrip().splitlines()))})"
+    return f" at line {mark.line + 1}"
+
+
+def _problem(err: yaml.YAMLError) -> str:
+    problem = str(getattr(err, "problem", None) or "syntax error")
+    return problem.replace("'<stream end>'", "the end of the file")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

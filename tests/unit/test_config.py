@@ -49,7 +49,10 @@ def test_overrides_are_typed_and_nested(tmp_path: Path) -> None:
         ("run:\n  name: a/b\n", "run.name"),
         ("tracer:\n  backend: nsight\n", "tracer.backend"),
         ("- just\n- a list\n", "expected a mapping"),
-        ("detect: [\n", "not valid YAML at line"),
+        ("detect: [\n", "not valid YAML at the end of the file (line 1)"),
+        ("detect:\n  multiplier: [\n\n\n", "at the end of the file (line 2): expected the"),
+        ("detect: {a: b\n  c: d}\n", "not valid YAML at line 2: expected ',' or '}'"),
+        ("tracer:\n  backend: yes\n", "(got True: YAML reads yes/no/on/off as true/false"),
         ("bogus: 1\n", "unknown key 'bogus'"),
         ("analysis:\n  on_capture: maybe\n", "analysis.on_capture"),
         ("analysis:\n  on_capture: true\n", "analysis.on_capture"),
@@ -215,8 +218,8 @@ def test_cli_usage_errors_say_distanom_once(capsys: pytest.CaptureFixture[str]) 
 
     assert main([]) == 2
     assert capsys.readouterr().err == "distanom: the following arguments are required: command\n"
-    assert main(["report"]) == 2
-    assert capsys.readouterr().err.startswith("distanom: report: the following arguments")
+    assert main(["analyze"]) == 2
+    assert capsys.readouterr().err.startswith("distanom: analyze: the following arguments")
 
 
 def test_config_set_prints_the_resolved_config_as_a_config_file(

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from distanom.analysis.report import Report, build_report, render_text, report_json, write_outputs
 from distanom.analysis.run import RunData, load_run
+from distanom.cli import main as cli_main
 from distanom.rundir import write_json_atomic
 from tests.unit.rungen import Capture, make_run
 from tests.unit.stepgen import gpu_job
@@ -255,3 +258,18 @@ def test_tracing_far_over_its_budget_is_explained(tmp_path: Path) -> None:
         tmp_path / "c", measured_overhead_pct=90.0, effective_overhead_pct=1.4, steps_recorded=300
     )
     assert "over budget" not in fine
+
+
+def test_report_and_status_default_to_the_runs_folder_where_the_job_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_run(tmp_path / "runs", [], hosts=["h0", "h1"], run_id="20261203-000000")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli_main(["report"]) == 0
+    assert "20261203-000000" in capsys.readouterr().out
+    assert cli_main(["status"]) == 0
+    assert "finished" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path / "runs")  # no runs/ here: the error names the folder
+    assert cli_main(["report"]) == 2
+    assert capsys.readouterr().err.strip() == "distanom: runs: no such run directory"
