@@ -30,6 +30,20 @@ class Ticks:
         return self.now
 
 
+def why_not_captured(report: dict, step: int, stderr: str = "") -> dict:
+    """What a failed "step was captured" assertion shows: the step's anomaly, the
+    captures made, the capture state, its index lines, and the end of the job's log."""
+    index = Path(report["run_dir"]) / "index.jsonl"
+    lines = index.read_text().splitlines() if index.is_file() else []
+    return {
+        "anomaly": [a for a in report.get("anomalies", []) if a.get("step") == step],
+        "captures": sorted(c["step"] for c in report.get("captures", [])),
+        "capture_state": report.get("capture_state"),
+        "index": [line for line in lines if f'"step": {step},' in line][:8],
+        "log": stderr[-2500:],
+    }
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

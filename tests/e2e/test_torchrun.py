@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from distanom.cli import main as cli_main
-from tests.conftest import TOY, free_port, job_env, launch, torchrun
+from tests.conftest import TOY, free_port, job_env, launch, torchrun, why_not_captured
 
 FAST = [  # every step traced (a one-off stall is captured): the budget off
     "--set",
@@ -47,7 +47,7 @@ def test_stalled_rank_steps_are_captured_on_every_rank(
     assert report["world_size"] == 4 and report["state"] == "finished"
     captures = {c["step"]: c for c in report["captures"]}
     for step in stalls:
-        assert step in captures, sorted(captures)
+        assert step in captures, why_not_captured(report, step, done.stderr)
         capture = captures[step]
         assert "anomaly" in capture["kinds"]
         assert sorted(capture["ranks"]) == ["0", "1", "2", "3"]
