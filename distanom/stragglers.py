@@ -12,8 +12,8 @@ against the median, several slow ranks (a slow node) are each seen, not just the
   `late` over summed step times, over the run and over the last `window` steps.
 - A straggler was late at `LATE_FRACTION` or more of the window's steps, with a window
   score of at least `MIN_SCORE`: consistently late, by enough to matter. `since_step`
-  is where its late streak began (the change point of its lateness in the window when
-  it was first named). Most severe (highest score) first.
+  is where its late streak began (the change point of how late it was, in the window
+  when it was first named). Most severe (highest score) first.
 - Drift: the median step time of the last `window` steps against the first `window`
   steps measured; reported from `DRIFT_RATIO` up (a whole job slowing down moves the
   detector's median with it, so no single step is anomalous).
@@ -157,12 +157,19 @@ class StragglerScorer:
 
     def _streak_start(self, rank: int) -> int:
         """Where the rank's late streak began: the window step (one it was late at) that
-        maximises the sum, over the steps from it on, of (late ? 1 : 0) - LATE_FRACTION."""
+        maximises the sum, over the steps from it on, of its lateness (share of the step)
+        less half its mean lateness over the window. Weighing by how late, not whether:
+        a loaded host makes every rank late by a little at many steps, and counted alike
+        those moved the start of a real straggler's streak back by tens of steps."""
+        shares = [
+            (step, sum(ms for r, ms in late if r == rank) / step_ms)
+            for step, step_ms, late in self._recent
+        ]
+        half_level = 0.5 * sum(share for _, share in shares) / max(1, len(shares))
         total, best, start = 0.0, -math.inf, -1
-        for step, _, late in reversed(self._recent):
-            was_late = any(r == rank for r, _ in late)
-            total += (1.0 if was_late else 0.0) - LATE_FRACTION
-            if was_late and total >= best:
+        for step, share in reversed(shares):
+            total += share - half_level
+            if share > 0 and total >= best:
                 best, start = total, step
         return start
 

@@ -59,3 +59,22 @@ def test_drift_of_the_whole_job() -> None:
     for step in range(1, 41):
         steady.add(step, [10.0, 10.1], 10.0)
     assert steady.drift() is None
+
+
+def test_a_little_lateness_from_a_loaded_host_does_not_move_when_a_straggler_began() -> None:
+    # before step 50 rank 1 is late by a little (3 of 40 ms: "late", over 5%) at 7 steps
+    # in 10, as on a loaded host; from 50 on it is 30 ms late at every step
+    scorer = StragglerScorer(3)
+    named_at = None
+    for step in range(1, 200):
+        arrive = [10.0, 10.0, 10.2]
+        if step >= 50:
+            arrive[1] += 30.0
+        elif step >= 20 and step % 10 >= 3:
+            arrive[1] += 3.0
+        scorer.add(step, arrive, 40.0)
+        if named_at is None and scorer.stragglers():
+            named_at = step
+    (first,) = scorer.stragglers()
+    assert first.rank == 1 and named_at is not None and named_at > 50
+    assert first.since_step == 50  # counting late steps alike, it was 23
