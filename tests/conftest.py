@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from distanom.records.index import read_index
+from distanom.rundir import RunDir
+
 REPO = Path(__file__).resolve().parent.parent
 TOY = REPO / "examples" / "toy_train.py"
 DATA = Path(__file__).resolve().parent / "data"
@@ -33,13 +36,12 @@ class Ticks:
 def why_not_captured(report: dict, step: int, stderr: str = "") -> dict:
     """What a failed "step was captured" assertion shows: the step's anomaly, the
     captures made, the capture state, its index lines, and the end of the job's log."""
-    index = Path(report["run_dir"]) / "index.jsonl"
-    lines = index.read_text().splitlines() if index.is_file() else []
+    records, _problems = read_index(RunDir(Path(report["run_dir"])))
     return {
         "anomaly": [a for a in report.get("anomalies", []) if a.get("step") == step],
         "captures": sorted(c["step"] for c in report.get("captures", [])),
         "capture_state": report.get("capture_state"),
-        "index": [line for line in lines if f'"step": {step},' in line][:8],
+        "index": [dict(r.raw) for r in records if r.step == step][:8],
         "log": stderr[-2500:],
     }
 

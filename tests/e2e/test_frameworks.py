@@ -23,12 +23,6 @@ FAST = [  # every step traced (a one-off stall is captured): the budget off
     *["--set", "detect.warmup_steps=5", "--set", "detect.min_steps=15"],
 ]
 STALL_RANK = 1
-LOGS: dict[Path, str] = {}  # each job's log by its folder, for a failed assertion to show
-
-
-def _run_base(found: dict) -> Path:
-    """The folder a job ran in (its runs/<id> two levels up)."""
-    return Path(found["run_dir"]).parent.parent
 
 
 def needs(package: str) -> pytest.MarkDecorator:
@@ -53,7 +47,6 @@ def run_job(
         capture_output=True, text=True, timeout=timeout, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    LOGS[tmp_path] = done.stderr
     return done.stdout
 
 
@@ -68,7 +61,7 @@ def assert_blamed(found: dict, stalls: list[int], stall_rank: int = STALL_RANK) 
     """Each stalled step is captured on every rank at that number, blamed on the stalled rank."""
     captures = {c["step"]: c for c in found["captures"]}
     for step in stalls:
-        assert step in captures, why_not_captured(found, step, LOGS.get(_run_base(found), ""))
+        assert step in captures, why_not_captured(found, step)
         capture = captures[step]
         ranks = [str(r) for r in range(found["world_size"])]
         assert "anomaly" in capture["kinds"] and sorted(capture["ranks"]) == ranks
