@@ -177,6 +177,11 @@ class RoundResult:
         """The ranks whose round flags include `flag`."""
         return [rank for rank, flags in enumerate(self.rank_flags) if flags & flag]
 
+    @property
+    def cut_early(self) -> bool:
+        """Some rank ended this round early and none sent its final (`_early_cut`)."""
+        return bool(self.ranks_with(FLAG_EARLY)) and not self.ranks_with(FLAG_FINAL)
+
 
 def evidence_slots(batch_steps: int) -> int:
     """Steps of evidence one row carries."""

@@ -24,7 +24,6 @@ from distanom.capture import CaptureWorker
 from distanom.config import Config
 from distanom.consensus import (
     FLAG_CAPTURE_OFF,
-    FLAG_EARLY,
     FLAG_FINAL,
     FLAG_MORE_EVIDENCE,
     REQUEST_LEAD_STEPS,
@@ -121,7 +120,9 @@ class ControlLoop:
         self._cpu_ns = 0  # this (control) thread's CPU time, as last read on it
         self._cpu_setup_ns = 0  # of which forming the group and the run directory
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
-        self.early_rounds = 0  # rounds this rank ended early (its steps slowed down)
+        # rounds some rank ended early (its steps slowed down): counted from the gathered
+        # flags, so every rank's count is the job's, whichever rank's slowdown woke first
+        self.early_rounds = 0
         self._peers_last_step: int | None = None  # ranks ended first: their last step
         self._peers_ended_at = 0.0
         self._sizer = RoundSizer(config.consensus, config.tracer)
@@ -440,8 +441,8 @@ class ControlLoop:
             self.requests.carried()
         if builder is not None and not final:  # a rank may have ended the round early
             builder.settle(local, len(result.samples), bool(result.ranks_with(FLAG_FINAL)))
-        if local.flags & FLAG_EARLY:
-            self.early_rounds += 1  # sent early (cut unless a rank sent its final)
+        if result.cut_early:
+            self.early_rounds += 1
         self._after_round(result)
         # CPU time, not wall time: waiting for the gather or for the GIL takes nothing
         # from the training thread

@@ -86,13 +86,16 @@ def test_a_round_ended_early_covers_the_fewest_steps_sent() -> None:
     result = decode_rows([full, early], ROOM, with_evidence=False)
     assert [s.step for s in result.samples] == [1, 2, 3]
     assert result.samples[2].times_ms == (10.0, 30.0)
+    # cut early for every rank, also the one that sent a full round (the job's count)
+    assert result.cut_early
     # a rank's final round is not cut: that rank sends no more
     final = row(1, [10.0, 11.0], FLAG_FINAL)
     result = decode_rows([full, early, final], ROOM, with_evidence=False)
-    assert len(result.samples) == ROOM
+    assert len(result.samples) == ROOM and not result.cut_early
     # without an early flag a short row is read as before (its missing steps unknown)
     result = decode_rows([full, row(1, [10.0])], ROOM, with_evidence=False)
     assert len(result.samples) == ROOM and math.isnan(result.samples[3].times_ms[1])
+    assert not result.cut_early
 
 
 def gather(*sent: LocalRound) -> list[list[float]]:
