@@ -74,6 +74,11 @@ def scenarios(steps: int = 12_000, seed: int = 0) -> list[Scenario]:
     noisy = {s: rng.uniform(1.5, 2.3) for s in rng.sample(range(20, steps), steps // 25)}
     # one-offs near the threshold, one step in 150, most just over it
     sparse = {s: 1.5 + rng.expovariate(10) for s in rng.sample(range(20, steps), steps // 150)}
+    # a loaded host's noise episodes: 4-6 steps in a row 1.5-2.4x slow, one per 100 steps
+    # (drawn last, so the scenarios above stay as they were)
+    episodes = {}
+    for first in rng.sample(range(20, steps - 10), steps // 100):
+        episodes.update({first + d: rng.uniform(1.5, 2.4) for d in range(rng.choice((4, 5, 6)))})
     return [
         Scenario(
             "periodic: evaluation every 200 steps, checkpoint every 500",
@@ -108,6 +113,15 @@ def scenarios(steps: int = 12_000, seed: int = 0) -> list[Scenario]:
             {"delay/400": list(range(150, steps, 400))},
             {"delay/400": 0.010},
             noisy=sparse,
+        ),
+        Scenario(
+            "noise episodes: evaluation every 300, lasting slowdowns (x1.6 for 200 steps, 4 "
+            "times) among 4-6-step noise episodes (1.5-2.4x, one per 100 steps)",
+            steps,
+            {"eval/300": list(range(300, steps, 300))},
+            {"eval/300": 0.020},
+            slowdowns=[(a, a + 199, 1.6) for a in range(steps // 6 + 50, steps - 300, steps // 4)],
+            noisy=episodes,
         ),
         Scenario(
             "mixed: evaluation every 200, a lasting slowdown, one-offs",
@@ -256,5 +270,8 @@ def _coverage(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if key.startswith("slowdown "):
             out[f"{key}: within two windows"] = (
                 f"{sum(r[key]['within_two_windows'] for r in runs)}/{len(runs)}"
+            )
+            out[f"{key}: traced"] = (
+                f"{sum(r[key]['first_traced_after_steps'] is not None for r in runs)}/{len(runs)}"
             )
     return out
