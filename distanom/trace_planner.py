@@ -359,6 +359,7 @@ class _Wanted:
     steps: list[int]
     series: Series | None = None
     start: int = -1
+    episode: _Episode | None = None  # the lasting slowdown it is for
 
 
 @dataclass
@@ -369,6 +370,11 @@ class _Episode:
     traced: bool = False
     predicted: bool = False  # a series predicted its start: that window is the series'
     asked: bool = False
+    # declined: asked again once it has this many steps (twice as many as then): a
+    # lasting slowdown goes on until the budget has grown; a loaded host's noise episodes
+    # of a few steps end first, and take nothing more
+    ask_again_at: int = 0
+    declined: bool = False  # counted once
     strong: bool = False  # holds a strong event (observed as it came)
     ended: bool = False
     ratios: list[tuple[int, float]] = field(default_factory=list)  # of its first steps
@@ -424,12 +430,12 @@ class TracePlanner:
                 self._strong_last = step
                 if strong is None or step - strong - 1 > self.merge_gap_steps:
                     episode.predicted |= self._observe(step, ratio)
-            if episode.steps >= self.params.lasting_min_steps and not (
+            if episode.steps >= max(self.params.lasting_min_steps, episode.ask_again_at) and not (
                 episode.traced or episode.predicted or episode.asked
             ):
-                episode.asked = True  # once per episode, served or declined
+                episode.asked = True  # served, or declined and asked again (`_decline`)
                 span = range(earliest, earliest + self.params.episode_steps)
-                wanted.append(_Wanted(list(span)))
+                wanted.append(_Wanted(list(span), episode=episode))
         episode = self._episode
         if episode is not None and through - episode.last - 1 > self.merge_gap_steps:
             self._end(episode)
@@ -492,6 +498,13 @@ class TracePlanner:
 
     def _decline(self, wanted: Sequence[_Wanted]) -> None:
         for want in wanted:
+            episode = want.episode
+            if episode is not None:
+                episode.asked = False
+                episode.ask_again_at = 2 * episode.steps
+                if episode.declined:
+                    continue  # counted once per episode
+                episode.declined = True
             series = want.series
             if series is None or series.declined != want.start:
                 self.counts.declined += 1  # once per window

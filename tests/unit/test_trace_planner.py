@@ -483,3 +483,20 @@ def test_a_series_yet_to_hit_never_takes_the_last_episode_window_of_the_allowanc
     assert planner.counts.series_learned == 1 and planner.counts.periodic_windows == 0
     assert planner.counts.episode_windows == 3
     assert min(s for s in planned if s > 300) - 1050 < 16
+
+
+def test_a_lasting_slowdown_the_budget_declined_is_asked_for_again_while_it_lasts() -> None:
+    # no advance: a window's 1.82 step times are affordable once 0.8% of the steps
+    # recorded reach them (~step 230); asked at 4 steps in, then at 8, 16, ... 256
+    params = PlannerParams(advance_step_times=0.0)
+    planner = TracePlanner(1.0, merge_gap_steps=5, params=params)
+    planned, _ = run(planner, 600, dict.fromkeys(range(100, 500), 1.7))
+    assert planned and 230 <= min(planned) < 500, sorted(planned)
+    assert len(planned) == planner.params.episode_steps
+    assert planner.counts.episode_windows == 1
+    assert planner.counts.declined == 1  # a window declined, counted once per episode
+    # a few slow steps (a loaded host's noise) end before the budget has grown: they
+    # are declined once and cost nothing more
+    planner = TracePlanner(1.0, merge_gap_steps=5, params=params)
+    planned, _ = run(planner, 600, dict.fromkeys(range(100, 106), 1.7))
+    assert not planned and planner.counts.declined == 1
