@@ -6,7 +6,8 @@ the plan of extra traced steps that follows from it (docs/budget.md):
 - Episodes: anomalous steps at most `merge_gap_steps` apart are one episode, as the
   detector groups them. An episode of `lasting_min_steps` or more anomalous steps is a
   lasting slowdown; when none of its steps was traced, the next `episode_steps` steps
-  are traced at once (the detector then captures one of them).
+  are traced at once (the detector then captures one of them). A window the budget
+  declines is asked for again at twice the episode's steps, while the episode lasts.
 - Recurrence: strong events are the steps of `min_ratio` medians or more, grouped by
   `merge_gap_steps` like episodes (a slight anomaly just before one does not move its
   start); an episode with no such step, shorter than a lasting slowdown, is a weak
