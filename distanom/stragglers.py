@@ -14,6 +14,9 @@ against the median, several slow ranks (a slow node) are each seen, not just the
   score of at least `MIN_SCORE`: consistently late, by enough to matter. `since_step`
   is where its late streak began (the change point of how late it was, in the window
   when it was first named). Most severe (highest score) first.
+- A rank that stops being a straggler is kept in `earlier` (since, until, its highest
+  window score), the last `EARLIER_KEPT`: the job's log named it, and the report must
+  say so after it caught up.
 - Drift: the median step time of the last `window` steps against the first `window`
   steps measured; reported from `DRIFT_RATIO` up (a whole job slowing down moves the
   detector's median with it, so no single step is anomalous).
@@ -37,6 +40,7 @@ MIN_SCORE = 0.05
 DRIFT_RATIO = 1.2
 DEFAULT_WINDOW = 64
 MIN_WINDOW_STEPS = 8  # steps the window must hold before anyone is named
+EARLIER_KEPT = 16  # stragglers that caught up, kept for the report
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,9 @@ class StragglerScorer:
     _window_late_steps: dict[int, int] = field(default_factory=dict)
     _window_ms: float = 0.0
     _since: dict[int, int] = field(default_factory=dict)
+    # while named: rank -> (the latest step it was named at, its highest window score)
+    _named: dict[int, tuple[int, float]] = field(default_factory=dict)
+    _earlier: collections.deque[dict[str, Any]] = field(init=False)
     _first_ms: list[float] = field(default_factory=list)
     _last_ms: collections.deque[float] = field(init=False)
     _first_step: int = -1
@@ -81,6 +88,7 @@ class StragglerScorer:
     def __post_init__(self) -> None:
         self._recent = collections.deque()
         self._last_ms = collections.deque(maxlen=self.window)
+        self._earlier = collections.deque(maxlen=EARLIER_KEPT)
 
     def add(self, step: int, arrive_ms: Sequence[float], step_ms: float) -> None:
         """Fold one step in: every rank's arrival (NaN unknown) and the step's time."""
@@ -116,7 +124,7 @@ class StragglerScorer:
             self._run_late_ms[rank] = self._run_late_ms.get(rank, 0.0) + ms
             self._run_late_steps[rank] = self._run_late_steps.get(rank, 0) + 1
         self._push((step, step_ms, late))
-        self._update_since()
+        self._update_since(step)
 
     def _push(self, entry: tuple[int, float, tuple[tuple[int, float], ...]]) -> None:
         self._recent.append(entry)
@@ -146,14 +154,23 @@ class StragglerScorer:
                 out[rank] = (late, waited, score)
         return out
 
-    def _update_since(self) -> None:
+    def _update_since(self, step: int) -> None:
         flagged = self._flagged()
         for rank in list(self._since):
             if rank not in flagged:
-                del self._since[rank]
-        for rank in flagged:
+                until, peak = self._named.pop(rank, (step, 0.0))
+                self._earlier.append(
+                    {
+                        "rank": rank,
+                        "since_step": self._since.pop(rank),
+                        "until_step": until,
+                        "peak_score": round(peak, 4),
+                    }
+                )
+        for rank, (_, _, score) in flagged.items():
             if rank not in self._since:
                 self._since[rank] = self._streak_start(rank)
+            self._named[rank] = (step, max(score, self._named.get(rank, (step, 0.0))[1]))
 
     def _streak_start(self, rank: int) -> int:
         """Where the rank's late streak began: the window step (one it was late at) that
@@ -210,5 +227,6 @@ class StragglerScorer:
         return {
             "stragglers": [s.to_json() for s in self.stragglers()],
             "drift": self.drift(),
+            "earlier": list(self._earlier),
             "scored_steps": self.steps,
         }

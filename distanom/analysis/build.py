@@ -112,6 +112,7 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
         hangs=hangs,
         anomalies=_anomalies(data, captures, problems),
         stragglers=_list_of_dicts(stragglers.get("stragglers")),
+        earlier_stragglers=_list_of_dicts(stragglers.get("earlier")),
         drift=_dict_or_none(stragglers.get("drift")),
     )
 

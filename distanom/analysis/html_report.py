@@ -238,7 +238,7 @@ def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
             "<table><tr><th>step</th><th>kind</th><th>step ms</th><th>x rolling median</th>"
             f"<th>ranks</th><th>verdict</th></tr>{rows}</table>"
         )
-    if report.anomalies or report.stragglers or report.drift:
+    if report.anomalies or report.stragglers or report.earlier_stragglers or report.drift:
         body += _slowness_sections(report)
     stands = standing_evidence(report.anomalies)
     for capture in captures:

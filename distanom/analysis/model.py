@@ -215,6 +215,8 @@ class Report:
     """Every step judged anomalous, traced or not, with its verdict (anomalies.jsonl)."""
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     """Ranks the others kept waiting for, most severe first (stragglers.json)."""
+    earlier_stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """Ranks named stragglers during the run that later caught up (stragglers.json)."""
     drift: dict[str, Any] | None = None
     """The whole job's slowdown from its first to its last steps, when there was one."""
     agent_cost: dict[str, Any] = field(default_factory=dict)

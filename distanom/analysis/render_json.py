@@ -61,6 +61,7 @@ def report_json(report: Report) -> dict[str, Any]:
         ],
         "recurrences": [recurrence_json(r) for r in found],
         "stragglers": list(report.stragglers),
+        "earlier_stragglers": list(report.earlier_stragglers),
         "drift": report.drift,
         "capture_cost": None
         if cost is None

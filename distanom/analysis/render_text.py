@@ -362,6 +362,12 @@ def straggler_lines(report: Report) -> list[str]:
             f"{fmt(evidence.get('mean_late_ms'))} ms each; run score "
             f"{fmt(evidence.get('run_score'), 2)})"
         )
+    for entry in report.earlier_stragglers:
+        lines.append(
+            f"rank {entry.get('rank')}: a straggler from step {entry.get('since_step')} to "
+            f"step {entry.get('until_step')}, then it kept up (at most "
+            f"{fmt(entry.get('peak_score'), 2)} of the step time waited for it)"
+        )
     drift = report.drift
     if drift:
         lines.append(
@@ -441,7 +447,7 @@ def _class_lines(report: Report) -> list[str]:
 def render_text(report: Report) -> str:
     """The report for people: run facts, captures with their tables and verdicts, problems."""
     lines = [*_run_lines(report), ""]
-    if report.anomalies or report.stragglers or report.drift:
+    if report.anomalies or report.stragglers or report.earlier_stragglers or report.drift:
         lines += [*_anomaly_lines(report), ""]
     lines += _capture_lines(report.captures, report.anomalies)
     for hang in report.hangs:

@@ -51,6 +51,19 @@ def test_untraced_anomalies_and_stragglers_in_every_rendering(tmp_path: Path) ->
     assert "host_stall" in html
 
 
+def test_a_straggler_that_caught_up_is_still_in_the_report(tmp_path: Path) -> None:
+    # the job's log named it (and traced a step on every rank): the report must say so
+    run = make_run(tmp_path, [], hosts=["a", "a"])
+    earlier = {"rank": 1, "since_step": 1, "until_step": 20, "peak_score": 0.12}
+    write_stragglers(run, {"stragglers": [], "drift": None, "earlier": [earlier]})
+    report = build_report(load_run(run.path))
+    assert report_json(report)["earlier_stragglers"] == [earlier]
+    text = render_text(report)
+    assert "rank 1: a straggler from step 1 to step 20, then it kept up" in text
+    assert "no straggler" not in text
+    assert "a straggler from step 1 to step 20" in render_html(report, use_matplotlib=False).html
+
+
 def test_an_anomaly_without_a_culprit_shows_a_dash_in_text_and_html(tmp_path: Path) -> None:
     # both ranks late to the collective together: no culprit, and no "None" on the page
     run = make_run(tmp_path, [], hosts=["a", "a"])

@@ -78,3 +78,17 @@ def test_a_little_lateness_from_a_loaded_host_does_not_move_when_a_straggler_beg
     (first,) = scorer.stragglers()
     assert first.rank == 1 and named_at is not None and named_at > 50
     assert first.since_step == 50  # counting late steps alike, it was 23
+
+
+def test_a_straggler_that_caught_up_is_kept_as_an_earlier_one() -> None:
+    scorer = StragglerScorer(2, window=16)
+    feed(scorer, range(1, 40), slow_rank=1, slow_from=1)
+    (named,) = scorer.stragglers()
+    assert scorer.to_json()["earlier"] == []
+    feed(scorer, range(40, 80), slow_rank=1, slow_from=10_000)
+    assert scorer.stragglers() == []
+    (earlier,) = scorer.to_json()["earlier"]
+    assert earlier["rank"] == 1 and earlier["since_step"] == named.since_step
+    # named until a few steps after it caught up: the window still held its late steps
+    assert 40 <= earlier["until_step"] < 60
+    assert earlier["peak_score"] >= round(named.score, 4) > 0.5
