@@ -241,19 +241,37 @@ def recurrence_json(recurrence: Recurrence) -> dict[str, Any]:
     }
 
 
-def standing_evidence(anomalies: Sequence[Anomaly]) -> dict[int, AnomalyVerdict]:
-    """Per captured step, the evidence verdict that replaced a trace verdict naming no
-    cause (rule 1): the capture's own section shows the trace's, the anomalies list this."""
-    return {a.step: a.verdict for a in anomalies if "trace_verdict" in a.verdict.details}
+def evidence_notes(anomalies: Sequence[Anomaly]) -> dict[int, str]:
+    """Per captured step, what its section says of the step's evidence verdict, below
+    the trace's: that it stands, where the trace named no cause (rule 1: the anomalies
+    list shows it); or that it points elsewhere, where it blames another rank (or one
+    rank where the trace blames none, or none where it blames one): the trace's stands,
+    and the reader sees both rather than one hidden in --json. Another cause for the same
+    rank is not said: the trace, which sees the ops, names it more closely."""
+    notes = {}
+    for anomaly in anomalies:
+        verdict = anomaly.verdict
+        if "trace_verdict" in verdict.details:
+            notes[anomaly.step] = (
+                "the trace names no cause; the step's evidence does (as in the anomalies "
+                f"list): {_who_and_why(verdict.culprit_rank, verdict.cause)}"
+            )
+            continue
+        other = verdict.details.get("evidence_verdict")
+        if not isinstance(other, dict) or other.get("cause") in (None, "unknown"):
+            continue
+        rank, cause = other.get("culprit_rank"), str(other.get("cause"))
+        if rank != verdict.culprit_rank:
+            notes[anomaly.step] = (
+                "the step's evidence (arrival, host signals) points elsewhere: "
+                f"{_who_and_why(rank, cause)}; the trace's verdict stands"
+            )
+    return notes
 
 
-def standing_evidence_sentence(verdict: AnomalyVerdict) -> str:
-    """What a capture's section says of the evidence verdict that stands for its step."""
-    who = "no single rank" if verdict.culprit_rank is None else f"rank {verdict.culprit_rank}"
-    return (
-        "the trace names no cause; the step's evidence does (as in the anomalies list): "
-        f"{who} — {verdict.cause.replace('_', ' ')}"
-    )
+def _who_and_why(rank: int | None, cause: str) -> str:
+    who = "no single rank" if rank is None else f"rank {rank}"
+    return f"{who} — {cause.replace('_', ' ')}"
 
 
 def recurrence_line(recurrence: Recurrence) -> str:

@@ -24,12 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from distanom.analysis.anomalies import (
-    AnomalyVerdict,
     anomaly_classes,
+    evidence_notes,
     recurrence_line,
     recurring,
-    standing_evidence,
-    standing_evidence_sentence,
 )
 from distanom.analysis.charts import (
     OUTSIDE,
@@ -240,9 +238,9 @@ def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
         )
     if report.anomalies or report.stragglers or report.earlier_stragglers or report.drift:
         body += _slowness_sections(report)
-    stands = standing_evidence(report.anomalies)
+    notes = evidence_notes(report.anomalies)
     for capture in captures:
-        body += _capture_section(capture, figure_class, pngs, stands.get(capture.step))
+        body += _capture_section(capture, figure_class, pngs, notes.get(capture.step))
     if report.hangs:
         body.append(f"<h2>Hangs ({len(report.hangs)})</h2>")
         body += ["<pre>" + _e("\n".join(hang_lines(hang))) + "</pre>" for hang in report.hangs]
@@ -321,17 +319,16 @@ def _capture_section(
     capture: Capture,
     figure_class: Any,
     pngs: dict[str, bytes],
-    stands: AnomalyVerdict | None = None,
+    note: str | None = None,
 ) -> list[str]:
-    """One capture's heading, verdict, collections, bars, tables and notes; `stands`:
-    the evidence verdict that replaced a trace verdict naming no cause."""
+    """One capture's heading, verdict, collections, bars, tables and notes; `note`:
+    what the step's evidence verdict adds (`evidence_notes`)."""
     step = capture.step
     body = [f'<h2 id="step-{_e(step)}">Step {_e(step)} ({_e(", ".join(capture.kinds))})</h2>']
     css = "verdict" if capture.verdict.culprit_rank is not None else "verdict none"
     body.append(f'<p class="{css}">Verdict: {_e(capture.verdict.sentence())}</p>')
-    if stands is not None:
-        sentence = standing_evidence_sentence(stands)
-        body.append(f'<p class="facts">{_e(sentence[0].upper() + sentence[1:])}</p>')
+    if note is not None:
+        body.append(f'<p class="facts">{_e(note[0].upper() + note[1:])}</p>')
     collections = gc_sentence(capture)
     if collections:
         body.append(f'<p class="facts">{_e(collections[0].upper() + collections[1:])}</p>')

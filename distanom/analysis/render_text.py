@@ -13,12 +13,10 @@ from typing import Any
 
 from distanom.analysis.anomalies import (
     Anomaly,
-    AnomalyVerdict,
     anomaly_classes,
+    evidence_notes,
     recurrence_line,
     recurring,
-    standing_evidence,
-    standing_evidence_sentence,
 )
 from distanom.analysis.hangs import hang_lines
 from distanom.analysis.kernel_diff import kernel_diff_lines
@@ -122,13 +120,12 @@ def _breakdown_lines(capture: Capture) -> list[str]:
     return lines + ([f"  {OUTSIDE_NOTE}"] if outside else [])
 
 
-def _cross_rank_lines(capture: Capture, stands: AnomalyVerdict | None = None) -> list[str]:
-    """The verdict line and the top kernel changes of one capture; `stands`: the
-    evidence verdict that replaced a trace verdict naming no cause (the anomalies list
-    shows that one)."""
+def _cross_rank_lines(capture: Capture, note: str | None = None) -> list[str]:
+    """The verdict line and the top kernel changes of one capture; `note`: what the
+    step's evidence verdict adds (`evidence_notes`)."""
     lines = [f"  verdict: {capture.verdict.sentence()}"]
-    if stands is not None:
-        lines.append(f"  {standing_evidence_sentence(stands)}")
+    if note is not None:
+        lines.append(f"  {note}")
     culprit = capture.verdict.culprit_rank
     lines += kernel_diff_lines(kernel_diff_json(capture.kernel_diff), culprit, top=5)
     if capture.merged_trace:
@@ -313,7 +310,7 @@ def _run_lines(report: Report) -> list[str]:
 
 def _capture_lines(captures: list[Capture], anomalies: Sequence[Anomaly] = ()) -> list[str]:
     """The captures table, then each capture's breakdown, collections and verdict."""
-    stands = standing_evidence(anomalies)
+    notes = evidence_notes(anomalies)
     if not captures:
         return ["no captures"]
     rows = []
@@ -336,7 +333,7 @@ def _capture_lines(captures: list[Capture], anomalies: Sequence[Anomaly] = ()) -
         lines += _breakdown_lines(capture)
         sentence = gc_sentence(capture)
         lines += [f"  {sentence}"] if sentence else []
-        lines += _cross_rank_lines(capture, stands.get(capture.step))
+        lines += _cross_rank_lines(capture, notes.get(capture.step))
     for capture in captures:
         if capture.missing_ranks:
             missing = ",".join(str(r) for r in capture.missing_ranks)

@@ -114,6 +114,31 @@ def test_a_capture_whose_trace_names_no_cause_points_to_the_evidence_verdict(
     assert "rank 0 — host stall" in section[: section.index("</p>", section.index("The trace"))]
 
 
+def test_evidence_that_points_elsewhere_than_the_trace_is_said_under_its_verdict() -> None:
+    from distanom.analysis.anomalies import Anomaly, AnomalyVerdict, evidence_notes
+
+    def traced(step: int, rank: int | None, cause: str, other: dict[str, Any]) -> Anomaly:
+        verdict = AnomalyVerdict(rank, cause, "...", "trace", {"evidence_verdict": other})
+        return Anomaly(step, 30.0, 15.0, 2.0, True, "condition", verdict)
+
+    elsewhere = {"culprit_rank": 1, "cause": "host_stall"}
+    notes = evidence_notes(
+        [
+            traced(5, None, "global", elsewhere),  # "every rank slowed together"
+            traced(6, 1, "host_stall", elsewhere),  # they agree: nothing to add
+            traced(7, 0, "compute", {"culprit_rank": None, "cause": "unknown"}),  # no answer
+            traced(8, 1, "compute", elsewhere),  # the same rank: the trace names the cause
+            traced(9, 0, "host_stall", elsewhere),  # another rank
+        ]
+    )
+    assert notes == {
+        5: "the step's evidence (arrival, host signals) points elsewhere: rank 1 — host "
+        "stall; the trace's verdict stands",
+        9: "the step's evidence (arrival, host signals) points elsewhere: rank 1 — host "
+        "stall; the trace's verdict stands",
+    }
+
+
 def test_past_twenty_anomalies_the_text_gives_the_slowest_ones_evidence(tmp_path: Path) -> None:
     # 30 mild anomalies around one 60x step late in the run: its evidence is printed,
     # the cut is said, and the evidence lines stay in step order
