@@ -144,6 +144,7 @@ def agent_cost(
         # pauses between rounds' phases so far (none where a round's work is small)
         "round_pauses": pacer.pauses,
         "round_work_ms": None if work_ms is None else round(work_ms, 3),
-        # rounds ended early because this rank's steps slowed down (distanom.rounds)
+        # rounds some rank ended early, its steps slowed down: the job's count, the same
+        # on every rank (consensus.RoundResult.cut_early)
         "early_rounds": early_rounds,
     }

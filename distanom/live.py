@@ -46,7 +46,7 @@ def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
         f"run {run.run_id}: {state}",
         f"  step {_int(status.get('step'))} (gathered up to {_int(status.get('gathered_step'))}),"
         f" world size {_int(status.get('world_size'))}",
-        f"  step median {_ms(status.get('median_ms'))},"
+        f"  rolling median step {_ms(status.get('median_ms'))},"
         f" threshold {_ms(status.get('threshold_ms'))}",
     ]
     tracer = _obj(status.get("tracer"))
@@ -61,8 +61,8 @@ def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
     written_mb = written_bytes / 1e6 if _number(written_bytes) else 0.0
     replaced = captures.get("replaced")
     lines.append(
-        f"  anomalous steps {_int(detector.get('anomalous', 0))}, trace files kept "
-        f"{_int(captures.get('written', 0))} ({written_mb:.1f} MB on rank 0"
+        f"  anomalous steps {_int(detector.get('anomalous', 0))}, trace files kept: "
+        f"{_int(captures.get('written', 0))} on rank 0 ({written_mb:.1f} MB"
         + (f", {_int(replaced)} replaced" if _number(replaced) and replaced > 0 else "")
         + ")"
     )

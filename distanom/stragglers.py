@@ -16,7 +16,7 @@ against the median, several slow ranks (a slow node) are each seen, not just the
   when it was first named). Most severe (highest score) first.
 - A rank that stops being a straggler is kept in `earlier` (since, until, its highest
   window score), the last `EARLIER_KEPT`: the job's log named it, and the report must
-  say so after it caught up.
+  say so after it caught up. Named again within a window, it continues that entry.
 - Drift: the median step time of the last `window` steps against the first `window`
   steps measured; reported from `DRIFT_RATIO` up (a whole job slowing down moves the
   detector's median with it, so no single step is anomalous).
@@ -170,7 +170,19 @@ class StragglerScorer:
         for rank, (_, _, score) in flagged.items():
             if rank not in self._since:
                 self._since[rank] = self._streak_start(rank)
+                self._resume(rank, step)
             self._named[rank] = (step, max(score, self._named.get(rank, (step, 0.0))[1]))
+
+    def _resume(self, rank: int, step: int) -> None:
+        """A rank named again within a window of when it was last dropped continues that
+        entry of `earlier` (its start and peak): a rank late at about `LATE_FRACTION` of
+        the steps crosses the line again and again, and is one straggler, not many."""
+        last = next((e for e in reversed(self._earlier) if e["rank"] == rank), None)
+        if last is None or step - last["until_step"] > self.window:
+            return
+        self._earlier.remove(last)
+        self._since[rank] = min(self._since[rank], last["since_step"])
+        self._named[rank] = (step, last["peak_score"])
 
     def _streak_start(self, rank: int) -> int:
         """Where the rank's late streak began: the window step (one it was late at) that

@@ -347,7 +347,7 @@ class PlannerCounts:
     periodic_windows: int = 0
     episode_windows: int = 0
     steps_planned: int = 0
-    declined: int = 0  # windows the budget could not pay for
+    declined: int = 0  # windows the budget could not pay for (a slowdown's once)
     spent_step_times: float = 0.0
     probation_step_times: float = 0.0  # of which on series yet to hit
 

@@ -293,7 +293,9 @@ def _slowness_sections(report: Report) -> list[str]:
             "<th>judged by</th><th>culprit</th><th>cause</th><th>evidence</th></tr>"
             f"{rows}</table>"
         )
-    body.append(f"<h2>Stragglers ({len(report.stragglers)})</h2>")
+    earlier = len(report.earlier_stragglers)
+    count = f"{len(report.stragglers)}" + (f", {earlier} earlier" if earlier else "")
+    body.append(f"<h2>Stragglers ({count})</h2>")
     for line in straggler_lines(report):
         body.append(f"<p>{_e(line)}</p>")
     return body

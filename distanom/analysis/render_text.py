@@ -152,7 +152,7 @@ def _agent_cost_lines(
     )
     tracing = (tracer.get("duty_cycle") or {}).get("effective_overhead_pct")
     if isinstance(tracing, numbers):
-        line += f"; with tracing about {pct + tracing:.2f}% of the run"
+        line += f"; with tracing about {pct + tracing:.2f}% in all"
     lines = [line]
     short = isinstance(median_ms, numbers) and median_ms < ADAPTIVE_BELOW_MS
     if pct >= CLOCK_HINT_PCT and short and cost.get("clock_mode") == "cuda_event":
@@ -183,7 +183,7 @@ def _overhead_lines(tracer: dict[str, Any]) -> list[str]:
     line = f"  tracing: {measured}, {100 * fraction:.1f}% of steps traced"
     effective = duty.get("effective_overhead_pct")
     if isinstance(effective, (int, float)):
-        line += f": {effective:.2f}% of the run"
+        line += f": {effective:.2f}% added to the run's time"
     if isinstance(budget, (int, float)):
         line += f" (budget {budget:g}%)"
     lines = [line, *_over_budget_lines(duty)]
@@ -347,7 +347,8 @@ def _capture_lines(captures: list[Capture], anomalies: Sequence[Anomaly] = ()) -
 
 
 def straggler_lines(report: Report) -> list[str]:
-    """One line per straggler (most severe first) and one for drift, if any."""
+    """One line per straggler (most severe first), per earlier straggler that kept up
+    later, and one for drift, if any."""
     lines = []
     for entry in report.stragglers:
         evidence = entry.get("evidence") or {}

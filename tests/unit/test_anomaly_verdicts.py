@@ -206,9 +206,9 @@ def test_status_shows_stragglers_and_drift(tmp_path: Path) -> None:
 def test_status_counts_the_trace_files_kept(tmp_path: Path) -> None:
     status = {"state": "running", "captures": {"written": 5, "replaced": 2, "bytes": 21_000}}
     text = render_status(RunDir(tmp_path), status)
-    assert "trace files kept 5 (0.0 MB on rank 0, 2 replaced)" in text
+    assert "trace files kept: 5 on rank 0 (0.0 MB, 2 replaced)" in text
     status["captures"] = {"written": 3, "bytes": 2_500_000}  # a status from before `replaced`
-    assert "trace files kept 3 (2.5 MB on rank 0)" in render_status(RunDir(tmp_path), status)
+    assert "trace files kept: 3 on rank 0 (2.5 MB)" in render_status(RunDir(tmp_path), status)
 
 
 def test_a_rank_slow_after_the_last_collective_is_the_culprit() -> None:

@@ -62,11 +62,11 @@ def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> Non
     assert "tracer: cupti (auto)" in text
     assert (
         "distanom's own time (rank 0): 33.5 us at each step end + 25.2 us of its threads' CPU "
-        "per step = 0.92% of the median step; with tracing about 1.90% of the run" in text
+        "per step = 0.92% of the median step; with tracing about 1.90% in all" in text
     )
     assert (
         "measured overhead 12.9% of step time while tracing, 7.8% of steps traced: 0.98% "
-        "of the run (budget 1%)" in text
+        "added to the run's time (budget 1%)" in text
     )
     assert (
         "switched on 55 time(s), 41 by the duty cycle (the others for planned or requested "
@@ -241,7 +241,7 @@ def test_tracing_far_over_its_budget_is_explained(tmp_path: Path) -> None:
     short = _budgeted_run(
         tmp_path / "a", measured_overhead_pct=90.1, effective_overhead_pct=7.53, steps_recorded=300
     )
-    assert "7.53% of the run (budget 1%)" in short
+    assert "7.53% added to the run's time (budget 1%)" in short
     assert (
         "over budget: tracing costs 90% of a traced step, so the window traced at the start "
         "to measure that (4.81% of this run) and captures traced whatever the budget" in short

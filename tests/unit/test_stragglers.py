@@ -92,3 +92,23 @@ def test_a_straggler_that_caught_up_is_kept_as_an_earlier_one() -> None:
     # named until a few steps after it caught up: the window still held its late steps
     assert 40 <= earlier["until_step"] < 60
     assert earlier["peak_score"] >= round(named.score, 4) > 0.5
+
+
+def test_a_rank_that_crosses_the_line_again_and_again_is_one_earlier_straggler() -> None:
+    # late at 3 steps in 5, right at the 60% line: a 16-step window holds 9 or 10 late
+    # steps, so the rank is named and dropped ~100 times; then on time. One entry from
+    # its first naming, not one per crossing (which filled all 16 places before)
+    scorer = StragglerScorer(2, window=16)
+    crossings, named_before, first_since = 0, False, None
+    for step in range(1, 600):
+        late = step < 500 and step % 5 in (0, 1, 2)
+        scorer.add(step, [10.0, 30.0 if late else 10.2], 35.0 if late else 15.0)
+        named = scorer.stragglers()
+        if named and first_since is None:
+            first_since = named[0].since_step
+        crossings += bool(named) and not named_before
+        named_before = bool(named)
+    assert crossings > 50 and scorer.stragglers() == []
+    (earlier,) = scorer.to_json()["earlier"]
+    assert earlier["rank"] == 1 and earlier["since_step"] == first_since
+    assert 490 <= earlier["until_step"] < 520
