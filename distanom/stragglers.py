@@ -10,10 +10,11 @@ against the median, several slow ranks (a slow node) are each seen, not just the
 - A rank is late at a step when `late` is at least `LATE_SHARE` of the step's time.
 - A rank's score is the share of step time the typical rank waited for it: its summed
   `late` over summed step times, over the run and over the last `window` steps.
-- A straggler was late at `LATE_FRACTION` or more of the window's steps, with a window
-  score of at least `MIN_SCORE`: consistently late, by enough to matter. `since_step`
-  is where its late streak began (the change point of how late it was, in the window
-  when it was first named). Most severe (highest score) first.
+- A straggler was late at `LATE_FRACTION` or more of the window's steps (once it holds
+  half a window of steps at least), with a window score of at least `MIN_SCORE`:
+  consistently late, by enough to matter. `since_step` is where its late streak began
+  (the change point of how late it was, in the window when it was first named). Most
+  severe (highest score) first.
 - A rank that stops being a straggler is kept in `earlier` (since, until, its highest
   window score), the last `EARLIER_KEPT`: the job's log named it, and the report must
   say so after it caught up. Named again within a window, it continues that entry.
@@ -39,7 +40,10 @@ LATE_SHARE = 0.05
 MIN_SCORE = 0.05
 DRIFT_RATIO = 1.2
 DEFAULT_WINDOW = 64
-MIN_WINDOW_STEPS = 8  # steps the window must hold before anyone is named
+# steps the window must hold before anyone is named: this many, and half the window.
+# A job's first ~10-15 steps skew the ranks (start-up, allocation, first collectives):
+# over 8 steps that named a rank in every 2-core demo run, which later kept up.
+MIN_WINDOW_STEPS = 8
 EARLIER_KEPT = 16  # stragglers that caught up, kept for the report
 
 
@@ -145,7 +149,7 @@ class StragglerScorer:
         """rank -> (late steps, late ms, score) for the ranks that are stragglers now."""
         counted = len(self._recent)
         out: dict[int, tuple[int, float, float]] = {}
-        if counted < MIN_WINDOW_STEPS or self._window_ms <= 0:
+        if counted < max(MIN_WINDOW_STEPS, self.window // 2) or self._window_ms <= 0:
             return out
         for rank, late in self._window_late_steps.items():
             waited = self._window_late_ms[rank]

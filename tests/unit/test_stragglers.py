@@ -112,3 +112,12 @@ def test_a_rank_that_crosses_the_line_again_and_again_is_one_earlier_straggler()
     (earlier,) = scorer.to_json()["earlier"]
     assert earlier["rank"] == 1 and earlier["since_step"] == first_since
     assert 490 <= earlier["until_step"] < 520
+
+
+def test_the_skew_of_a_jobs_first_steps_names_nobody() -> None:
+    # a rank late at its first 12 steps (start-up), then on time: 12 of the first 32
+    # steps is under the 60% line; over the first 8 (before) it was named
+    scorer = StragglerScorer(4)
+    feed(scorer, range(1, 13), slow_rank=0, slow_from=1)
+    feed(scorer, range(13, 200), slow_rank=0, slow_from=10_000)
+    assert scorer.stragglers() == [] and scorer.to_json()["earlier"] == []
