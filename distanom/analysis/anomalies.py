@@ -402,14 +402,18 @@ def _after_collective(
     if previous is not None and starters:
         starter = max(starters, key=lambda r: (before[r], -r))
         earlier = judge(previous)
-        cause = earlier.cause if earlier.culprit_rank == starter else "host_stall"
+        if earlier.culprit_rank == starter:
+            cause, why = earlier.cause, f"step {previous.step}: {earlier.cause}"
+        else:  # that step's verdict blames another rank: say so, do not borrow its cause
+            who = _who_and_why(earlier.culprit_rank, earlier.cause)
+            cause, why = "host_stall", f"after that step's collective; step {previous.step}: {who}"
         return AnomalyVerdict(
             starter,
             cause,
             f"rank {slowest} took {lead:.1f} ms longer than the others after reaching the "
             f"step's last collective on time: it waited there for rank {starter}, whose "
             f"step {previous.step} ended {before[starter]:.1f} ms late "
-            f"(step {previous.step}: {cause.replace('_', ' ')})",
+            f"({why.replace('_', ' ')})",
             "arrival",
             {**details, "waited_for_step": previous.step},
         )

@@ -246,6 +246,27 @@ def test_waiting_for_a_rank_that_began_the_step_late_names_that_rank() -> None:
     assert judge(after, both).culprit_rank == 0
 
 
+def test_a_step_before_that_blamed_another_rank_is_not_cited_for_the_late_one() -> None:
+    # step 40: rank 0 reached the collective 60 ms late (its verdict), and rank 1 then
+    # ended the step 25 ms after rank 0; step 41: rank 0 waited for rank 1. The text
+    # must not pin step 40's verdict ("host stall", of rank 0) on rank 1
+    before = record(
+        [StepEvidence(60.5, 1, 1.0, 0.0), StepEvidence(0.5, 1, 1.0, 0.0)],
+        step_ms=100.0, durations=(75.0, 100.0), arrive_median_ms=(0.5, 0.5),
+    )  # fmt: skip
+    after = record(
+        [StepEvidence(0.48, 1, 1.0, 0.0), StepEvidence(1.1, 1, 1.0, 0.0)],
+        step=41, step_ms=40.0, durations=(40.0, 17.0), arrive_median_ms=(0.5, 0.5),
+    )  # fmt: skip
+    assert judge(before).culprit_rank == 0
+    verdict = judge(after, before)
+    assert verdict.culprit_rank == 1
+    assert verdict.evidence.endswith(
+        "whose step 40 ended 85.0 ms late (after that step's collective; step 40: rank 0 "
+        "— host stall)"
+    )
+
+
 def test_equally_slow_after_the_collective_is_still_the_collective() -> None:
     # every rank's step as slow and every arrival on time: no rank stands out
     ev = [StepEvidence(0.47, 1, 1.0, 0.0), StepEvidence(0.46, 1, 1.0, 0.0)]
