@@ -180,7 +180,7 @@ class RoundResult:
     @property
     def cut_early(self) -> bool:
         """Some rank ended this round early and none sent its final (`_early_cut`)."""
-        return bool(self.ranks_with(FLAG_EARLY)) and not self.ranks_with(FLAG_FINAL)
+        return _is_cut_early(self.rank_flags)
 
 
 def evidence_slots(batch_steps: int) -> int:
@@ -320,13 +320,18 @@ def decode_round(
     return RoundResult(tuple(samples), flags, _request_of(head), host_steps, evidence)
 
 
+def _is_cut_early(flags: Sequence[int]) -> bool:
+    """Some rank sent `FLAG_EARLY` and none `FLAG_FINAL`: the round is cut early."""
+    return any(f & FLAG_EARLY for f in flags) and not any(f & FLAG_FINAL for f in flags)
+
+
 def _early_cut(
     samples: list[StepSample], counts: list[float], flags: tuple[int, ...]
 ) -> list[StepSample]:
     """A round some rank ended early (`FLAG_EARLY`) covers the fewest steps any rank
     sent; every rank sends the rest again in the next round. A final round is not cut:
     its rank sends no more."""
-    if not any(f & FLAG_EARLY for f in flags) or any(f & FLAG_FINAL for f in flags):
+    if not _is_cut_early(flags):
         return samples
     fewest = min((int(c) if math.isfinite(c) else 0 for c in counts), default=0)
     return samples[: max(0, fewest)]

@@ -374,8 +374,7 @@ class _Episode:
     # declined: asked again once it has this many steps (twice as many as then): a
     # lasting slowdown goes on until the budget has grown; a loaded host's noise episodes
     # of a few steps end first, and take nothing more
-    ask_again_at: int = 0
-    declined: bool = False  # counted once
+    ask_again_at: int = 0  # 0: never declined
     strong: bool = False  # holds a strong event (observed as it came)
     ended: bool = False
     ratios: list[tuple[int, float]] = field(default_factory=list)  # of its first steps
@@ -501,11 +500,11 @@ class TracePlanner:
         for want in wanted:
             episode = want.episode
             if episode is not None:
+                declined_before = episode.ask_again_at > 0
                 episode.asked = False
                 episode.ask_again_at = 2 * episode.steps
-                if episode.declined:
+                if declined_before:
                     continue  # counted once per episode
-                episode.declined = True
             series = want.series
             if series is None or series.declined != want.start:
                 self.counts.declined += 1  # once per window

@@ -49,6 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from distanom.analysis.text import culprit_words
 from distanom.config import DetectConfig
 from distanom.records.anomalies import AnomalyRecord, StepEvidence
 from distanom.run_periods import (
@@ -254,7 +255,7 @@ def evidence_notes(anomalies: Sequence[Anomaly]) -> dict[int, str]:
         if "trace_verdict" in verdict.details:
             notes[anomaly.step] = (
                 "the trace names no cause; the step's evidence does (as in the anomalies "
-                f"list): {_who_and_why(verdict.culprit_rank, verdict.cause)}"
+                f"list): {culprit_words(verdict.culprit_rank, verdict.cause)}"
             )
             continue
         other = verdict.details.get("evidence_verdict")
@@ -264,14 +265,9 @@ def evidence_notes(anomalies: Sequence[Anomaly]) -> dict[int, str]:
         if rank != verdict.culprit_rank:
             notes[anomaly.step] = (
                 "the step's evidence (arrival, host signals) points elsewhere: "
-                f"{_who_and_why(rank, cause)}; the trace's verdict stands"
+                f"{culprit_words(rank, cause)}; the trace's verdict stands"
             )
     return notes
-
-
-def _who_and_why(rank: int | None, cause: str) -> str:
-    who = "no single rank" if rank is None else f"rank {rank}"
-    return f"{who} — {cause.replace('_', ' ')}"
 
 
 def recurrence_line(recurrence: Recurrence) -> str:
@@ -403,9 +399,9 @@ def _after_collective(
         starter = max(starters, key=lambda r: (before[r], -r))
         earlier = judge(previous)
         if earlier.culprit_rank == starter:
-            cause, why = earlier.cause, f"step {previous.step}: {earlier.cause}"
+            cause, why = earlier.cause, f"step {previous.step}: {earlier.cause.replace('_', ' ')}"
         else:  # that step's verdict blames another rank: say so, do not borrow its cause
-            who = _who_and_why(earlier.culprit_rank, earlier.cause)
+            who = culprit_words(earlier.culprit_rank, earlier.cause)
             cause, why = "host_stall", f"after that step's collective; step {previous.step}: {who}"
         return AnomalyVerdict(
             starter,
@@ -413,7 +409,7 @@ def _after_collective(
             f"rank {slowest} took {lead:.1f} ms longer than the others after reaching the "
             f"step's last collective on time: it waited there for rank {starter}, whose "
             f"step {previous.step} ended {before[starter]:.1f} ms late "
-            f"({why.replace('_', ' ')})",
+            f"({why})",
             "arrival",
             {**details, "waited_for_step": previous.step},
         )

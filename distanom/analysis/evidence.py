@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from distanom.analysis.collectives import MatchedCollective
-from distanom.analysis.text import ranks_word
+from distanom.analysis.text import culprit_words, ranks_word
 
 __all__ = [
     "CAUSES",
@@ -112,13 +112,10 @@ class Verdict:
 
     def sentence(self) -> str:
         """One line for people: who, why, and the numbers."""
-        if self.culprit_node is not None:
-            ranks = self.details.get("culprit_ranks") or [self.culprit_rank]
-            who = f"node {self.culprit_node} ({ranks_word(ranks)})"
-        elif self.culprit_rank is not None:
-            who = f"rank {self.culprit_rank}"
-        else:
-            who = "no single rank"
+        if self.culprit_node is None:
+            return f"{culprit_words(self.culprit_rank, self.cause)}: {self.evidence}"
+        ranks = self.details.get("culprit_ranks") or [self.culprit_rank]
+        who = f"node {self.culprit_node} ({ranks_word(ranks)})"
         return f"{who} — {self.cause.replace('_', ' ')}: {self.evidence}"
 
 

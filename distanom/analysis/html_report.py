@@ -236,7 +236,7 @@ def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
             "<table><tr><th>step</th><th>kind</th><th>step ms</th><th>x rolling median</th>"
             f"<th>ranks</th><th>verdict</th></tr>{rows}</table>"
         )
-    if report.anomalies or report.stragglers or report.earlier_stragglers or report.drift:
+    if report.has_slowness:
         body += _slowness_sections(report)
     notes = evidence_notes(report.anomalies)
     for capture in captures:

@@ -221,3 +221,8 @@ class Report:
     """The whole job's slowdown from its first to its last steps, when there was one."""
     agent_cost: dict[str, Any] = field(default_factory=dict)
     """distanom's own time per step on rank 0, as status.json's `agent_cost` holds it."""
+
+    @property
+    def has_slowness(self) -> bool:
+        """Anything for the anomalies-and-stragglers section of the text and HTML."""
+        return bool(self.anomalies or self.stragglers or self.earlier_stragglers or self.drift)

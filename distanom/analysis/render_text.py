@@ -445,7 +445,7 @@ def _class_lines(report: Report) -> list[str]:
 def render_text(report: Report) -> str:
     """The report for people: run facts, captures with their tables and verdicts, problems."""
     lines = [*_run_lines(report), ""]
-    if report.anomalies or report.stragglers or report.earlier_stragglers or report.drift:
+    if report.has_slowness:
         lines += [*_anomaly_lines(report), ""]
     lines += _capture_lines(report.captures, report.anomalies)
     for hang in report.hangs:

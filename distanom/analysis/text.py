@@ -53,6 +53,12 @@ def rank_list(ranks: Iterable[int]) -> str:
     return ",".join(parts)
 
 
+def culprit_words(rank: int | None, cause: str) -> str:
+    """A verdict's who and why for people: "rank 2 — host stall", "no single rank — ..."."""
+    who = "no single rank" if rank is None else f"rank {rank}"
+    return f"{who} — {cause.replace('_', ' ')}"
+
+
 def ranks_word(ranks: Iterable[int]) -> str:
     """ "rank 3" for one rank, "ranks 0-2,5" for several."""
     ordered = sorted(ranks)
