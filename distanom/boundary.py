@@ -47,6 +47,7 @@ from distanom.gc_pauses import GcPauses
 from distanom.health import Health
 from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
+from distanom.phases import NO_PHASES, PhaseMarks, PhaseTimes
 from distanom.tracers import Tracer, create_tracer
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class StepRecord(NamedTuple):
     self_ms: float  # distanom's capture work during the step
     gc_ms: float  # Python garbage collection during the step (host time)
     gc_generation: int  # the highest generation collected, -1 for none
+    phases: PhaseTimes = NO_PHASES  # host parts, batch fetch, GPU parts (distanom.phases)
 
 
 class StepBoundaries:
@@ -97,6 +99,8 @@ class StepBoundaries:
         self.last_busy_ns = 0  # distanom's busy time (Health, capture) at the last boundary
         self.gc_pauses = GcPauses()
         self.evidence_marks = EvidenceMarks()
+        self.phases = PhaseMarks()
+        self._phases_on = config.step.phases
         self._capture_is_off = health.capture_is_off  # bound once: called every step
         self._warn_once = health.warn_once
         self._optimizer_ref: weakref.ref[Any] | None = None
@@ -129,6 +133,8 @@ class StepBoundaries:
 
         self._hook_handle = register_optimizer_step_post_hook(self._on_optimizer_step)
         self._scaler_patch = patch_grad_scaler(self._after_scaler_step)
+        if self._phases_on:
+            self.phases.install()
 
     def remove_hook(self) -> None:
         """Remove the global optimizer post-hook and the scaler wrapper (the optimizer
@@ -138,6 +144,7 @@ class StepBoundaries:
         if self._scaler_patch is not None:
             self._scaler_patch()
             self._scaler_patch = None
+        self.phases.uninstall()
 
     @property
     def counted_optimizer(self) -> Any:
@@ -159,6 +166,7 @@ class StepBoundaries:
 
         @functools.wraps(original)
         def step(*args: Any, **kwargs: Any) -> Any:
+            boundaries.phases.optimizer_started()
             boundaries._inside_counted_step = True
             try:
                 result = original(*args, **kwargs)
@@ -249,7 +257,7 @@ class StepBoundaries:
             self._optimizer_boundaries += 1
         began = time.perf_counter_ns()
         try:
-            self._boundary_unguarded(inside_optimizer, skipped)
+            self._boundary_unguarded(began, inside_optimizer, skipped)
             self.own_ns += time.perf_counter_ns() - began
         except Exception as err:  # the last line of defence: never raise into training
             self._warn_once("boundary", "distanom: step bookkeeping failed (%s); disabled", err)
@@ -259,7 +267,9 @@ class StepBoundaries:
                 with contextlib.suppress(Exception):
                     tracer.set_tracing(False)  # unwatched: tracing would only cost
 
-    def _boundary_unguarded(self, inside_optimizer: bool, skipped: bool = False) -> None:
+    def _boundary_unguarded(
+        self, began_ns: int, inside_optimizer: bool, skipped: bool = False
+    ) -> None:
         step = self.current_step
         self.current_step = step + 1
         host_ns = time.time_ns()
@@ -268,12 +278,14 @@ class StepBoundaries:
             self._first_boundary_done = True  # once: a later clock failure re-creates nothing
             self._first_boundary()
         resolved: Sequence[tuple[int, float]] = ()
-        if self.clock is not None:
+        clock = self.clock
+        if clock is not None:
             try:
-                resolved = self.clock.mark(step)
+                resolved = clock.mark(step)
             except Exception as err:
                 self._warn_once("clock", "clock: step timing failed (%s); detection stops", err)
-                self.clock = None
+                self.clock = clock = None
+        self.phases.step_ended(step, began_ns, clock.last_event if clock is not None else None)
         self_ms = self.self_ms_of_ended_step()
         flags = (
             self._flags_of_ended_step()
@@ -358,7 +370,7 @@ class StepBoundaries:
         gc_ms, gc_generation = self._gc.pop(step, (0.0, -1))
         return StepRecord(
             step, duration, self._step_flags.pop(step, 0), self._self_ms.pop(step, 0.0),
-            gc_ms, gc_generation,
+            gc_ms, gc_generation, self.phases.take(step),
         )  # fmt: skip
 
     def _flags_of_ended_step(self) -> int:
@@ -392,6 +404,8 @@ class StepBoundaries:
         try:
             mode = resolve_mode(self.config.clock.mode)
             self.clock = StepClock(mode)
+            if self.clock.mode in ("cuda_event", "adaptive"):
+                self.phases.use_gpu(self.clock.event_calls)
         except Exception as err:
             self._warn_once("clock", "clock: cannot time steps (%s); detection stops", err)
             return

@@ -162,7 +162,13 @@ class StepClock:
         self._behind = 1  # how many boundaries the GPU had not passed at the last poll
         self._until_poll = POLL_EVERY
         self.lost_boundaries = 0
+        self.last_event: Any = None  # the CUDA event of the latest boundary (None: host-timed)
         self._adaptive = AdaptiveState() if mode == "adaptive" else None
+
+    @property
+    def event_calls(self) -> CudaEventCalls | None:
+        """The bound CUDA event calls (None for a host clock), for phase events."""
+        return self._calls
 
     @property
     def on_host_clock(self) -> bool:
@@ -177,6 +183,7 @@ class StepClock:
 
     def mark(self, step: int) -> Sequence[tuple[int, float]]:
         """Mark the end of `step`; returns the (step, duration_ms) pairs that became known."""
+        self.last_event = None
         if self.mode == "cuda_event":
             return self._mark_event(step)
         if self._adaptive is not None:
@@ -209,6 +216,7 @@ class StepClock:
         spare = self._spare_events
         event = spare.pop() if spare else calls.new_event()
         calls.record(event, self._stream)
+        self.last_event = event
         pending = self._pending
         pending.append((step, event, self._generation, self._device))
         if len(pending) > MAX_PENDING_EVENTS:

@@ -70,6 +70,11 @@ class StepConfig(_Section):
         description="which of several optimizers of that class counts, in the order they "
         "first step (0: the first; 1: the second, e.g. a GAN's generator)",
     )
+    phases: bool = Field(
+        True,
+        description="time each step's phases (data, forward, backward, optimizer) on the "
+        "host and, with CUDA, the GPU, so verdicts say where a slow step's time went",
+    )
 
 
 class ClockConfig(_Section):

@@ -47,6 +47,7 @@ from distanom.health import Health
 from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
 from distanom.pacing import RoundPacer
+from distanom.phases import phase_values
 from distanom.records.run_info import build_run_info, runtime_versions, write_run_info
 from distanom.records.status import TracerReport, write_status
 from distanom.records.steps import StepsWriter
@@ -543,6 +544,7 @@ class ControlLoop:
                 item.gc_ms,
                 item.gc_generation,
                 (item.flags & STEP_SKIPPED) != 0,
+                *phase_values(item.phases),
             )
             for item in items
         ]

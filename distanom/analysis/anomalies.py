@@ -36,30 +36,20 @@ Pure (no torch, no files). Rules, in order (slowdown = step time - median):
 A captured anomaly with no record (a run from before anomalies.jsonl existed) is listed
 from its capture, `judged_by: "unrecorded"`.
 
-`anomaly_classes` counts them per class (periodic, lasting slowdown, one-off: the trace
-planner's rule, `distanom.run_periods.classify_steps`): episodes detected, traced
-(a step of it traced) and explained (a step of it with a verdict that names a cause).
-`recurring` names the periods found (`distanom.run_periods.recurrences`).
+The phase of each verdict, and the more specific cause it may give (`with_phase`):
+`analysis.phases`. The anomalies per class: `analysis.anomaly_classes`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from distanom.analysis.phases import PHASE_CAUSES, PhaseTable, find_phase
 from distanom.analysis.text import culprit_words
-from distanom.config import DetectConfig
 from distanom.records.anomalies import AnomalyRecord, StepEvidence
-from distanom.run_periods import (
-    CLASS_LABELS,
-    CLASSES,
-    Recurrence,
-    classify_steps,
-    episodes_of,
-    recurrences,
-)
 
 CULPRIT_SHARE = 0.5
 GC_SHARE = 0.25
@@ -80,15 +70,20 @@ class AnomalyVerdict:
     evidence: str
     source: str  # "trace", "arrival", "durations" or "none"
     details: dict[str, Any] = field(default_factory=dict)
+    phase: str | None = None  # data, forward, backward, optimizer; None: not known
+    # the culprit's phases_ms / median_phases_ms (and gpu_ and fetch_ ones) at the step
+    phase_facts: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         """JSON-ready."""
         return {
             "culprit_rank": self.culprit_rank,
             "cause": self.cause,
+            "phase": self.phase,
             "evidence": self.evidence,
             "source": self.source,
             "details": self.details,
+            **self.phase_facts,
         }
 
 
@@ -139,9 +134,13 @@ def anomalies_of(
     records: Sequence[AnomalyRecord],
     traced: Mapping[int, TraceVerdict] | None = None,
     captured: Sequence[CapturedAnomaly] = (),
+    phases: Mapping[int, PhaseTable] | None = None,
 ) -> list[Anomaly]:
-    """Every recorded (or captured) anomalous step with its verdict, in step order."""
+    """Every recorded (or captured) anomalous step with its verdict, in step order;
+    `phases`: each rank's step phases (`analysis.phases`), which name the phase of a
+    verdict and where they explain the slowdown, a more specific cause."""
     traced = traced or {}
+    phases = phases or {}
     out = []
     recorded = {record.step for record in records}
     for capture in captured:
@@ -157,26 +156,28 @@ def anomalies_of(
         )
     by_step = {record.step: record for record in records}
     for record in records:
-        verdict = judge(record, by_step.get(record.step - 1))
+        verdict = with_phase(judge(record, by_step.get(record.step - 1)), record, phases)
         trace = traced.get(record.step)
-        if trace is not None and trace.cause == "unknown" and verdict.cause != "unknown":
+        if trace is not None and (
+            (trace.cause == "unknown" and verdict.cause != "unknown")
+            or _more_specific(verdict, trace)
+        ):
             trace_json = {
                 "culprit_rank": trace.culprit_rank,
                 "cause": trace.cause,
                 "evidence": trace.evidence,
             }
             details = {**verdict.details, "trace_verdict": trace_json}
-            verdict = AnomalyVerdict(
-                verdict.culprit_rank, verdict.cause, verdict.evidence, verdict.source, details
-            )
+            verdict = replace(verdict, details=details)
         elif trace is not None:
-            verdict = AnomalyVerdict(
+            traced_verdict = AnomalyVerdict(
                 trace.culprit_rank,
                 trace.cause,
                 trace.evidence,
                 "trace",
                 {"evidence_verdict": verdict.as_json()},
             )
+            verdict = with_phase(traced_verdict, record, phases, words=False)
         out.append(
             Anomaly(
                 record.step,
@@ -189,57 +190,6 @@ def anomalies_of(
             )
         )
     return sorted(out, key=lambda a: a.step)
-
-
-@dataclass(frozen=True)
-class ClassCounts:
-    """One anomaly class: its episodes detected, traced and explained, and their steps."""
-
-    name: str  # "periodic", "lasting_slowdown" or "one_off"
-    detected: int
-    traced: int
-    explained: int
-    steps: int
-
-    @property
-    def label(self) -> str:
-        """The class as a reader names it ("lasting slowdown")."""
-        return CLASS_LABELS[self.name]
-
-    def as_json(self) -> dict[str, Any]:
-        """The report's JSON entry."""
-        return {
-            "class": self.name,
-            "detected": self.detected,
-            "traced": self.traced,
-            "explained": self.explained,
-            "steps": self.steps,
-        }
-
-
-def _merge_gap(detect_config: Mapping[str, Any] | None) -> int:
-    """The run's `detect.merge_gap_steps` (the default when its run.json lacks it)."""
-    gap = (detect_config or {}).get("merge_gap_steps")
-    if not isinstance(gap, int) or isinstance(gap, bool) or gap < 0:
-        return DetectConfig().merge_gap_steps
-    return gap
-
-
-def recurring(
-    anomalies: Sequence[Anomaly], detect_config: Mapping[str, Any] | None = None
-) -> list[Recurrence]:
-    """The periods the recorded anomalies recur with (each came again where predicted)."""
-    return recurrences(((a.step, a.ratio) for a in anomalies), _merge_gap(detect_config))
-
-
-def recurrence_json(recurrence: Recurrence) -> dict[str, Any]:
-    """The report's JSON entry of one recurrence."""
-    return {
-        "period_steps": round(recurrence.period, 1),
-        "first_step": recurrence.starts[0],
-        "last_step": recurrence.starts[-1],
-        "occurrences": len(recurrence.starts),
-    }
 
 
 def evidence_notes(anomalies: Sequence[Anomaly]) -> dict[int, str]:
@@ -270,39 +220,61 @@ def evidence_notes(anomalies: Sequence[Anomaly]) -> dict[int, str]:
     return notes
 
 
-def recurrence_line(recurrence: Recurrence) -> str:
-    """One recurrence as a reader gets it."""
-    starts = recurrence.starts
-    return (
-        f"every ~{recurrence.period:.0f} steps: {len(starts)} times, "
-        f"steps {starts[0]} to {starts[-1]}"
+def _more_specific(verdict: AnomalyVerdict, trace: TraceVerdict) -> bool:
+    """Whether the step's evidence names its cause more closely than its trace, for the
+    same culprit (or one where the trace has none): a GC pause or a batch fetch over
+    their share, an op that grew while its thread was off the CPU (`host_stall` over the
+    trace's `compute`), device work the host waited for (`gpu_work` over a host cause)."""
+    if verdict.culprit_rank is None or trace.culprit_rank not in (None, verdict.culprit_rank):
+        return False
+    if verdict.cause in ("python_gc", "data_loading"):
+        return trace.cause != verdict.cause
+    if verdict.cause == "host_stall":
+        return trace.cause == "compute"
+    if verdict.cause == "gpu_work":
+        return trace.cause in ("host_stall", "host_busy")
+    return False
+
+
+def with_phase(
+    verdict: AnomalyVerdict,
+    record: AnomalyRecord,
+    tables: Mapping[int, PhaseTable],
+    *,
+    words: bool = True,
+) -> AnomalyVerdict:
+    """The verdict with its culprit's phase (`analysis.phases.find_phase`) at the step
+    (at the step it waited for, for a knock-on verdict), and the more specific cause
+    the phases give; `words`: also say it in the evidence sentence."""
+    rank = verdict.culprit_rank
+    table = tables.get(rank) if rank is not None else None
+    if table is None or verdict.cause not in PHASE_CAUSES:
+        return verdict
+    waited = verdict.details.get("waited_for_step")
+    step = waited if isinstance(waited, int) else record.step
+    now, usual = table.row(step), table.usual(step)
+    if now is None or usual is None:
+        return verdict
+    slowdown = record.step_ms - record.median_ms if record.median_ms > 0 else record.step_ms
+    found = find_phase(verdict.cause, now, usual, max(slowdown, 1e-9))
+    if found is None:
+        return verdict
+    evidence, details = verdict.evidence, verdict.details
+    if words and found.cause and found.cause != verdict.cause:
+        # the host signals' reading (the sentence's last clause) gives way to the phase's
+        head = evidence if waited is not None else evidence.rsplit("; ", 1)[0]
+        evidence = f"{head}; {found.words}"
+        details = {**details, "host_signals_cause": verdict.cause}
+    elif words and found.words:
+        evidence = f"{evidence}; {found.words}"
+    return replace(
+        verdict,
+        cause=found.cause if words and found.cause else verdict.cause,
+        evidence=evidence,
+        details=details,
+        phase=found.phase,
+        phase_facts=found.facts,
     )
-
-
-def anomaly_classes(
-    anomalies: Sequence[Anomaly],
-    detect_config: Mapping[str, Any] | None = None,
-    found: Sequence[Recurrence] | None = None,
-) -> list[ClassCounts]:
-    """Per class, in `CLASSES` order: episodes (anomalous steps at most the run's
-    `detect.merge_gap_steps` apart) detected, with a traced step, with an explained step.
-    `found`: the run's `recurring` periods, when the caller has them already."""
-    gap = _merge_gap(detect_config)
-    by_step = {a.step: a for a in anomalies}
-    kinds = classify_steps(((a.step, a.ratio) for a in anomalies), gap, found=found)
-    counts = {name: [0, 0, 0, 0] for name in CLASSES}
-    for episode in episodes_of(by_step, gap):
-        count = counts[kinds[episode[0]]]
-        members = [by_step[step] for step in episode]
-        count[0] += 1
-        count[1] += any(a.traced for a in members)
-        count[2] += any(_explained(a.verdict) for a in members)
-        count[3] += len(members)
-    return [ClassCounts(name, *counts[name]) for name in CLASSES]
-
-
-def _explained(verdict: AnomalyVerdict) -> bool:
-    return verdict.cause not in ("unknown", "None", "")
 
 
 def judge(record: AnomalyRecord, previous: AnomalyRecord | None = None) -> AnomalyVerdict:

@@ -36,6 +36,7 @@ from distanom.analysis.model import (
     StepStats,
     StepTimes,
 )
+from distanom.analysis.phases import straggler_phase
 from distanom.analysis.run import CaptureInfo, RunData, StepSeries, load_steps
 from distanom.analysis.tables_io import cached_tables
 from distanom.analysis.trace_io import read_trace_document, trace_from_document
@@ -110,14 +111,31 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
         problems=problems,
         detect_config=detect if isinstance(detect, dict) else {},
         hangs=hangs,
-        anomalies=_anomalies(data, captures, problems),
-        stragglers=_list_of_dicts(stragglers.get("stragglers")),
-        earlier_stragglers=_list_of_dicts(stragglers.get("earlier")),
+        anomalies=_anomalies(data, captures, problems, series),
+        stragglers=_with_phases(_list_of_dicts(stragglers.get("stragglers")), series),
+        earlier_stragglers=_with_phases(_list_of_dicts(stragglers.get("earlier")), series),
         drift=_dict_or_none(stragglers.get("drift")),
     )
 
 
-def _anomalies(data: RunData, captures: list[Capture], problems: list[str]) -> list[Anomaly]:
+def _with_phases(entries: list[dict[str, Any]], series: StepSeries) -> list[dict[str, Any]]:
+    """Straggler entries with the phase their rank was slow in (`phase`, None when not
+    known), over the steps it was a straggler (to the last step, for a current one)."""
+    last = series.steps[-1] if series.steps else 0
+    out = []
+    for entry in entries:
+        rank, since, until = entry.get("rank"), entry.get("since_step"), entry.get("until_step")
+        phase = None
+        if isinstance(rank, int) and isinstance(since, int):
+            end = until if isinstance(until, int) else last
+            phase = straggler_phase(series.phases, rank, since, end)
+        out.append({**entry, "phase": phase})
+    return out
+
+
+def _anomalies(
+    data: RunData, captures: list[Capture], problems: list[str], series: StepSeries
+) -> list[Anomaly]:
     """Every recorded anomalous step, a captured one with its trace verdict."""
     traced = {
         c.step: TraceVerdict(c.verdict.culprit_rank, str(c.verdict.cause), c.verdict.evidence)
@@ -129,7 +147,7 @@ def _anomalies(data: RunData, captures: list[Capture], problems: list[str]) -> l
         if "anomaly" in c.kinds
     ]
     try:
-        return anomalies_of(read_anomalies(data.run), traced, captured)
+        return anomalies_of(read_anomalies(data.run), traced, captured, series.phases)
     except OSError as err:
         problems.append(f"anomalies.jsonl: not readable ({err.strerror})")
         return []

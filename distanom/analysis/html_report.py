@@ -23,12 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distanom.analysis.anomalies import (
-    anomaly_classes,
-    evidence_notes,
-    recurrence_line,
-    recurring,
-)
+from distanom.analysis.anomalies import evidence_notes
+from distanom.analysis.anomaly_classes import anomaly_classes, recurrence_line, recurring
 from distanom.analysis.charts import (
     OUTSIDE,
     PART_COLORS,
@@ -285,12 +281,12 @@ def _slowness_sections(report: Report) -> list[str]:
             f'<td class="num">{_fmt(a.step_ms, 1)}</td><td class="num">{_fmt(a.ratio)}</td>'
             f"<td>{_e('yes' if a.traced else 'no')}</td><td>{_e(a.judged_by)}</td>"
             f"<td>{_fmt(a.verdict.culprit_rank, 0)}</td><td>{_e(a.verdict.cause)}</td>"
-            f"<td>{_e(a.verdict.evidence)}</td></tr>"
+            f"<td>{_e(a.verdict.phase or '-')}</td><td>{_e(a.verdict.evidence)}</td></tr>"
             for a in report.anomalies[:500]
         )
         body.append(
             "<table><tr><th>step</th><th>step ms</th><th>x median</th><th>traced</th>"
-            "<th>judged by</th><th>culprit</th><th>cause</th><th>evidence</th></tr>"
+            "<th>judged by</th><th>culprit</th><th>cause</th><th>phase</th><th>evidence</th></tr>"
             f"{rows}</table>"
         )
     earlier = len(report.earlier_stragglers)

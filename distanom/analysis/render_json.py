@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distanom.analysis.anomalies import anomaly_classes, recurrence_json, recurring
+from distanom.analysis.anomaly_classes import anomaly_classes, recurrence_json, recurring
 from distanom.analysis.model import Capture, KernelDiff, RankEntry, Report
 from distanom.analysis.tables_io import timeline_json
 

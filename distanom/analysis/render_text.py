@@ -11,13 +11,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from distanom.analysis.anomalies import (
-    Anomaly,
-    anomaly_classes,
-    evidence_notes,
-    recurrence_line,
-    recurring,
-)
+from distanom.analysis.anomalies import Anomaly, evidence_notes
+from distanom.analysis.anomaly_classes import anomaly_classes, recurrence_line, recurring
 from distanom.analysis.hangs import hang_lines
 from distanom.analysis.kernel_diff import kernel_diff_lines
 from distanom.analysis.model import BREAKDOWN_ROWS, Capture, RankEntry, Report, StepStats
@@ -358,13 +353,14 @@ def straggler_lines(report: Report) -> list[str]:
             f"{entry.get('since_step')} (late at "
             f"{evidence.get('late_steps')} of the last {evidence.get('window_steps')} steps, "
             f"{fmt(evidence.get('mean_late_ms'))} ms each; run score "
-            f"{fmt(evidence.get('run_score'), 2)})"
+            f"{fmt(evidence.get('run_score'), 2)}){_phase_words(entry)}"
         )
     for entry in report.earlier_stragglers:
         lines.append(
             f"rank {entry.get('rank')}: a straggler from step {entry.get('since_step')} to "
             f"step {entry.get('until_step')}, then it kept up (at most "
             f"{fmt(entry.get('peak_score'), 2)} of the step time waited for it)"
+            f"{_phase_words(entry)}"
         )
     drift = report.drift
     if drift:
@@ -373,6 +369,12 @@ def straggler_lines(report: Report) -> list[str]:
             f"{fmt(drift.get('last_ms'))} ms ({fmt(drift.get('ratio'), 2)}x) over the run"
         )
     return lines or ["no straggler and no drift"]
+
+
+def _phase_words(entry: dict[str, Any]) -> str:
+    """`; slow in its data phase` for a straggler whose phase is known."""
+    phase = entry.get("phase")
+    return f"; slow in its {phase} phase" if isinstance(phase, str) else ""
 
 
 def _evidence_lines(anomalies: Sequence[Anomaly]) -> list[str]:
@@ -405,10 +407,13 @@ def _anomaly_lines(report: Report) -> list[str]:
                 a.judged_by,
                 "-" if a.verdict.culprit_rank is None else str(a.verdict.culprit_rank),
                 a.verdict.cause,
+                a.verdict.phase or "-",
             ]
             for a in anomalies[:200]
         ]
-        header = ["step", "step ms", "x median", "traced", "judged by", "culprit", "cause"]
+        header = [
+            "step", "step ms", "x median", "traced", "judged by", "culprit", "cause", "phase"
+        ]  # fmt: skip
         lines += _class_lines(report)
         lines += ["  " + line for line in table(header, rows)]
         if len(anomalies) > 200:

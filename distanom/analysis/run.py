@@ -19,6 +19,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from distanom.analysis.phases import PhaseTable
 from distanom.analysis.run_checks import RUN_FIELDS, STATUS_FIELDS, checked
 from distanom.detect import StepSample
 from distanom.errors import RunDirError
@@ -97,6 +98,7 @@ class StepSeries:
     # Python garbage collection per rank and step: (ms, highest generation or -1)
     gc: dict[int, dict[int, tuple[float, int]]] = field(default_factory=dict)
     skipped: frozenset[int] = frozenset()  # steps whose optimizer step was skipped, any rank
+    phases: dict[int, PhaseTable] = field(default_factory=dict)  # per rank, where recorded
 
     def samples(self) -> list[StepSample]:
         """The steps as the detector saw them (same fields the consensus gathers)."""
@@ -295,6 +297,7 @@ def load_steps(data: RunData) -> StepSeries:
     per_rank_rows: dict[int, dict[int, tuple[float, bool, bool, float]]] = {}
     collections: dict[int, dict[int, tuple[float, int]]] = {}
     skipped: set[int] = set()
+    phases: dict[int, PhaseTable] = {}
     for rank in _step_files(data):
         path = data.run.steps_csv(rank)
         rows: dict[int, tuple[float, bool, bool, float]] = {}
@@ -305,6 +308,9 @@ def load_steps(data: RunData) -> StepSeries:
             data.problems.append(f"{data.run.relative(path)}: cannot be read ({err.strerror})")
             continue
         skipped.update(row.step for row in read.rows if row.skipped)
+        table = PhaseTable.of_rows({row.step: row.phases for row in read.rows})
+        if table is not None:
+            phases[rank] = table
         for row in read.rows:
             rows[row.step] = (row.duration_ms, row.traced, row.after_flush, row.self_ms)
             pause = row.gc_pause
@@ -325,4 +331,6 @@ def load_steps(data: RunData) -> StepSeries:
     traced = [all(rows.get(step, missing)[1] for rows in every) for step in steps]
     flushed = [any(rows.get(step, missing)[2] for rows in every) for step in steps]
     own = [max((rows.get(step, missing)[3] for rows in every), default=0.0) for step in steps]
-    return StepSeries(steps, per_rank, traced, flushed, own, collections, frozenset(skipped))
+    return StepSeries(
+        steps, per_rank, traced, flushed, own, collections, frozenset(skipped), phases
+    )

@@ -4,7 +4,10 @@ and read back by the report.
 Columns (`STEPS_CSV_HEADER`): step, its duration (ms, as the clock measured it), traced /
 after a tracer flush (0|1), distanom's capture work during it (ms), Python garbage
 collection during it (ms, and the highest generation collected, -1 for none), whether the
-optimizer step of the iteration was skipped (0|1: a GradScaler found inf/nan gradients).
+optimizer step of the iteration was skipped (0|1: a GradScaler found inf/nan gradients),
+then the step's phases (`distanom.phases`): host ms of data, forward, backward, tail
+(from the backward's end to the optimizer step) and optimizer, the time inside the batch
+fetch, and the same five parts on the GPU (`nan` where not known).
 Files written before the last columns existed still read: missing columns read as 0 / none.
 """
 
@@ -15,20 +18,30 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from distanom.rundir import FILE_MODE
 from distanom.safe_io import open_append_at, open_dir, open_regular
 
-# (step, duration_ms, traced, after_flush, self_ms, gc_ms, gc_generation, skipped)
-StepFields = tuple[int, float, bool, bool, float, float, int, bool]
-STEPS_CSV_HEADER = "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen,skipped\n"
+PHASE_COLUMNS = (
+    "data_ms", "forward_ms", "backward_ms", "tail_ms", "optimizer_ms", "fetch_ms",
+    "gpu_data_ms", "gpu_forward_ms", "gpu_backward_ms", "gpu_tail_ms", "gpu_optimizer_ms",
+)  # fmt: skip
+# (step, duration_ms, traced, after_flush, self_ms, gc_ms, gc_generation, skipped, then
+# the PHASE_COLUMNS' floats)
+StepFields = tuple[Any, ...]
+STEPS_CSV_HEADER = (
+    "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen,skipped,"
+    + ",".join(PHASE_COLUMNS)
+    + "\n"
+)
+NO_PHASE_VALUES: tuple[float, ...] = (math.nan,) * len(PHASE_COLUMNS)
 MAX_STEP_ROWS = 10_000_000  # a steps file is one short line per step
 MAX_STEP = 2**53  # a step number a float still holds exactly; beyond is damage
 MAX_ROW_CHARS = 1024  # a longer row is damage, skipped without reading it whole
 # One row as written (`StepRow`'s fields in order, flags as bools), newline included. A
 # %-format of a tuple: the control thread writes a round's rows with no StepRow per step.
-ROW_FORMAT = "%d,%.4f,%d,%d,%.3f,%.3f,%d,%d\n"
+ROW_FORMAT = "%d,%.4f,%d,%d,%.3f,%.3f,%d,%d" + ",%.3f" * len(PHASE_COLUMNS) + "\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +56,7 @@ class StepRow:
     gc_ms: float = 0.0  # Python garbage collection during the step (host time)
     gc_generation: int = -1  # the highest generation collected, -1 for none
     skipped: bool = False  # the iteration's optimizer step was skipped (inf/nan gradients)
+    phases: tuple[float, ...] = NO_PHASE_VALUES  # PHASE_COLUMNS in order, NaN: not known
 
     def line(self) -> str:
         """The row as written to the file, newline included."""
@@ -55,6 +69,7 @@ class StepRow:
             self.gc_ms,
             self.gc_generation,
             self.skipped,
+            *self.phases,
         )
 
     @property
@@ -149,8 +164,11 @@ def read_steps(path: Path) -> StepsFile:
             gc_ms, gc_generation = _gc_pause(row)
             skipped = len(row) > 7 and row[7].strip() == "1"
             rows.append(
-                StepRow(step, duration, traced, after, spent, gc_ms, gc_generation, skipped)
-            )
+                StepRow(
+                    step, duration, traced, after, spent, gc_ms, gc_generation, skipped,
+                    _phases(row),
+                )
+            )  # fmt: skip
     return StepsFile(rows, bad)
 
 
@@ -161,3 +179,22 @@ def _gc_pause(row: list[str]) -> tuple[float, int]:
     except (ValueError, IndexError):
         return 0.0, -1
     return (spent, generation) if math.isfinite(spent) and spent > 0 else (0.0, -1)
+
+
+PHASES_AT = 8  # the first phase column
+
+
+def _phases(row: list[str]) -> tuple[float, ...]:
+    """A row's phase columns; missing, unreadable, negative or not finite read as NaN
+    (a row without them, from before they existed, reads as all NaN)."""
+    if len(row) <= PHASES_AT:
+        return NO_PHASE_VALUES
+    values = []
+    for cell in row[PHASES_AT : PHASES_AT + len(PHASE_COLUMNS)]:
+        try:
+            value = float(cell)
+        except ValueError:
+            value = math.nan
+        values.append(value if math.isfinite(value) and 0 <= value < 1e12 else math.nan)
+    values += [math.nan] * (len(PHASE_COLUMNS) - len(values))
+    return tuple(values)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from distanom.analysis.anomalies import Anomaly, AnomalyVerdict, anomaly_classes
+from distanom.analysis.anomalies import Anomaly, AnomalyVerdict
+from distanom.analysis.anomaly_classes import anomaly_classes
 from distanom.analysis.html_report import render_html
 from distanom.analysis.report import build_report, render_text, report_json
 from distanom.analysis.run import load_run

@@ -155,15 +155,25 @@ def test_job_alive_needs_a_fresh_running_heartbeat(tmp_path: Path) -> None:
 
 def test_step_rows_keep_their_bytes_and_older_files_still_read(tmp_path: Path) -> None:
     row = StepRow(7, 12.345678, True, False, 0.5, 1.25, 2)
-    assert row.line() == "7,12.3457,1,0,0.500,1.250,2,0\n"
+    unknown = ",nan" * 11  # phases not known
+    assert row.line() == "7,12.3457,1,0,0.500,1.250,2,0" + unknown + "\n"
+    phased = StepRow(9, 2.0, False, False, 0.0, phases=(1.0,) * 6 + (0.5,) * 5)
+    assert phased.line().endswith(",0" + ",1.000" * 6 + ",0.500" * 5 + "\n")
     path = tmp_path / "steps" / "rank0.csv"
     writer = StepsWriter(path)
     writer.write_rows([row])
     writer.write_rows([StepRow(8, 3.0, False, True, 0.0)])
     writer.close()
-    assert path.read_text() == STEPS_CSV_HEADER + row.line() + "8,3.0000,0,1,0.000,0.000,-1,0\n"
+    writer = StepsWriter(path)
+    writer.write_rows([phased])
+    writer.close()
+    assert path.read_text() == (
+        STEPS_CSV_HEADER + row.line() + "8,3.0000,0,1,0.000,0.000,-1,0" + unknown + "\n"
+        + phased.line()
+    )  # fmt: skip
     read = read_steps(path)
-    assert read.bad == 0 and [r.step for r in read.rows] == [7, 8]
+    assert read.bad == 0 and [r.step for r in read.rows] == [7, 8, 9]
+    assert read.rows[2].phases == phased.phases
     assert read.rows[0].gc_pause == (1.25, 2) and read.rows[1].gc_pause is None
     older = tmp_path / "older.csv"
     older.write_text("step,duration_ms,traced\n1,2.5,1\nx,1,0\n2,3.5,0,1,0.2,nan,2\n")
@@ -176,7 +186,9 @@ def test_step_fields_write_the_same_text_as_step_rows(tmp_path: Path) -> None:
     def old_line(r: StepRow) -> str:  # the f-string StepRow.line used before ROW_FORMAT
         return (
             f"{r.step},{r.duration_ms:.4f},{int(r.traced)},{int(r.after_flush)},"
-            f"{r.self_ms:.3f},{r.gc_ms:.3f},{r.gc_generation},{int(r.skipped)}\n"
+            f"{r.self_ms:.3f},{r.gc_ms:.3f},{r.gc_generation},{int(r.skipped)}"
+            + "".join(f",{value:.3f}" for value in r.phases)
+            + "\n"
         )
 
     nan, inf = float("nan"), float("inf")
@@ -204,6 +216,7 @@ def test_step_fields_write_the_same_text_as_step_rows(tmp_path: Path) -> None:
                 r.gc_ms,
                 r.gc_generation,
                 r.skipped,
+                *r.phases,
             )
             for r in rows
         ]

@@ -1,0 +1,388 @@
+"""Where a step's time went, on the training thread: the phases of every step (data,
+forward, backward, optimizer), timed on the host and, where the job uses CUDA, on the GPU.
+
+Marks are taken at points every training loop passes, with no change to the script:
+
+- the batch fetch: `DataLoader` iterators' `__next__` (the time inside it is summed per
+  step as `fetch`, whatever phase it falls in);
+- the model's outermost forward, start and end: torch's global module hooks run only
+  until the outermost module is known (of the modules called with no other module
+  running by the first step end, the one with parameters that took longest: a loss
+  module is passed over), then
+  hooks on that instance alone (global hooks take every module off its fast call path);
+- the end of `torch.autograd.backward` (`loss.backward()`): the host has launched the
+  backward pass; what follows until the optimizer step is the loop's own work there
+  (gradient clipping, a GradScaler's inf check, which synchronizes);
+- the counted optimizer's `step()` start (`StepBoundaries` calls `optimizer_started`) and
+  the step boundary.
+
+Each step's host time is split into parts by the mark that opens each interval (and
+the one that closes it): `data` (from the last boundary to the first forward; between
+micro-batches, from a backward's end to the next forward), `forward`, `backward` (from a
+forward's end to the backward's end), `tail` (from the backward's end to the optimizer
+step: reported as part of the backward phase) and `optimizer`. Lightning runs the
+forward and backward inside `optimizer.step(closure)`: after an optimizer start, a
+backward's end opens `optimizer` again. With CUDA, each mark also records a pooled CUDA
+event on the current stream; the same split of the GPU's time between events tells
+device work that grew (its GPU part grew while the host's launch time did not) from a
+slow host, also when the host spin-waits in a synchronize (docs/evidence.md).
+
+The parts of a step are handed out by `take(step)` once the step clock has timed the
+step (the boundary events have completed, so every earlier phase event has too: no
+synchronize). They go into the step's row of steps/rank<R>.csv; the report reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# parts of a step, in the order of `PhaseTimes` (host) and `GPU_PARTS` (device)
+PARTS = ("data", "forward", "backward", "tail", "optimizer")
+DATA, FORWARD, BACKWARD, TAIL, OPTIMIZER = range(5)
+# marks
+_FWD_START, _FWD_END, _BWD_END, _OPT_START = range(4)
+NAN_PARTS: tuple[float, ...] = (math.nan,) * 5
+# (host parts, fetch_ms, gpu parts): what `take` returns per step
+PhaseTimes = tuple[tuple[float, ...], float, tuple[float, ...]]
+NO_PHASES: PhaseTimes = (NAN_PARTS, math.nan, NAN_PARTS)
+MAX_MARKS = 256  # marks kept per step (a loop of many micro-batches keeps its first ones)
+MAX_KEPT_STEPS = 2048  # steps whose parts wait for the clock (it gives up beyond)
+MAX_TOP_MODULES = 64  # outermost modules remembered while looking for the model
+FIND_MODEL_BOUNDARIES = 3  # step ends with global hooks before giving up on a model
+
+
+def _next_part(kind: int, seen_optimizer: bool) -> int:
+    if kind == _FWD_START:
+        return FORWARD
+    if kind == _FWD_END:
+        return BACKWARD
+    if kind == _OPT_START:
+        return OPTIMIZER
+    return OPTIMIZER if seen_optimizer else TAIL  # a backward's end
+
+
+def _has_parameters(module: Any) -> bool:
+    try:
+        return next(iter(module.parameters()), None) is not None
+    except Exception:  # a module whose parameters() misbehaves is not the model
+        return False
+
+
+def split_parts(marks: list[tuple[int, float]], start: float, end: float) -> list[float]:
+    """The five parts (ms) of a step that began at `start` and ended at `end` (any unit
+    per ms, as the marks), given its marks in order as (kind, time). A backward's end
+    followed by a forward is the next micro-batch's data. Pure."""
+    parts = [0.0] * 5
+    current, previous, seen_optimizer = DATA, start, False
+    for position, (kind, at) in enumerate(marks):
+        parts[current] += at - previous
+        previous = at
+        if kind == _OPT_START:
+            seen_optimizer = True
+        current = _next_part(kind, seen_optimizer)
+        if kind == _BWD_END and current == TAIL:
+            following = marks[position + 1][0] if position + 1 < len(marks) else None
+            if following == _FWD_START:
+                current = DATA
+    parts[current] += end - previous
+    return parts
+
+
+class PhaseMarks:
+    """The phase marks of one rank's training thread; see the module docstring.
+
+    `install()` sets the hooks, `uninstall()` undoes every one; `step_ended(step, ns)`
+    at each boundary; `take(step)` once the step's time is known. Never raises into
+    training: a failing hook switches phases off (logged once)."""
+
+    def __init__(self, *, gpu_calls: Any = None) -> None:
+        self._marks: list[tuple[int, int, Any]] = []  # (kind, perf ns, event or None)
+        self._fetch_ns = 0
+        self._last_boundary_ns: int | None = None
+        self._last_boundary_event: Any = None
+        self._kept: dict[int, tuple[tuple[float, ...], float, Any]] = {}
+        self._undo: list[Callable[[], None]] = []
+        self._model_hooks: list[Any] = []
+        self._top: dict[int, list[Any]] = {}  # id -> [module ref, total ns, depth-0 calls]
+        self._depth = 0
+        self._entered_ns = 0
+        self._in_model = 0
+        self._backward_depth = 0
+        self._boundaries = 0
+        self._calls = gpu_calls  # CudaEventCalls, or None: host parts only
+        self._spare: list[Any] = []
+        self._stream_key: Any = None
+        self._stream: Any = None
+        self._global: list[Any] = []
+        self.model_name: str | None = None
+        self.off = False
+        self.note = ""
+
+    # -- hooks ------------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Wrap the batch fetch and the backward call; look for the model (global
+        module hooks until the first step ends)."""
+        try:
+            self._wrap_fetch()
+            self._wrap_backward()
+            from torch.nn.modules import module as nn_module
+
+            pre = nn_module.register_module_forward_pre_hook(self._global_pre)
+            post = nn_module.register_module_forward_hook(self._global_post)
+            self._global = [pre, post]
+        except Exception as err:  # another torch's layout: no phases, training goes on
+            self._switch_off(f"phase marks cannot be set ({err})")
+
+    def uninstall(self) -> None:
+        """Undo every hook and wrapper (at close)."""
+        self._drop_global_hooks()
+        for handle in self._model_hooks:
+            handle.remove()
+        self._model_hooks = []
+        while self._undo:
+            self._undo.pop()()
+
+    def use_gpu(self, calls: Any) -> None:
+        """Record a CUDA event at each mark from now on (`clock.CudaEventCalls`)."""
+        self._calls = calls
+
+    def _wrap_fetch(self) -> None:
+        from torch.utils.data import dataloader
+
+        owner: Any = dataloader._BaseDataLoaderIter
+        original = owner.__dict__["__next__"]
+        marks = self
+
+        @functools.wraps(original)
+        def __next__(iterator: Any) -> Any:
+            began = time.perf_counter_ns()
+            try:
+                return original(iterator)
+            finally:
+                marks._fetch_ns += time.perf_counter_ns() - began
+
+        owner.__next__ = __next__
+
+        def undo() -> None:
+            if owner.__dict__.get("__next__") is __next__:
+                owner.__next__ = original
+
+        self._undo.append(undo)
+
+    def _wrap_backward(self) -> None:
+        autograd = torch.autograd
+        original = autograd.backward
+        marks = self
+
+        @functools.wraps(original)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            marks._backward_depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                marks._backward_depth -= 1
+                if not marks._backward_depth:  # a nested call (checkpointing) is inside
+                    marks._mark(_BWD_END)
+
+        autograd.backward = backward
+
+        def undo() -> None:
+            if autograd.backward is backward:
+                autograd.backward = original
+
+        self._undo.append(undo)
+
+    def _global_pre(self, module: Any, _args: Any) -> None:
+        if not self._depth:
+            self._entered_ns = time.perf_counter_ns()
+        self._depth += 1
+
+    def _global_post(self, module: Any, _args: Any, _out: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth:
+            return
+        seen = self._top.get(id(module))
+        if seen is None:
+            if len(self._top) >= MAX_TOP_MODULES:
+                return
+            import weakref
+
+            seen = self._top[id(module)] = [weakref.ref(module), 0, 0]
+        seen[1] += time.perf_counter_ns() - self._entered_ns
+        seen[2] += 1
+
+    def _drop_global_hooks(self) -> None:
+        for handle in getattr(self, "_global", ()):
+            handle.remove()
+        self._global = []
+
+    def _find_model(self) -> None:
+        """At a step end while looking: the outermost module that took longest is the
+        model; hooks move onto that instance."""
+        self._boundaries += 1
+        alive = [(entry[1], entry[0]()) for entry in self._top.values()]
+        found = [(total, module) for total, module in alive if module is not None]
+        if not found and self._boundaries < FIND_MODEL_BOUNDARIES:
+            return
+        self._drop_global_hooks()
+        self._top = {}
+        if not found:
+            self._say("no nn.Module was called before the step ended: the data, forward and "
+                      "backward phases are not told apart (the optimizer phase and the "
+                      "batch fetch are)")  # fmt: skip
+            return
+        # a loss or activation module has no parameters: the model is one that does
+        with_params = [item for item in found if _has_parameters(item[1])]
+        model = max(with_params or found, key=lambda item: item[0])[1]
+        self.model_name = type(model).__name__
+        self._model_hooks = [
+            model.register_forward_pre_hook(self._model_pre),
+            model.register_forward_hook(self._model_post),
+        ]
+
+    def _model_pre(self, _module: Any, _args: Any) -> None:
+        self._in_model += 1
+        if self._in_model == 1:
+            self._mark(_FWD_START)
+
+    def _model_post(self, _module: Any, _args: Any, _out: Any) -> None:
+        self._in_model = max(0, self._in_model - 1)
+        if not self._in_model:
+            self._mark(_FWD_END)
+
+    def optimizer_started(self) -> None:
+        """The counted optimizer's step() was entered (from its wrapper)."""
+        self._mark(_OPT_START)
+
+    def _mark(self, kind: int) -> None:
+        marks = self._marks
+        if self.off or len(marks) >= MAX_MARKS:
+            return
+        now = time.perf_counter_ns()
+        event = None
+        calls = self._calls
+        if calls is not None:
+            try:
+                key = calls.stream_key()
+                if key != self._stream_key:  # a Stream object made only when it changes
+                    self._stream_key, self._stream = key, calls.stream_of(key)
+                event = self._spare.pop() if self._spare else calls.new_event()
+                calls.record(event, self._stream)
+            except Exception as err:
+                self._calls = None
+                self._say(f"phase events failed ({err}); phases are timed on the host only")
+                event = None
+        marks.append((kind, now, event))
+
+    # -- at boundaries -----------------------------------------------------------------
+
+    def step_ended(self, step: int, boundary_ns: int, boundary_event: Any = None) -> None:
+        """Boundary `step` (perf_counter_ns, and the clock's CUDA event there, if any):
+        the step's host parts are kept until `take(step)`."""
+        if self.off:
+            return
+        try:
+            self._step_ended(step, boundary_ns, boundary_event)
+        except Exception as err:  # never into training: phases step aside
+            self._switch_off(f"phase bookkeeping failed ({err}); phases are off")
+
+    def _step_ended(self, step: int, boundary_ns: int, boundary_event: Any) -> None:
+        if self._global:
+            self._find_model()
+        marks, self._marks = self._marks, []
+        fetch_ms, self._fetch_ns = self._fetch_ns / 1e6, 0
+        start, start_event = self._last_boundary_ns, self._last_boundary_event
+        self._last_boundary_ns, self._last_boundary_event = boundary_ns, boundary_event
+        if start is None:
+            self._recycle(marks)
+            return
+        told = any(kind == _FWD_START for kind, _ns, _ev in marks)
+        if told:
+            host = tuple(
+                value / 1e6
+                for value in split_parts([(k, ns) for k, ns, _e in marks], start, boundary_ns)
+            )
+        else:  # no forward seen: only the optimizer phase is known
+            optimizer_ns = next((ns for k, ns, _e in marks if k == _OPT_START), None)
+            opt = (boundary_ns - optimizer_ns) / 1e6 if optimizer_ns is not None else math.nan
+            host = (math.nan, math.nan, math.nan, math.nan, opt)
+            self._recycle(marks)
+            marks = []
+        gpu = None
+        if told and start_event is not None and boundary_event is not None:
+            gpu = (start_event, marks, boundary_event)
+        else:
+            self._recycle(marks)
+        kept = self._kept
+        kept[step] = (host, fetch_ms, gpu)
+        if len(kept) > MAX_KEPT_STEPS:
+            old = next(iter(kept))
+            self._release(kept.pop(old)[2])
+
+    def take(self, step: int) -> PhaseTimes:
+        """The step's (host parts, fetch ms, GPU parts), NaN where not known; call once
+        its boundary event has completed (the clock timed it)."""
+        kept = self._kept.pop(step, None)
+        if kept is None:
+            return NO_PHASES
+        host, fetch_ms, gpu = kept
+        gpu_parts = NAN_PARTS
+        if gpu is not None and self._calls is not None:
+            try:
+                gpu_parts = self._gpu_parts(*gpu)
+            except Exception as err:  # an event of another device, a torch change
+                self._calls = None
+                self._say(f"phase events unreadable ({err}); phases are timed on the host only")
+        self._release(gpu)
+        return host, fetch_ms, gpu_parts
+
+    def _gpu_parts(self, start_event: Any, marks: list[Any], end_event: Any) -> tuple[float, ...]:
+        elapsed = self._calls.elapsed_ms
+        timed = [(kind, event) for kind, _ns, event in marks if event is not None]
+        if len(timed) != len(marks):
+            return NAN_PARTS
+        at, position = [], 0.0
+        previous = start_event
+        for kind, event in timed:
+            position += float(elapsed(previous, event))
+            at.append((kind, position))
+            previous = event
+        end = position + float(elapsed(previous, end_event))
+        return tuple(split_parts(at, 0.0, end))
+
+    def _release(self, gpu: Any) -> None:
+        if gpu is not None:
+            self._recycle(gpu[1])
+
+    def _recycle(self, marks: list[tuple[int, int, Any]]) -> None:
+        spare = self._spare
+        for _kind, _ns, event in marks:
+            if event is not None and len(spare) < MAX_MARKS:
+                spare.append(event)
+
+    def _switch_off(self, why: str) -> None:
+        self.off = True
+        self._say(why)
+        self.uninstall()
+
+    def _say(self, what: str) -> None:
+        if not self.note:
+            self.note = what
+            log.warning("distanom: %s", what)
+
+
+def phase_values(times: PhaseTimes) -> tuple[float, ...]:
+    """A step's phase times as the steps file's phase columns, in order: host parts,
+    batch fetch, GPU parts (`records.steps.PHASE_COLUMNS`)."""
+    host, fetch_ms, gpu = times
+    return (*host, fetch_ms, *gpu)
