@@ -119,6 +119,9 @@ class TraceVerdict:
     culprit_rank: int | None
     cause: str
     evidence: str
+    # how much of the step the trace found on its culprit (its own extra time, or the
+    # wait it caused at a collective), ms; NaN: not said
+    explained_ms: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,7 @@ def anomalies_of(
         if trace is not None and (
             (trace.cause == "unknown" and verdict.cause != "unknown")
             or _more_specific(verdict, trace)
+            or _outweighs(verdict, trace, record)
         ):
             trace_json = {
                 "culprit_rank": trace.culprit_rank,
@@ -236,6 +240,18 @@ def _more_specific(verdict: AnomalyVerdict, trace: TraceVerdict) -> bool:
     return False
 
 
+def _outweighs(verdict: AnomalyVerdict, trace: TraceVerdict, record: AnomalyRecord) -> bool:
+    """Whether the evidence's culprit stands over another rank the trace blames for a
+    small part of the step: the evidence names its culprit only for `CULPRIT_SHARE` of
+    the slowdown or more, and the trace's culprit accounts for less than that (e.g.
+    arrived last at a collective by 10 ms of a 400 ms step, while another rank slept
+    after the collective, where a trace shows only idle time)."""
+    if verdict.culprit_rank is None or trace.culprit_rank == verdict.culprit_rank:
+        return False
+    slowdown = record.step_ms - record.median_ms if record.median_ms > 0 else record.step_ms
+    return math.isfinite(trace.explained_ms) and trace.explained_ms < CULPRIT_SHARE * slowdown
+
+
 def with_phase(
     verdict: AnomalyVerdict,
     record: AnomalyRecord,
@@ -248,7 +264,7 @@ def with_phase(
     the phases give; `words`: also say it in the evidence sentence."""
     rank = verdict.culprit_rank
     table = tables.get(rank) if rank is not None else None
-    if table is None or verdict.cause not in PHASE_CAUSES:
+    if table is None or (words and verdict.cause not in PHASE_CAUSES):
         return verdict
     waited = verdict.details.get("waited_for_step")
     step = waited if isinstance(waited, int) else record.step

@@ -138,7 +138,12 @@ def _anomalies(
 ) -> list[Anomaly]:
     """Every recorded anomalous step, a captured one with its trace verdict."""
     traced = {
-        c.step: TraceVerdict(c.verdict.culprit_rank, str(c.verdict.cause), c.verdict.evidence)
+        c.step: TraceVerdict(
+            c.verdict.culprit_rank,
+            str(c.verdict.cause),
+            c.verdict.evidence,
+            _explained_ms(c.verdict.details, c.verdict.culprit_rank),
+        )
         for c in captures
     }
     captured = [
@@ -151,6 +156,17 @@ def _anomalies(
     except OSError as err:
         problems.append(f"anomalies.jsonl: not readable ({err.strerror})")
         return []
+
+
+def _explained_ms(details: dict[str, Any], culprit: int | None) -> float:
+    """How much of its step a trace verdict found on its culprit: its own extra time, or
+    the wait it caused as the last to arrive at a collective; NaN where not said."""
+    found = [details.get("extra_own_ms")]
+    arrival = details.get("arrival")
+    if isinstance(arrival, dict) and arrival.get("latest_rank") == culprit:
+        found.append(arrival.get("wait_ms"))
+    values = [float(v) for v in found if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return max(values) if values else float("nan")
 
 
 def _nan_if_none(value: float | None) -> float:

@@ -1,0 +1,148 @@
+"""The phase of a verdict and the cause it makes more specific (`analysis.phases`,
+`analysis.anomalies.with_phase`): each case is one a user met, where the evidence alone
+named the right rank but no phase, or the wrong cause."""
+
+from __future__ import annotations
+
+import math
+
+from distanom.analysis.anomalies import TraceVerdict, anomalies_of
+from distanom.analysis.phases import PhaseTable, straggler_phase
+from distanom.records.anomalies import AnomalyRecord, StepEvidence
+
+NAN = math.nan
+STEP = 100
+# a healthy step: data 2, forward 3, backward 4 (+ tail 1), optimizer 1 ms; fetch 1.5
+HOST = (2.0, 3.0, 4.0, 1.0, 1.0)
+FETCH = 1.5
+
+
+def table(
+    slow_host: tuple[float, ...] | None = None,
+    fetch: float = FETCH,
+    gpu: tuple[float, ...] | None = None,
+    slow_gpu: tuple[float, ...] | None = None,
+) -> PhaseTable:
+    """80 healthy steps before STEP, then STEP with the parts given."""
+    healthy_gpu = gpu if gpu is not None else (NAN,) * 5
+    rows = {s: (*HOST, FETCH, *healthy_gpu) for s in range(20, STEP)}
+    rows[STEP] = (*(slow_host or HOST), fetch, *(slow_gpu or healthy_gpu))
+    made = PhaseTable.of_rows(rows)
+    assert made is not None
+    return made
+
+
+def record(cpu_ms: float, gc_ms: float = 0.0, step_ms: float = 111.0) -> AnomalyRecord:
+    """Rank 1 reached the step's last collective 100 ms late; rank 0 on time."""
+    evidence = (
+        StepEvidence(5.0, 2, 8.0, 0.0, 11.0),
+        StepEvidence(105.0, 2, cpu_ms, gc_ms, 111.0),
+    )
+    return AnomalyRecord(
+        STEP, step_ms, 11.0, 16.5, False, "condition", 1, (step_ms, step_ms), evidence,
+        (5.0, 5.0), (8.0, 8.0),
+    )  # fmt: skip
+
+
+def verdict_of(
+    rec: AnomalyRecord, phases: dict[int, PhaseTable], trace: TraceVerdict | None = None
+):  # type: ignore[no-untyped-def]
+    traced = {STEP: trace} if trace is not None else None
+    [anomaly] = anomalies_of([rec], traced, phases=phases)
+    return anomaly.verdict
+
+
+def test_a_stalled_batch_fetch_is_data_loading_in_the_data_phase() -> None:
+    # off the CPU while waiting on a DataLoader worker: the evidence said host_stall
+    phases = {1: table(slow_host=(102.0, 3.0, 4.0, 1.0, 1.0), fetch=101.5)}
+    verdict = verdict_of(record(cpu_ms=8.0), phases)
+    assert (verdict.culprit_rank, verdict.cause, verdict.phase) == (1, "data_loading", "data")
+    assert "waited 101.5 ms for its next batch (usually 1.5 ms)" in verdict.evidence
+    assert verdict.details["host_signals_cause"] == "host_stall"
+    assert verdict.as_json()["phases_ms"]["data"] == 102.0
+    assert verdict.as_json()["median_phases_ms"]["backward"] == 5.0  # tail folded in
+
+
+def test_gpu_work_the_host_spin_waited_for_is_not_host_busy() -> None:
+    # a GradScaler's inf check synchronizes after backward: the host spins (its CPU time
+    # grows by the wait) while the GPU's backward took 100 ms more than usual
+    gpu = (2.0, 3.0, 4.0, 0.5, 1.0)
+    phases = {
+        1: table(
+            slow_host=(2.0, 3.0, 4.0, 101.0, 1.0), gpu=gpu, slow_gpu=(2.0, 3.0, 104.0, 0.5, 1.0)
+        )
+    }
+    verdict = verdict_of(record(cpu_ms=105.0), phases)
+    assert (verdict.cause, verdict.phase) == ("gpu_work", "backward")
+    assert "its GPU's backward pass took 104.0 ms (usually 4.0)" in verdict.evidence
+    assert verdict.details["host_signals_cause"] == "host_busy"
+
+
+def test_a_busy_host_stays_host_busy_in_its_phase_when_the_gpu_only_waited() -> None:
+    # Python busy in forward: the GPU's forward grows as much as the host's (it idles)
+    gpu = (2.0, 3.0, 4.0, 0.5, 1.0)
+    phases = {
+        1: table(slow_host=(2.0, 103.0, 4.0, 1.0, 1.0), gpu=gpu, slow_gpu=(2.0, 103.0, 4, 0.5, 1))
+    }
+    verdict = verdict_of(record(cpu_ms=108.0), phases)
+    assert (verdict.cause, verdict.phase) == ("host_busy", "forward")
+    assert "its forward phase took 103.0 ms" in verdict.evidence
+
+
+def test_a_stall_before_the_optimizer_step_is_a_host_stall_in_backward() -> None:
+    phases = {1: table(slow_host=(2.0, 3.0, 4.0, 101.0, 1.0))}
+    verdict = verdict_of(record(cpu_ms=8.0), phases)
+    assert (verdict.cause, verdict.phase) == ("host_stall", "backward")
+    assert "time between backward and the optimizer step" in verdict.evidence
+
+
+def test_a_gc_pause_stays_python_gc_and_is_placed_in_its_phase() -> None:
+    phases = {1: table(slow_host=(2.0, 3.0, 4.0, 1.0, 101.0), fetch=FETCH)}
+    verdict = verdict_of(record(cpu_ms=108.0, gc_ms=95.0), phases)
+    assert (verdict.cause, verdict.phase) == ("python_gc", "optimizer")
+
+
+def test_evidence_that_names_the_cause_more_closely_wins_over_the_trace() -> None:
+    # traced: the op inside the optimizer step grew ("compute"), but the thread was off
+    # the CPU: a sleep, not more computation
+    phases = {1: table(slow_host=(2.0, 3.0, 4.0, 1.0, 101.0))}
+    trace = TraceVerdict(1, "compute", "rank 1: computation 101 ms vs 1 ms")
+    verdict = verdict_of(record(cpu_ms=8.0), phases, trace)
+    assert (verdict.cause, verdict.phase, verdict.source) == ("host_stall", "optimizer", "arrival")
+    assert verdict.details["trace_verdict"]["cause"] == "compute"
+    # a GC pause the trace read as a host stall
+    trace = TraceVerdict(1, "host_stall", "rank 1: idle 100 ms")
+    verdict = verdict_of(record(cpu_ms=108.0, gc_ms=95.0), phases, trace)
+    assert verdict.cause == "python_gc"
+
+
+def test_a_trace_verdict_that_agrees_keeps_its_words_and_gains_the_phase() -> None:
+    phases = {1: table(slow_host=(2.0, 103.0, 4.0, 1.0, 1.0))}
+    trace = TraceVerdict(1, "host_busy", "rank 1: the trace's words")
+    verdict = verdict_of(record(cpu_ms=108.0), phases, trace)
+    assert (verdict.source, verdict.evidence, verdict.phase) == (
+        "trace",
+        "rank 1: the trace's words",
+        "forward",
+    )
+
+
+def test_a_straggler_slow_in_its_data_phase() -> None:
+    slow = {s: (9.0, 3.0, 4.0, 1.0, 1.0, 8.5, *(NAN,) * 5) for s in range(50, 90)}
+    fast = {s: (*HOST, FETCH, *(NAN,) * 5) for s in range(50, 90)}
+    tables = {r: PhaseTable.of_rows(fast) for r in (0, 2)}
+    tables[1] = PhaseTable.of_rows(slow)
+    assert straggler_phase({r: t for r, t in tables.items() if t}, 1, 50, 89) == "data"
+    assert straggler_phase({r: t for r, t in tables.items() if t}, 0, 50, 89) is None
+
+
+def test_a_trace_blaming_another_rank_for_a_small_part_gives_way_to_the_evidence() -> None:
+    # rank 1 slept 100 ms; the trace blamed rank 0 for arriving 10 ms last at a collective
+    phases = {1: table(slow_host=(2.0, 3.0, 4.0, 101.0, 1.0))}
+    small = TraceVerdict(0, "host_stall", "rank 0 arrived last, 10 ms after the first", 10.0)
+    verdict = verdict_of(record(cpu_ms=8.0), phases, small)
+    assert (verdict.culprit_rank, verdict.source) == (1, "arrival")
+    assert verdict.details["trace_verdict"]["culprit_rank"] == 0
+    # a trace that finds most of the slowdown on its culprit stands
+    large = TraceVerdict(0, "host_stall", "rank 0: idle 95 ms", 95.0)
+    assert verdict_of(record(cpu_ms=8.0), phases, large).culprit_rank == 0
