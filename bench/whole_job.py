@@ -51,6 +51,8 @@ VARIANTS: dict[str, list[str]] = {
     "plain": [],
     "default": [],
     "none": ["--set", "tracer.backend=none"],
+    # the default without the step phases' marks (their cost, side by side with "default")
+    "default_nophases": ["--set", "step.phases=false"],
     "none_adaptive": ["--set", "tracer.backend=none", "--set", "clock.mode=adaptive"],
     # bisecting detection's cost: no CUDA event per step (host clock); rounds ~8x rarer
     "none_host": ["--set", "tracer.backend=none", "--set", "clock.mode=host"],

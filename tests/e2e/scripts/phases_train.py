@@ -8,7 +8,8 @@ and step: `--faults KIND:RANK:STEP,...`, KIND one of
 - `gc`: a full Python garbage collection over a million objects,
 - `gpu_backward` (CUDA): a GPU-side delay inside the backward pass,
 - `host`: a sleep before the batch is used (before forward).
-`--scaler` runs fp16 autocast with a GradScaler (it synchronizes every step)."""
+`--scaler` runs fp16 autocast with a GradScaler (it synchronizes every step); `--no-sync`
+drops the per-step `loss.item()`, so (without a scaler) the host never waits."""
 
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--scaler", action="store_true")
     parser.add_argument("--cuda", action="store_true")
+    parser.add_argument("--no-sync", action="store_true", help="no loss.item(): never waits")
     args = parser.parse_args()
     dist.init_process_group("nccl" if args.cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -150,9 +152,10 @@ def main() -> None:
         else:
             optimizer.step()
         optimizer.zero_grad()
-        value = loss.item()  # logged as users do: a synchronize every step on the GPU
-        if not step % 50:
-            print(f"step {step} loss {value:.4f}", flush=True)
+        if not args.no_sync:
+            value = loss.item()  # logged as users do: a synchronize every step on the GPU
+            if not step % 50:
+                print(f"step {step} loss {value:.4f}", flush=True)
     del garbage
     print(f"phases_train: {args.steps} steps", flush=True)
     dist.destroy_process_group()
