@@ -276,11 +276,12 @@ def with_phase(
     if found is None:
         return verdict
     evidence, details = verdict.evidence, verdict.details
-    if words and found.cause and found.cause != verdict.cause:
+    if words and found.cause:
         # the host signals' reading (the sentence's last clause) gives way to the phase's
         head = evidence if waited is not None else evidence.rsplit("; ", 1)[0]
         evidence = f"{head}; {found.words}"
-        details = {**details, "host_signals_cause": verdict.cause}
+        if found.cause != verdict.cause:
+            details = {**details, "host_signals_cause": verdict.cause}
     elif words and found.words:
         evidence = f"{evidence}; {found.words}"
     return replace(
