@@ -125,10 +125,11 @@ def agent_cost(
     if steps <= 0:
         return {"steps": 0}
     boundary_us = boundaries.own_ns / steps / 1e3
+    marks_us = boundaries.phases.own_ns / steps / 1e3  # phase marks between boundaries
     control_us = control_cpu_ns / steps / 1e3
     pct = None
     if median_ms is not None and math.isfinite(median_ms) and median_ms > 0:
-        pct = round((boundary_us + control_us) / 1e3 / median_ms * 100, 4)
+        pct = round((boundary_us + marks_us + control_us) / 1e3 / median_ms * 100, 4)
     clock = boundaries.clock
     work_ms = pacer.work_ms
     return {
@@ -136,6 +137,7 @@ def agent_cost(
         "boundary_ns": boundaries.own_ns,
         "control_cpu_ns": control_cpu_ns,
         "boundary_us_per_step": round(boundary_us, 2),
+        "phase_marks_us_per_step": round(marks_us, 2),
         "control_us_per_step": round(control_us, 2),
         "pct_of_median_step": pct,
         "clock_mode": clock.mode if clock is not None else None,  # what each step pays

@@ -22,10 +22,13 @@ micro-batches, from a backward's end to the next forward), `forward`, `backward`
 forward's end to the backward's end), `tail` (from the backward's end to the optimizer
 step: reported as part of the backward phase) and `optimizer`. Lightning runs the
 forward and backward inside `optimizer.step(closure)`: after an optimizer start, a
-backward's end opens `optimizer` again. With CUDA, each mark also records a pooled CUDA
-event on the current stream; the same split of the GPU's time between events tells
-device work that grew (its GPU part grew while the host's launch time did not) from a
-slow host, also when the host spin-waits in a synchronize (docs/evidence.md).
+backward's end opens `optimizer` again. With CUDA, the forward's end and the backward's
+end also record a pooled CUDA event on the current stream (two events a step: each costs
+the training thread a few us, bench/results/phase_marks_cost_*), which split the GPU's
+time into three `GPU_PARTS`: up to the forward's end (data and forward), the backward,
+and after it (tail and optimizer). A GPU part that grew while the host's time for the
+same span did not is device work that grew, also where the host then spin-waited for it
+in a synchronize (docs/evidence.md).
 
 The parts of a step are handed out by `take(step)` once the step clock has timed the
 step (the boundary events have completed, so every earlier phase event has too: no
@@ -51,9 +54,12 @@ DATA, FORWARD, BACKWARD, TAIL, OPTIMIZER = range(5)
 # marks
 _FWD_START, _FWD_END, _BWD_END, _OPT_START = range(4)
 NAN_PARTS: tuple[float, ...] = (math.nan,) * 5
+# the GPU's parts: up to the forward's end, the backward, after the backward's end
+GPU_PARTS = ("to_forward_end", "backward", "after_backward")
+NAN_GPU: tuple[float, ...] = (math.nan,) * 3
 # (host parts, fetch_ms, gpu parts): what `take` returns per step
 PhaseTimes = tuple[tuple[float, ...], float, tuple[float, ...]]
-NO_PHASES: PhaseTimes = (NAN_PARTS, math.nan, NAN_PARTS)
+NO_PHASES: PhaseTimes = (NAN_PARTS, math.nan, NAN_GPU)
 MAX_MARKS = 256  # marks kept per step (a loop of many micro-batches keeps its first ones)
 MAX_KEPT_STEPS = 2048  # steps whose parts wait for the clock (it gives up beyond)
 MAX_TOP_MODULES = 64  # outermost modules remembered while looking for the model
@@ -68,6 +74,21 @@ def _next_part(kind: int, seen_optimizer: bool) -> int:
     if kind == _OPT_START:
         return OPTIMIZER
     return OPTIMIZER if seen_optimizer else TAIL  # a backward's end
+
+
+def split_gpu(timed: list[tuple[int, float]], end: float) -> tuple[float, ...]:
+    """The GPU's three parts (`GPU_PARTS`) of a step from 0 to `end`, given the forward's
+    and backward's end marks as (kind, time): up to a forward's end (its data and forward;
+    between micro-batches, from a backward's end to the next forward's end), the
+    backward (a forward's end to the backward's end), after the last backward's end. Pure."""
+    parts = [0.0, 0.0, 0.0]
+    current, previous = 0, 0.0
+    for kind, at in timed:
+        parts[current] += at - previous
+        previous = at
+        current = 1 if kind == _FWD_END else 0
+    parts[2 if current == 0 and timed and timed[-1][0] == _BWD_END else current] += end - previous
+    return tuple(parts)
 
 
 def _has_parameters(module: Any) -> bool:
@@ -123,6 +144,7 @@ class PhaseMarks:
         self._stream_key: Any = None
         self._stream: Any = None
         self._global: list[Any] = []
+        self.own_ns = 0  # the marks' own time between boundaries (event records mostly)
         self.model_name: str | None = None
         self.off = False
         self.note = ""
@@ -271,7 +293,7 @@ class PhaseMarks:
         now = time.perf_counter_ns()
         event = None
         calls = self._calls
-        if calls is not None:
+        if calls is not None and kind in (_FWD_END, _BWD_END):
             try:
                 key = calls.stream_key()
                 if key != self._stream_key:  # a Stream object made only when it changes
@@ -283,6 +305,7 @@ class PhaseMarks:
                 self._say(f"phase events failed ({err}); phases are timed on the host only")
                 event = None
         marks.append((kind, now, event))
+        self.own_ns += time.perf_counter_ns() - now
 
     # -- at boundaries -----------------------------------------------------------------
 
@@ -336,7 +359,7 @@ class PhaseMarks:
         if kept is None:
             return NO_PHASES
         host, fetch_ms, gpu = kept
-        gpu_parts = NAN_PARTS
+        gpu_parts = NAN_GPU
         if gpu is not None and self._calls is not None:
             try:
                 gpu_parts = self._gpu_parts(*gpu)
@@ -347,18 +370,19 @@ class PhaseMarks:
         return host, fetch_ms, gpu_parts
 
     def _gpu_parts(self, start_event: Any, marks: list[Any], end_event: Any) -> tuple[float, ...]:
+        """The GPU's three parts (ms) between the step's boundary events, split at the
+        events of the forward's and backward's ends (`split_gpu`)."""
         elapsed = self._calls.elapsed_ms
         timed = [(kind, event) for kind, _ns, event in marks if event is not None]
-        if len(timed) != len(marks):
-            return NAN_PARTS
+        if not timed:
+            return NAN_GPU
         at, position = [], 0.0
         previous = start_event
         for kind, event in timed:
             position += float(elapsed(previous, event))
             at.append((kind, position))
             previous = event
-        end = position + float(elapsed(previous, end_event))
-        return tuple(split_parts(at, 0.0, end))
+        return split_gpu(at, position + float(elapsed(previous, end_event)))
 
     def _release(self, gpu: Any) -> None:
         if gpu is not None:

@@ -10,10 +10,11 @@ makes the cause more specific where a phase signal explains the slowdown (in ord
 1. a Python GC pause stays `python_gc` (the collector ran, whichever phase it hit);
 2. the batch fetch grew by at least `PHASE_SHARE` of the slowdown: `data_loading`, in
    the `data` phase;
-3. a part's GPU time grew by `PHASE_SHARE` of the slowdown more than its host time did:
-   `gpu_work` in that phase. The host only launched that work; where it then waited
-   for it (a synchronize: a GradScaler's inf check, `.item()`) its CPU time grew too
-   while spinning, which alone would read as `host_busy`;
+3. a GPU part (up to the forward's end, the backward, after the backward's end) grew by
+   `PHASE_SHARE` of the slowdown more than the host's time for the same span: `gpu_work`
+   in that phase (forward, backward, optimizer). The host only launched that work;
+   where it then waited for it (a synchronize: a GradScaler's inf check, `.item()`) its
+   CPU time grew too while spinning, which alone would read as `host_busy`;
 4. otherwise the cause stands, in the phase whose host time grew most (the GPU's, for
    `gpu_work`).
 
@@ -34,8 +35,11 @@ PHASES = ("data", "forward", "backward", "optimizer")
 PARTS = 5  # data, forward, backward, tail, optimizer (distanom.phases.PARTS)
 TAIL = 3
 FETCH = 5  # column of the batch fetch in a table's values
-GPU_AT = 6  # first GPU part column
-COLUMNS = 11
+GPU_AT = 6  # first GPU part column: to the forward's end, backward, after the backward
+GPU_PARTS = 3
+# the host parts each GPU part spans, and the phase its device work is named by
+GPU_SPANS = (((0, 1), "forward"), ((2,), "backward"), ((3, 4), "optimizer"))
+COLUMNS = 9
 USUAL_STEPS = 64  # the steps before an anomaly whose median is "usual"
 MIN_USUAL = 4  # steps with a value needed for a usual value
 PHASE_SHARE = 0.5  # a phase signal explains a slowdown when it grew by this share of it
@@ -99,12 +103,19 @@ class PhaseTable:
             return np.asarray(np.nanmedian(window, axis=0), dtype=np.float64)
 
 
-def phases_json(values: np.ndarray, offset: int = 0) -> dict[str, float | None]:
-    """The four phases (ms) of a row's host (`offset` 0) or GPU (`GPU_AT`) parts, the
-    tail folded into backward; null where not known."""
-    parts = [float(v) for v in values[offset : offset + PARTS]]
+def phases_json(values: np.ndarray) -> dict[str, float | None]:
+    """The four phases (ms) of a row's host parts, the tail folded into backward; null
+    where not known."""
+    parts = [float(v) for v in values[:PARTS]]
     folded = [parts[0], parts[1], parts[2] + parts[TAIL], parts[4]]
     return {name: _ms(value) for name, value in zip(PHASES, folded, strict=True)}
+
+
+def gpu_json(values: np.ndarray) -> dict[str, float | None]:
+    """A row's GPU parts (ms): up to the forward's end (data and forward), the
+    backward, after the backward's end (tail and optimizer)."""
+    names = ("to_forward_end", "backward", "after_backward")
+    return {name: _ms(float(values[GPU_AT + i])) for i, name in enumerate(names)}
 
 
 @dataclass(frozen=True)
@@ -125,7 +136,7 @@ def find_phase(
     values, for a verdict of `cause` and a slowdown of `slowdown` ms; None when the step
     has no phase known."""
     host_growth = now[:PARTS] - usual[:PARTS]
-    gpu_growth = now[GPU_AT : GPU_AT + PARTS] - usual[GPU_AT : GPU_AT + PARTS]
+    gpu_growth = now[GPU_AT : GPU_AT + GPU_PARTS] - usual[GPU_AT : GPU_AT + GPU_PARTS]
     if not np.isfinite(host_growth).any() and not math.isfinite(float(now[FETCH])):
         return None
     facts: dict[str, Any] = {
@@ -134,9 +145,9 @@ def find_phase(
         "fetch_ms": _ms(float(now[FETCH])),
         "median_fetch_ms": _ms(float(usual[FETCH])),
     }
-    if np.isfinite(now[GPU_AT : GPU_AT + PARTS]).any():
-        facts["gpu_phases_ms"] = phases_json(now, GPU_AT)
-        facts["median_gpu_phases_ms"] = phases_json(usual, GPU_AT)
+    if np.isfinite(now[GPU_AT : GPU_AT + GPU_PARTS]).any():
+        facts["gpu_phases_ms"] = gpu_json(now)
+        facts["median_gpu_phases_ms"] = gpu_json(usual)
     share = PHASE_SHARE * slowdown
     fetch, fetch_usual = float(now[FETCH]), float(usual[FETCH])
     if cause != "python_gc" and _grew(fetch, fetch_usual) >= share:
@@ -147,33 +158,42 @@ def find_phase(
             "data loading",
             facts,
         )
-    device = np.where(np.isfinite(gpu_growth), gpu_growth - np.nan_to_num(host_growth), np.nan)
+    spans = [(group, name) for group, name in GPU_SPANS]
+    host_spans = np.array([np.nansum(host_growth[list(group)]) for group, _ in spans])
+    device = np.where(np.isfinite(gpu_growth), gpu_growth - host_spans, np.nan)
     if cause != "python_gc" and np.isfinite(device).any():
         part = int(np.nanargmax(device))
         if float(device[part]) >= share:
-            phase = phase_of_part(part)
+            group, phase = spans[part]
             gpu_now, gpu_usual = float(now[GPU_AT + part]), float(usual[GPU_AT + part])
-            host_now = float(now[part])
+            host_now = float(np.nansum(now[list(group)]))
             return PhaseFinding(
                 phase,
                 "gpu_work",
-                f"its GPU's {_part_words(part)} took {gpu_now:.1f} ms (usually "
-                f"{gpu_usual:.1f}) while its host launched it in {host_now:.1f} ms: the "
-                f"device's work grew in the {phase} phase",
+                f"its GPU took {gpu_now:.1f} ms {_gpu_words(part)} (usually {gpu_usual:.1f}) "
+                f"while its host went through it in {host_now:.1f} ms: the device's work "
+                f"grew in the {phase} phase",
                 facts,
             )
-    growth = gpu_growth if cause == "gpu_work" and np.isfinite(gpu_growth).any() else host_growth
-    if not np.isfinite(growth).any():
+    if cause == "gpu_work" and np.isfinite(gpu_growth).any():
+        part = int(np.nanargmax(gpu_growth))
+        phase = spans[part][1]
+        return PhaseFinding(
+            phase,
+            None,
+            f"its GPU took {float(now[GPU_AT + part]):.1f} ms {_gpu_words(part)} (usually "
+            f"{float(usual[GPU_AT + part]):.1f})",
+            facts,
+        )
+    if not np.isfinite(host_growth).any():
         return PhaseFinding(None, None, "", facts)
-    part = int(np.nanargmax(growth))
-    offset = GPU_AT if growth is gpu_growth else 0
+    part = int(np.nanargmax(host_growth))
     phase = phase_of_part(part)
-    where = "its GPU's" if offset else "its"
     return PhaseFinding(
         phase,
         None,
-        f"{where} {phase} phase took {float(now[offset + part]):.1f} ms in the "
-        f"{_part_words(part)} (usually {float(usual[offset + part]):.1f})",
+        f"its {phase} phase took {float(now[part]):.1f} ms in the {_part_words(part)} "
+        f"(usually {float(usual[part]):.1f})",
         facts,
     )
 
@@ -207,6 +227,10 @@ def _part_words(part: int) -> str:
         "time between backward and the optimizer step",
         "optimizer step",
     )[part]
+
+
+def _gpu_words(part: int) -> str:
+    return ("up to its forward's end", "in its backward pass", "after its backward pass")[part]
 
 
 def _grew(value: float, usual: float) -> float:

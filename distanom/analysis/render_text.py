@@ -141,9 +141,11 @@ def _agent_cost_lines(
     if not isinstance(control, numbers):
         return []
     # CPU time: a launch-bound loop may pay more (GIL hand-overs, caches; docs/agent.md)
+    marks = cost.get("phase_marks_us_per_step")
+    within = f" + {marks:.1f} us of phase marks" if isinstance(marks, numbers) and marks else ""
     line = (
-        f"  distanom's own time (rank 0): {boundary:.1f} us at each step end + {control:.1f} "
-        f"us of its threads' CPU per step = {pct:.2f}% of the median step"
+        f"  distanom's own time (rank 0): {boundary:.1f} us at each step end{within} + "
+        f"{control:.1f} us of its threads' CPU per step = {pct:.2f}% of the median step"
     )
     tracing = (tracer.get("duty_cycle") or {}).get("effective_overhead_pct")
     if isinstance(tracing, numbers):

@@ -7,7 +7,8 @@ collection during it (ms, and the highest generation collected, -1 for none), wh
 optimizer step of the iteration was skipped (0|1: a GradScaler found inf/nan gradients),
 then the step's phases (`distanom.phases`): host ms of data, forward, backward, tail
 (from the backward's end to the optimizer step) and optimizer, the time inside the batch
-fetch, and the same five parts on the GPU (`nan` where not known).
+fetch, and the GPU's time up to the forward's end, in the backward, and after the
+backward's end (`distanom.phases.GPU_PARTS`); `nan` where not known.
 Files written before the last columns existed still read: missing columns read as 0 / none.
 """
 
@@ -25,7 +26,7 @@ from distanom.safe_io import open_append_at, open_dir, open_regular
 
 PHASE_COLUMNS = (
     "data_ms", "forward_ms", "backward_ms", "tail_ms", "optimizer_ms", "fetch_ms",
-    "gpu_data_ms", "gpu_forward_ms", "gpu_backward_ms", "gpu_tail_ms", "gpu_optimizer_ms",
+    "gpu_to_forward_end_ms", "gpu_backward_ms", "gpu_after_backward_ms",
 )  # fmt: skip
 # (step, duration_ms, traced, after_flush, self_ms, gc_ms, gc_generation, skipped, then
 # the PHASE_COLUMNS' floats)

@@ -24,7 +24,7 @@ def table(
     slow_gpu: tuple[float, ...] | None = None,
 ) -> PhaseTable:
     """80 healthy steps before STEP, then STEP with the parts given."""
-    healthy_gpu = gpu if gpu is not None else (NAN,) * 5
+    healthy_gpu = gpu if gpu is not None else (NAN,) * 3
     rows = {s: (*HOST, FETCH, *healthy_gpu) for s in range(20, STEP)}
     rows[STEP] = (*(slow_host or HOST), fetch, *(slow_gpu or healthy_gpu))
     made = PhaseTable.of_rows(rows)
@@ -66,24 +66,18 @@ def test_a_stalled_batch_fetch_is_data_loading_in_the_data_phase() -> None:
 def test_gpu_work_the_host_spin_waited_for_is_not_host_busy() -> None:
     # a GradScaler's inf check synchronizes after backward: the host spins (its CPU time
     # grows by the wait) while the GPU's backward took 100 ms more than usual
-    gpu = (2.0, 3.0, 4.0, 0.5, 1.0)
-    phases = {
-        1: table(
-            slow_host=(2.0, 3.0, 4.0, 101.0, 1.0), gpu=gpu, slow_gpu=(2.0, 3.0, 104.0, 0.5, 1.0)
-        )
-    }
+    gpu = (5.0, 4.0, 1.5)  # to the forward's end, backward, after the backward
+    phases = {1: table(slow_host=(2.0, 3.0, 4.0, 101.0, 1.0), gpu=gpu, slow_gpu=(5.0, 104.0, 1.5))}
     verdict = verdict_of(record(cpu_ms=105.0), phases)
     assert (verdict.cause, verdict.phase) == ("gpu_work", "backward")
-    assert "its GPU's backward pass took 104.0 ms (usually 4.0)" in verdict.evidence
+    assert "its GPU took 104.0 ms in its backward pass (usually 4.0)" in verdict.evidence
     assert verdict.details["host_signals_cause"] == "host_busy"
 
 
 def test_a_busy_host_stays_host_busy_in_its_phase_when_the_gpu_only_waited() -> None:
     # Python busy in forward: the GPU's forward grows as much as the host's (it idles)
-    gpu = (2.0, 3.0, 4.0, 0.5, 1.0)
-    phases = {
-        1: table(slow_host=(2.0, 103.0, 4.0, 1.0, 1.0), gpu=gpu, slow_gpu=(2.0, 103.0, 4, 0.5, 1))
-    }
+    gpu = (5.0, 4.0, 1.5)
+    phases = {1: table(slow_host=(2.0, 103.0, 4.0, 1.0, 1.0), gpu=gpu, slow_gpu=(105.0, 4.0, 1.5))}
     verdict = verdict_of(record(cpu_ms=108.0), phases)
     assert (verdict.cause, verdict.phase) == ("host_busy", "forward")
     assert "its forward phase took 103.0 ms" in verdict.evidence
@@ -128,8 +122,8 @@ def test_a_trace_verdict_that_agrees_keeps_its_words_and_gains_the_phase() -> No
 
 
 def test_a_straggler_slow_in_its_data_phase() -> None:
-    slow = {s: (9.0, 3.0, 4.0, 1.0, 1.0, 8.5, *(NAN,) * 5) for s in range(50, 90)}
-    fast = {s: (*HOST, FETCH, *(NAN,) * 5) for s in range(50, 90)}
+    slow = {s: (9.0, 3.0, 4.0, 1.0, 1.0, 8.5, *(NAN,) * 3) for s in range(50, 90)}
+    fast = {s: (*HOST, FETCH, *(NAN,) * 3) for s in range(50, 90)}
     tables = {r: PhaseTable.of_rows(fast) for r in (0, 2)}
     tables[1] = PhaseTable.of_rows(slow)
     assert straggler_phase({r: t for r, t in tables.items() if t}, 1, 50, 89) == "data"

@@ -25,6 +25,7 @@ from distanom.phases import (
     OPTIMIZER,
     TAIL,
     PhaseMarks,
+    split_gpu,
     split_parts,
 )
 from distanom.records.steps import PHASE_COLUMNS
@@ -136,7 +137,7 @@ def test_a_loop_under_the_agent_records_each_phase_where_its_fault_was(tmp_path:
         agent.close()
     rows = _rows(agent)
     assert all(math.isfinite(rows[s]["forward_ms"]) for s in range(1, 12)), rows
-    assert all(math.isnan(rows[s]["gpu_forward_ms"]) for s in range(1, 12))  # no CUDA here
+    assert all(math.isnan(rows[s]["gpu_backward_ms"]) for s in range(1, 12))  # no CUDA here
 
     def quiet(step: int, column: str) -> bool:
         return rows[step][column] < 30
@@ -148,6 +149,13 @@ def test_a_loop_under_the_agent_records_each_phase_where_its_fault_was(tmp_path:
     assert rows[10]["optimizer_ms"] >= 45 and quiet(10, "tail_ms"), rows[10]
     for step in (5, 7, 9, 11):  # healthy steps: nothing over 30 ms anywhere
         assert all(quiet(step, column) for column in PHASE_COLUMNS[:6]), rows[step]
+
+
+def test_the_gpu_parts_split_at_the_forward_and_backward_ends() -> None:
+    # micro-batches: (data+forward) 2, backward 3, (data+forward) 2, backward 3, after 1
+    timed = [(_FWD_END, 2.0), (_BWD_END, 5.0), (_FWD_END, 7.0), (_BWD_END, 10.0)]
+    assert split_gpu(timed, 11.0) == (4.0, 6.0, 1.0)
+    assert split_gpu([(_FWD_END, 2.0)], 3.0) == (2.0, 1.0, 0.0)  # no backward: forward only
 
 
 def test_hooks_are_undone_at_close() -> None:
