@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from distanom.clock import CudaEventCalls, StepClock
 from distanom.phases import PhaseMarks
@@ -104,10 +105,14 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     data = TensorDataset(torch.randn(4096, 256))
 
+    # one iterator for the whole run (a new one every epoch would add its own start-up)
+    endless = RandomSampler(data, replacement=True, num_samples=10**9)
+    loader = iter(DataLoader(data, batch_size=32, sampler=endless))
+
     def batches() -> Any:
         while True:
-            for (batch,) in DataLoader(data, batch_size=32):
-                yield (batch.to(device, non_blocking=True),)
+            (batch,) = next(loader)
+            yield (batch.to(device, non_blocking=True),)
 
     stream = batches()
     variants = ["off", "host", "gpu"] if gpu else ["off", "host"]
@@ -134,11 +139,16 @@ def main() -> None:
             per_step[variant].append(seconds / args.block * 1e6)
             step += args.block + 2
     added = {}
+    rng = random.Random(0)
     for variant in variants[1:]:
         diffs = [a - b for a, b in zip(per_step[variant], per_step["off"], strict=True)]
+        means = sorted(
+            statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(2000)
+        )  # bootstrap of the mean difference
         added[variant] = {
             "median_us": statistics.median(diffs),
             "mean_us": statistics.fmean(diffs),
+            "mean_ci95_us": [means[50], means[1949]],
             "stdev_us": statistics.stdev(diffs) if len(diffs) > 1 else None,
         }
     result = {

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from distanom.cli import main as cli_main
+from distanom.records.steps import STEPS_CSV_HEADER
 from tests.conftest import TOY, free_port, job_env, launch, torchrun, why_not_captured
 
 FAST = [  # every step traced (a one-off stall is captured): the budget off
@@ -71,7 +72,8 @@ def test_stalled_rank_steps_are_captured_on_every_rank(
         assert cost["lookups"] >= 1 and all(cost[k] >= 0 for k in cost)
     steps_file = Path(report["run_dir"]) / "steps" / "rank2.csv"
     rows = steps_file.read_text().splitlines()
-    assert rows[0] == "step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen,skipped"
+    assert rows[0] == STEPS_CSV_HEADER.rstrip("\n")
+    assert rows[0].startswith("step,duration_ms,traced,after_flush,self_ms,gc_ms,gc_gen,skipped,")
     assert len(rows) >= 95
     text = subprocess.run(
         [sys.executable, "-m", "distanom", "report", str(tmp_path / "runs")],
