@@ -376,7 +376,7 @@ def _after_collective(
     slowest = max(excess, key=lambda r: (excess[r], -r))
     lead = excess[slowest] - max(v for r, v in excess.items() if r != slowest)
     if lead < CULPRIT_SHARE * slowdown:
-        return None
+        return _knock_on(record, excess, slowdown, details, previous)
     details = {**details, "durations_ms": _durations_json(record)}
     before = _excess(previous) if previous is not None else {}
     starters = [
@@ -400,7 +400,7 @@ def _after_collective(
             f"step {previous.step} ended {before[starter]:.1f} ms late "
             f"({why})",
             "arrival",
-            {**details, "waited_for_step": previous.step},
+            {**details, "waited_for_step": previous.step, "knock_on_of": previous.step},
         )
     cause, why = _device_cause(record, evidence, slowest, slowdown) or _host_cause(
         record, evidence, slowest, lead, slowdown
@@ -413,6 +413,46 @@ def _after_collective(
         f"(after the collective, e.g. between backward and the optimizer step); {why}",
         "arrival",
         details,
+    )
+
+
+def _knock_on(
+    record: AnomalyRecord,
+    excess: dict[int, float],
+    slowdown: float,
+    details: dict[str, Any],
+    previous: AnomalyRecord | None,
+) -> AnomalyVerdict | None:
+    """Every rank reached the last collective on time and no one rank's step stands out
+    as longer, but the others' steps were long and one rank's was not: they waited in
+    the collective for that rank, which began the step late because its step before
+    (anomalous too) ended late; its verdict there names it. On any number of ranks (with
+    two, `_after_collective`'s own rule sees it). None otherwise."""
+    if previous is None:
+        return None
+    earlier = judge(previous)
+    culprit = earlier.culprit_rank
+    if culprit is None or culprit not in excess:
+        return None
+    others = [value for rank, value in excess.items() if rank != culprit]
+    waited = min(others)
+    if waited < CULPRIT_SHARE * slowdown or excess[culprit] > CULPRIT_SHARE * waited:
+        return None
+    who = "every other rank" if len(others) == len(record.durations_ms) - 1 else "the others"
+    return AnomalyVerdict(
+        culprit,
+        earlier.cause,
+        f"every rank reached the step's last collective on time, then {who} waited in it "
+        f"at least {waited:.1f} ms for rank {culprit}, which began the step late: its "
+        f"step {previous.step} ran long (step {previous.step}: "
+        f"{earlier.cause.replace('_', ' ')})",
+        "arrival",
+        {
+            **details,
+            "durations_ms": _durations_json(record),
+            "waited_for_step": previous.step,
+            "knock_on_of": previous.step,
+        },
     )
 
 

@@ -59,5 +59,11 @@ def test_each_fault_is_named_with_its_rank_cause_and_phase(
     report = _report(tmp_path / "runs", capsys)
     wrong = _check(report, traced)
     assert not wrong, json.dumps({"wrong": wrong, "log": done.stderr[-1500:]}, indent=1)
+    # the steps after a sleep after the collective wait for that rank: linked to it
+    for step, rank in ((111, 3), (136, 0)):
+        knock = next((a["verdict"] for a in report["anomalies"] if a["step"] == step), None)
+        if knock is not None:  # anomalous when the others' wait made it so
+            assert knock["culprit_rank"] == rank, knock
+            assert knock["details"].get("knock_on_of") == step - 1, knock
     data = next(a for a in report["anomalies"] if a["step"] == 60)["verdict"]
     assert data["phases_ms"]["data"] >= 300 and data["fetch_ms"] >= 300, data

@@ -140,3 +140,28 @@ def test_a_trace_blaming_another_rank_for_a_small_part_gives_way_to_the_evidence
     # a trace that finds most of the slowdown on its culprit stands
     large = TraceVerdict(0, "host_stall", "rank 0: idle 95 ms", 95.0)
     assert verdict_of(record(cpu_ms=8.0), phases, large).culprit_rank == 0
+
+
+def test_a_knock_on_step_names_the_rank_whose_step_before_ran_long_on_four_ranks() -> None:
+    """Rank 3 slept after step 110's collective; in step 111 ranks 0-2 waited in the
+    collective for it (their steps long, its own not). Before, on more than two ranks,
+    step 111 read `slow_collective` with no culprit."""
+
+    def rec(step: int, durations: tuple[float, ...]) -> AnomalyRecord:
+        evidence = tuple(StepEvidence(5.0, 2, 8.0, 0.0, d) for d in durations)
+        return AnomalyRecord(
+            step, max(durations), 11.0, 16.5, False, "condition", 0, durations, evidence,
+            (5.0,) * 4, (8.0,) * 4,
+        )  # fmt: skip
+
+    late = rec(110, (12.0, 11.0, 12.0, 411.0))
+    waited = rec(111, (409.0, 410.0, 408.0, 12.0))
+    rows = {s: (*HOST, FETCH, *(NAN,) * 3) for s in range(20, 110)}
+    rows[110] = (2.0, 3.0, 4.0, 401.0, 1.0, FETCH, NAN, NAN, NAN)
+    phases = {3: PhaseTable.of_rows(rows)}  # type: ignore[dict-item]
+    found = {a.step: a.verdict for a in anomalies_of([late, waited], phases=phases)}
+    assert (found[110].culprit_rank, found[110].cause) == (3, "host_stall")
+    knock = found[111]
+    assert (knock.culprit_rank, knock.cause, knock.phase) == (3, "host_stall", "backward")
+    assert knock.details["knock_on_of"] == 110
+    assert "waited in it at least 397.0 ms for rank 3"  # 408 - the median in knock.evidence
