@@ -10,6 +10,7 @@ meets it: the run's, then each capture's tables, then the cross-rank analyses.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ from distanom.analysis.crossrank import RankFacts
 from distanom.analysis.engine import tables_of
 from distanom.analysis.hangs import read_hangs
 from distanom.analysis.kernel_diff import pick_reference
+from distanom.analysis.lost_time import lost_time
 from distanom.analysis.merge import MERGED_NAME
 from distanom.analysis.model import (
     Capture,
@@ -72,6 +74,7 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
     hangs, hang_problems = read_hangs(data.run, data.world_size)
     problems.extend(hang_problems)
     stragglers = read_stragglers(data.run)
+    anomalies = _anomalies(data, captures, problems, series)
     return Report(
         facts=RunFacts(
             run_id=data.run.run_id,
@@ -111,11 +114,18 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
         problems=problems,
         detect_config=detect if isinstance(detect, dict) else {},
         hangs=hangs,
-        anomalies=_anomalies(data, captures, problems, series),
+        anomalies=anomalies,
+        lost_time=lost_time(anomalies, _run_ms(series)),
         stragglers=_with_phases(_list_of_dicts(stragglers.get("stragglers")), series),
         earlier_stragglers=_with_phases(_list_of_dicts(stragglers.get("earlier")), series),
         drift=_dict_or_none(stragglers.get("drift")),
     )
+
+
+def _run_ms(series: StepSeries) -> float | None:
+    """The run's step time: each step's slowest rank, summed (None without steps)."""
+    times = [t for t in series.step_ms() if math.isfinite(t)]
+    return sum(times) if times else None
 
 
 def _with_phases(entries: list[dict[str, Any]], series: StepSeries) -> list[dict[str, Any]]:

@@ -204,6 +204,11 @@ def render_html(report: Report, *, use_matplotlib: bool = True) -> HtmlPage:
         + f" · state {_e(facts.state)} · {_e(report.steps.count)} steps · "
         + " · ".join(_e(part) for part in median_parts(report.steps))
         + "</p>",
+        *(
+            [f'<p class="lost">{_e(report.lost_time.line())}</p>']
+            if report.lost_time is not None and report.anomalies
+            else []
+        ),
         "<h2>Step time</h2>",
     ]
     chart = step_chart(report, report.step_times) if report.step_times else None

@@ -17,6 +17,7 @@ from distanom.analysis.engine import TraceTables
 from distanom.analysis.evidence import Verdict
 from distanom.analysis.hangs import Hang
 from distanom.analysis.kernel_diff import RankDiff
+from distanom.analysis.lost_time import LostTime
 from distanom.analysis.tables import Timeline
 
 __all__ = [
@@ -221,6 +222,8 @@ class Report:
     """The whole job's slowdown from its first to its last steps, when there was one."""
     agent_cost: dict[str, Any] = field(default_factory=dict)
     """distanom's own time per step on rank 0, as status.json's `agent_cost` holds it."""
+    lost_time: LostTime | None = None
+    """The run's time lost to slow steps by culprit, cause and phase (`analysis.lost_time`)."""
 
     @property
     def has_slowness(self) -> bool:

@@ -54,6 +54,7 @@ def report_json(report: Report) -> dict[str, Any]:
             "consensus_error": state.consensus_error,
         },
         "captures": [capture_json(capture) for capture in report.captures],
+        "lost_time": report.lost_time.as_json() if report.lost_time is not None else None,
         "anomalies": [anomaly.as_json() for anomaly in report.anomalies],
         "anomaly_classes": [
             counts.as_json()

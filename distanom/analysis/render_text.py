@@ -452,6 +452,8 @@ def _class_lines(report: Report) -> list[str]:
 def render_text(report: Report) -> str:
     """The report for people: run facts, captures with their tables and verdicts, problems."""
     lines = [*_run_lines(report), ""]
+    if report.lost_time is not None and report.anomalies:
+        lines[1:1] = [report.lost_time.line()]  # first, under the run's name
     if report.has_slowness:
         lines += [*_anomaly_lines(report), ""]
     lines += _capture_lines(report.captures, report.anomalies)

@@ -65,5 +65,8 @@ def test_each_fault_is_named_with_its_rank_cause_and_phase(
         if knock is not None:  # anomalous when the others' wait made it so
             assert knock["culprit_rank"] == rank, knock
             assert knock["details"].get("knock_on_of") == step - 1, knock
+    # the report leads with the time lost: the GC pause (~1-2 s) is the largest share
+    largest = report["lost_time"]["by_culprit"][0]
+    assert (largest["culprit_rank"], largest["cause"]) == (1, "python_gc"), report["lost_time"]
     data = next(a for a in report["anomalies"] if a["step"] == 60)["verdict"]
     assert data["phases_ms"]["data"] >= 300 and data["fetch_ms"] >= 300, data

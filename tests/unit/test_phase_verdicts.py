@@ -165,3 +165,31 @@ def test_a_knock_on_step_names_the_rank_whose_step_before_ran_long_on_four_ranks
     assert (knock.culprit_rank, knock.cause, knock.phase) == (3, "host_stall", "backward")
     assert knock.details["knock_on_of"] == 110
     assert "waited in it at least 397.0 ms for rank 3"  # 408 - the median in knock.evidence
+
+
+def test_the_time_lost_is_grouped_by_culprit_cause_and_phase_largest_first() -> None:
+    from distanom.analysis.anomalies import Anomaly, AnomalyVerdict
+    from distanom.analysis.lost_time import lost_time
+
+    def anomaly(step: int, ms: float, rank: int, cause: str, phase: str, **details: int):  # type: ignore[no-untyped-def]
+        verdict = AnomalyVerdict(rank, cause, "", "arrival", dict(details), phase)
+        return Anomaly(step, ms, 10.0, ms / 10, False, "condition", verdict)
+
+    found = lost_time(
+        [
+            anomaly(60, 510.0, 1, "data_loading", "data"),
+            anomaly(110, 310.0, 3, "host_stall", "backward"),
+            anomaly(111, 300.0, 3, "host_stall", "backward", knock_on_of=110),
+            anomaly(200, 9.0, 0, "host_busy", "forward"),  # under the median: nothing lost
+        ],
+        run_ms=10_000.0,
+    )
+    assert [(s.culprit_rank, s.cause, s.episodes) for s in found.shares] == [
+        (3, "host_stall", 1),
+        (1, "data_loading", 1),
+    ]
+    assert found.lost_ms == 590.0 + 500.0 and found.pct == 10.9
+    assert found.line().startswith(
+        "lost 1.1 s (10.9% of the run's step time) to slow steps: 590 ms rank 3 — host stall "
+        "(backward) in 2 steps, 1 episode; 500 ms rank 1 — data loading (data) in 1 step"
+    )
