@@ -10,6 +10,9 @@
     distanom capture RUN_DIR [--steps N] [--ranks 0,3-5]
                                               ask a running job to capture its next steps
     distanom config [--defaults | --check FILE] [--set KEY=VALUE ...]
+    distanom hosts [RUNS_DIR ...] [--json] [--top N]
+                                              the hosts and GPUs most often blamed (culprit,
+                                              straggler, hang) over every run in the folders
 
 RUN_DIR may be a run directory or the base directory (its `latest` run is used). Every
 user mistake (a missing file, a damaged trace, a bad flag) prints one line and exits
@@ -90,6 +93,18 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--defaults", action="store_true", help="print every key at its default")
     group.add_argument("--check", metavar="FILE", help="validate a YAML file")
     config.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+
+    hosts = commands.add_parser("hosts", help="hosts and GPUs most often blamed, over many runs")
+    hosts.add_argument(
+        "folders",
+        metavar="RUNS_DIR",
+        nargs="*",
+        default=["runs"],
+        help="folders of runs, or runs (several nodes' copies of one run count once); "
+        "default: runs",
+    )
+    hosts.add_argument("--json", action="store_true", help="machine-readable output")
+    hosts.add_argument("--top", type=int, default=10, help="rows shown per table (default 10)")
     return parser
 
 
@@ -183,6 +198,24 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     return request_capture(args.run_dir, args.steps, args.ranks, args.timeout)
 
 
+def _cmd_hosts(args: argparse.Namespace) -> int:
+    from distanom.analysis.fleet_runs import scan_runs
+    from distanom.analysis.hosts import hosts_json, hosts_text, rank_suspects
+
+    if args.top < 1:
+        raise DistanomError("hosts: --top must be at least 1")
+    scan = scan_runs(args.folders)
+    if not scan.runs:
+        problems = "; ".join(scan.problems[:3])
+        raise DistanomError(f"hosts: no runs read ({problems})")
+    suspects = rank_suspects(scan)
+    if args.json:
+        _print_json(hosts_json(suspects))
+    else:
+        sys.stdout.write(terminal_safe(hosts_text(suspects, top=args.top)))
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from distanom.config import load_config, render_config_yaml, render_defaults_yaml
 
@@ -205,4 +238,5 @@ _COMMANDS = {
     "status": _cmd_status,
     "capture": _cmd_capture,
     "config": _cmd_config,
+    "hosts": _cmd_hosts,
 }

@@ -178,11 +178,12 @@ def write_live_json(path: Path, obj: Any, *, final: bool = False) -> None:
     write_bytes_atomic(path, json_bytes(obj, indent=True), durable=final)
 
 
-def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
+def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES, *, follow: bool = True) -> Any:
     """Read a small JSON file written by distanom (a regular file, at most `max_bytes`,
-    nested at most MAX_JSON_DEPTH); RunDirError naming the file on any damage."""
+    nested at most MAX_JSON_DEPTH; not a link when `follow` is False); RunDirError
+    naming the file on any damage."""
     try:
-        return parse_json(read_capped(path, max_bytes))
+        return parse_json(read_capped(path, max_bytes, follow=follow))
     except FileNotFoundError:
         raise RunDirError(f"{path}: missing") from None
     except UnicodeDecodeError as err:

@@ -179,24 +179,35 @@ class AnomalyWriter:
         self._file.close()
 
 
-def read_anomalies(run: RunDir) -> list[AnomalyRecord]:
-    """Every readable anomaly line of the run, in step order ([] without the file)."""
+def read_anomalies(
+    run: RunDir,
+    *,
+    max_lines: int = MAX_LINES_READ,
+    max_bytes: int | None = None,
+    follow: bool = True,
+) -> list[AnomalyRecord]:
+    """Every readable anomaly line of the run, in step order ([] without the file): the
+    first `max_lines` lines, and no more than `max_bytes` read (None: no budget beyond
+    the lines'); a link is not read when `follow` is False."""
     path = anomalies_path(run)
     if not path.is_file():
         return []
     records: dict[int, AnomalyRecord] = {}
     try:
-        handle = os.fdopen(open_regular(path), "rb")
+        handle = os.fdopen(open_regular(path, follow=follow), "rb")
     except OSError:
         return []
+    budget = math.inf if max_bytes is None else max_bytes
     with handle:
-        for _ in range(MAX_LINES_READ):
+        for _ in range(max_lines):
             line = handle.readline(MAX_LINE_BYTES + 1)
-            if not line:
+            budget -= len(line)
+            if not line or budget < 0:
                 break
             if len(line) > MAX_LINE_BYTES:  # damage: skip the rest of it in chunks
-                while line and not line.endswith(b"\n"):
+                while line and not line.endswith(b"\n") and budget >= 0:
                     line = handle.readline(MAX_LINE_BYTES + 1)
+                    budget -= len(line)
                 continue
             try:
                 record = AnomalyRecord.from_json(parse_json(line))
