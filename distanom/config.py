@@ -97,6 +97,14 @@ class DetectConfig(_Section):
     multiplier: float = Field(
         1.5, gt=1.0, le=1000.0, description="a step is anomalous above multiplier x median"
     )
+    spread_sigmas: float = Field(
+        5.0,
+        ge=0.0,
+        le=100.0,
+        description="and above the median plus this many robust standard deviations of "
+        "the window (1.4826 x its median absolute deviation): a loaded host's jitter stays "
+        "under it, a 2x step on a quiet GPU does not; 0: the multiplier alone",
+    )
     window_steps: int = Field(
         200, ge=5, le=100_000, description="rolling window of past steps the median is taken over"
     )

@@ -14,7 +14,13 @@ Rules (all thresholds come from `DetectConfig` / `CaptureConfig`):
   whether the tracer flushed at the step's start (kineto's per-window flush makes the
   next step slower every time: judged against its own kind). Each
   condition keeps its own window of its own last steps, so rare conditions (a
-  duty-cycled tracer's traced steps) still get a baseline.
+  duty-cycled tracer's traced steps) still get a baseline. A step must also be above
+  the window's spread fence, the median plus `spread_sigmas` robust standard deviations
+  (1.4826 x the median absolute deviation): where steps jitter (a loaded host) the fence
+  is over `multiplier` x median and the jitter stays under it; where they are steady (a
+  quiet GPU) it is far under, and the multiplier decides. The deviation, like the
+  median, holds while under half the window is slow, so a recurring stall or a lasting
+  slowdown does not raise its own fence (docs/evidence.md, "Noise").
 - distanom's own capture work (decoding, writing a trace) competes with the training
   thread for the GIL. A step is judged on its time minus the longest such work on any
   rank during it (`self_ms`, the most it can have slowed the step), capped at
@@ -95,6 +101,9 @@ FALLBACK_MIN_MULTIPLIER = 2.0
 # A step after a tracer flush is slower by a cost its own window has not measured yet:
 # judged against a wider baseline, it is flagged only above this multiple.
 FALLBACK_AFTER_FLUSH_MULTIPLIER = 8.0
+
+# a normal distribution's standard deviation over its median absolute deviation
+ROBUST_SIGMA = 1.4826
 
 # Per-step flags each rank reports (OR/AND-ed across ranks in `consensus`).
 STEP_TRACED = 1  # the tracer recorded the step
@@ -318,7 +327,10 @@ class Detector:
         if sample.step < self.detect.warmup_steps:
             return math.nan
         median = self._baseline(sample.condition)
-        return self.detect.multiplier * median if median else math.nan
+        if not median:
+            return math.nan
+        fence = self.fence_for(self._windows[sample.condition], median)
+        return max(self.detect.multiplier * median, fence)
 
     def observe(self, sample: StepSample) -> list[CaptureDecision]:
         """Judge one step (steps must arrive in order) and return what to capture."""
@@ -351,10 +363,14 @@ class Detector:
             condition = (sample.traced, sample.after_flush)
             main = self._main
             window = windows[condition]
+            fence = 0.0
             if condition == main and len(window) >= min_steps:  # _baseline's common case
                 median: float | None = window.median()
+                fence = self._fence(window)
             else:
                 median = self._baseline(condition)
+                if median is not None:
+                    fence = self.fence_for(window, median)
             judged_by, multiplier = "condition", configured
             if median is None:
                 median, judged_by = self._fallback(sample)
@@ -364,7 +380,7 @@ class Detector:
                 multiplier = max(multiplier, floor)
             if median is not None and median > 0:
                 counts.judged += 1
-                threshold = multiplier * median
+                threshold = max(multiplier * median, fence)
                 if judged_by != "condition":
                     counts.judged_fallback += 1
                 elif condition == main:
@@ -382,6 +398,27 @@ class Detector:
                     self._main = condition
             all_steps.append(step_ms)
         return decisions
+
+    def fence_for(self, window: RollingWindow, median: float) -> float:
+        """The spread fence for a step whose condition has `window` and baseline `median`:
+        the window's own once it holds `min_steps`; before that (a rarer condition: traced
+        windows, after-flush steps) the main condition's, scaled to `median` (jitter is a
+        share of the step); 0 while neither holds enough steps."""
+        min_steps = self.detect.min_steps
+        if len(window) >= min_steps:
+            return self._fence(window)
+        main = self._windows[self._main]
+        if len(main) < min_steps:
+            return 0.0
+        return self._fence(main) / main.median() * median
+
+    def _fence(self, window: RollingWindow) -> float:
+        """The window's spread fence: its median plus `spread_sigmas` robust standard
+        deviations (0 when off or the window is empty)."""
+        sigmas = self.detect.spread_sigmas
+        if not sigmas or not len(window):
+            return 0.0
+        return window.median() + sigmas * ROBUST_SIGMA * window.spread()
 
     def observe_warmup(self, sample: StepSample) -> None:
         """Keep a warm-up step's time for the widest fallback baseline (never judged)."""

@@ -1,4 +1,5 @@
-"""A rolling window of step times whose median costs O(1) to read.
+"""A rolling window of step times whose median costs O(1) to read, and its spread (the
+median absolute deviation) at most every `SPREAD_EVERY` appends.
 
 The detector reads a window's median at every step on the control thread (holding the
 GIL a launch-bound training thread needs): `statistics.median` sorts the whole window
@@ -13,6 +14,8 @@ import collections
 import math
 from collections.abc import Iterator
 
+SPREAD_EVERY = 8  # appends between two computations of the spread
+
 
 class RollingWindow:
     """The last `maxlen` finite values, in arrival order and sorted."""
@@ -21,6 +24,9 @@ class RollingWindow:
         self._order: collections.deque[float] = collections.deque()
         self._sorted: list[float] = []
         self.maxlen = maxlen
+        self._appended = 0
+        self._spread: float | None = None
+        self._spread_at = 0
 
     def append(self, value: float) -> None:
         """Add a value (non-finite ones are ignored), dropping the oldest when full."""
@@ -31,6 +37,7 @@ class RollingWindow:
             del self._sorted[bisect.bisect_left(self._sorted, oldest)]
         self._order.append(value)
         bisect.insort(self._sorted, value)
+        self._appended += 1
 
     def median(self) -> float:
         """The median (the mean of the two middle values for an even count), as
@@ -43,6 +50,21 @@ class RollingWindow:
         if n % 2:
             return values[middle]
         return (values[middle - 1] + values[middle]) / 2
+
+    def spread(self) -> float:
+        """The median absolute deviation from the median, recomputed every
+        `SPREAD_EVERY` appends (O(window log window) each time; a step's worth of drift in
+        between does not matter to a fence); ValueError when empty."""
+        if self._spread is None or self._appended - self._spread_at >= SPREAD_EVERY:
+            middle = self.median()
+            deviations = sorted(abs(value - middle) for value in self._sorted)
+            n = len(deviations)
+            half = n // 2
+            self._spread = (
+                deviations[half] if n % 2 else (deviations[half - 1] + deviations[half]) / 2
+            )
+            self._spread_at = self._appended
+        return self._spread
 
     def __len__(self) -> int:
         return len(self._order)
