@@ -7,7 +7,9 @@ batch fetch and, with CUDA, the GPU's parts, against the same rank's usual value
 median of its last `USUAL_STEPS` steps before it). `with_phase` then names the phase and
 makes the cause more specific where a phase signal explains the slowdown (in order):
 
-1. a Python GC pause stays `python_gc` (the collector ran, whichever phase it hit);
+1. a Python GC pause stays `python_gc` (the collector ran, whichever phase it hit),
+   unless distanom's own capture work ran in the step (`self_ms`): its decoding and
+   writing allocate, and the pause is named `distanom`, with its own share;
 2. the batch fetch grew by at least `PHASE_SHARE` of the slowdown: `data_loading`, in
    the `data` phase;
 3. a GPU part (up to the forward's end, the backward, after the backward's end) grew by
@@ -37,13 +39,14 @@ TAIL = 3
 FETCH = 5  # column of the batch fetch in a table's values
 GPU_AT = 6  # first GPU part column: to the forward's end, backward, after the backward
 GPU_PARTS = 3
+SELF = 9  # distanom's own capture work in the step (steps file `self_ms`)
 # the host parts each GPU part spans, and the phase its device work is named by
 GPU_SPANS = (((0, 1), "forward"), ((2,), "backward"), ((3, 4), "optimizer"))
-COLUMNS = 9
+COLUMNS = 10
 USUAL_STEPS = 64  # the steps before an anomaly whose median is "usual"
 MIN_USUAL = 4  # steps with a value needed for a usual value
 PHASE_SHARE = 0.5  # a phase signal explains a slowdown when it grew by this share of it
-PHASE_CAUSES = ("python_gc", "host_busy", "host_stall", "gpu_work", "data_loading")
+PHASE_CAUSES = ("python_gc", "host_busy", "host_stall", "gpu_work", "data_loading", "distanom")
 
 
 def phase_of_part(part: int) -> str:
@@ -61,7 +64,8 @@ class PhaseTable:
 
     @classmethod
     def of_rows(cls, rows: dict[int, tuple[float, ...]]) -> PhaseTable | None:
-        """A table of (step -> phase columns), None when no row has a known phase."""
+        """A table of (step -> phase columns, then `self_ms`), None when no row has a known
+        phase."""
         if not rows:
             return None
         steps = np.fromiter(sorted(rows), dtype=np.int64, count=len(rows))
@@ -149,6 +153,16 @@ def find_phase(
         facts["gpu_phases_ms"] = gpu_json(now)
         facts["median_gpu_phases_ms"] = gpu_json(usual)
     share = PHASE_SHARE * slowdown
+    own = float(now[SELF]) if len(now) > SELF else math.nan
+    if cause == "python_gc" and math.isfinite(own) and own > 0:
+        part = int(np.nanargmax(host_growth)) if np.isfinite(host_growth).any() else None
+        return PhaseFinding(
+            None if part is None else phase_of_part(part),
+            "distanom",
+            f"the collection ran while distanom's own capture work took {own:.1f} ms of "
+            "the step (its decoding and writing allocate): distanom's, not the script's",
+            {**facts, "distanom_ms": round(own, 3)},
+        )
     fetch, fetch_usual = float(now[FETCH]), float(usual[FETCH])
     if cause != "python_gc" and _grew(fetch, fetch_usual) >= share:
         return PhaseFinding(

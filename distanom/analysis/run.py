@@ -308,7 +308,7 @@ def load_steps(data: RunData) -> StepSeries:
             data.problems.append(f"{data.run.relative(path)}: cannot be read ({err.strerror})")
             continue
         skipped.update(row.step for row in read.rows if row.skipped)
-        table = PhaseTable.of_rows({row.step: row.phases for row in read.rows})
+        table = PhaseTable.of_rows({row.step: (*row.phases, row.self_ms) for row in read.rows})
         if table is not None:
             phases[rank] = table
         for row in read.rows:

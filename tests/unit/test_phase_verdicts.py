@@ -22,11 +22,12 @@ def table(
     fetch: float = FETCH,
     gpu: tuple[float, ...] | None = None,
     slow_gpu: tuple[float, ...] | None = None,
+    own_ms: float = 0.0,
 ) -> PhaseTable:
     """80 healthy steps before STEP, then STEP with the parts given."""
     healthy_gpu = gpu if gpu is not None else (NAN,) * 3
-    rows = {s: (*HOST, FETCH, *healthy_gpu) for s in range(20, STEP)}
-    rows[STEP] = (*(slow_host or HOST), fetch, *(slow_gpu or healthy_gpu))
+    rows = {s: (*HOST, FETCH, *healthy_gpu, 0.0) for s in range(20, STEP)}
+    rows[STEP] = (*(slow_host or HOST), fetch, *(slow_gpu or healthy_gpu), own_ms)
     made = PhaseTable.of_rows(rows)
     assert made is not None
     return made
@@ -122,8 +123,8 @@ def test_a_trace_verdict_that_agrees_keeps_its_words_and_gains_the_phase() -> No
 
 
 def test_a_straggler_slow_in_its_data_phase() -> None:
-    slow = {s: (9.0, 3.0, 4.0, 1.0, 1.0, 8.5, *(NAN,) * 3) for s in range(50, 90)}
-    fast = {s: (*HOST, FETCH, *(NAN,) * 3) for s in range(50, 90)}
+    slow = {s: (9.0, 3.0, 4.0, 1.0, 1.0, 8.5, *(NAN,) * 3, 0.0) for s in range(50, 90)}
+    fast = {s: (*HOST, FETCH, *(NAN,) * 3, 0.0) for s in range(50, 90)}
     tables = {r: PhaseTable.of_rows(fast) for r in (0, 2)}
     tables[1] = PhaseTable.of_rows(slow)
     assert straggler_phase({r: t for r, t in tables.items() if t}, 1, 50, 89) == "data"
@@ -156,8 +157,8 @@ def test_a_knock_on_step_names_the_rank_whose_step_before_ran_long_on_four_ranks
 
     late = rec(110, (12.0, 11.0, 12.0, 411.0))
     waited = rec(111, (409.0, 410.0, 408.0, 12.0))
-    rows = {s: (*HOST, FETCH, *(NAN,) * 3) for s in range(20, 110)}
-    rows[110] = (2.0, 3.0, 4.0, 401.0, 1.0, FETCH, NAN, NAN, NAN)
+    rows = {s: (*HOST, FETCH, *(NAN,) * 3, 0.0) for s in range(20, 110)}
+    rows[110] = (2.0, 3.0, 4.0, 401.0, 1.0, FETCH, NAN, NAN, NAN, 0.0)
     phases = {3: PhaseTable.of_rows(rows)}  # type: ignore[dict-item]
     found = {a.step: a.verdict for a in anomalies_of([late, waited], phases=phases)}
     assert (found[110].culprit_rank, found[110].cause) == (3, "host_stall")
@@ -193,3 +194,12 @@ def test_the_time_lost_is_grouped_by_culprit_cause_and_phase_largest_first() -> 
         "lost 1.1 s (10.9% of the run's step time) to slow steps: 590 ms rank 3 — host stall "
         "(backward) in 2 steps, 1 episode; 500 ms rank 1 — data loading (data) in 1 step"
     )
+
+
+def test_a_gc_pause_during_distanoms_own_capture_work_is_named_distanom() -> None:
+    # the step's GC ran while distanom decoded and wrote a trace (self_ms 56.9 ms)
+    phases = {1: table(slow_host=(2.0, 3.0, 4.0, 1.0, 101.0), own_ms=56.9)}
+    verdict = verdict_of(record(cpu_ms=108.0, gc_ms=95.0), phases)
+    assert (verdict.culprit_rank, verdict.cause) == (1, "distanom")
+    assert "distanom's own capture work took 56.9 ms" in verdict.evidence
+    assert verdict.as_json()["distanom_ms"] == 56.9
