@@ -174,12 +174,13 @@ def anomalies_of(
             details = {**verdict.details, "trace_verdict": trace_json}
             verdict = replace(verdict, details=details)
         elif trace is not None:
+            kept: dict[str, Any] = {"evidence_verdict": verdict.as_json()}
+            if trace.culprit_rank == verdict.culprit_rank:  # a knock-on stays linked
+                for key in ("knock_on_of", "waited_for_step"):
+                    if key in verdict.details:
+                        kept[key] = verdict.details[key]
             traced_verdict = AnomalyVerdict(
-                trace.culprit_rank,
-                trace.cause,
-                trace.evidence,
-                "trace",
-                {"evidence_verdict": verdict.as_json()},
+                trace.culprit_rank, trace.cause, trace.evidence, "trace", kept
             )
             verdict = with_phase(traced_verdict, record, phases, words=False)
         out.append(
