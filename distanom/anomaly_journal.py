@@ -21,7 +21,7 @@ import collections
 import logging
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,8 @@ class AnomalyJournal:
         self._history = torch.full((MEDIAN_STEPS, world_size, 2), math.nan, dtype=torch.float64)
         self._history_at = 0
         self.written = 0
+        # told every completed anomaly record, written or not (the live metrics' causes)
+        self.listener: Callable[[AnomalyRecord], None] | None = None
 
     def add_times(self, step: int, times_ms: tuple[float, ...]) -> None:
         """A gathered step's per-rank durations (add a round's judgments first)."""
@@ -257,7 +259,7 @@ class AnomalyJournal:
         self._pending.clear()
 
     def _write(self, judgment: AnomalyJudgment) -> None:
-        if self.writer is None:
+        if self.writer is None and self.listener is None:
             return
         step = judgment.step
         row = self._rows.get(step)
@@ -280,6 +282,10 @@ class AnomalyJournal:
             arrive_median_ms=arrive_medians,
             cpu_median_ms=cpu_medians,
         )
+        if self.listener is not None:
+            self.listener(record)
+        if self.writer is None:
+            return
         try:
             self.writer.write(record)
             self.written += 1

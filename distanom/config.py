@@ -23,6 +23,7 @@ from distanom.safe_yaml import YamlRefused
 from distanom.safe_yaml import load as load_yaml
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_LISTEN_ADDR = re.compile(r"^[A-Za-z0-9.:-]+$")  # an IPv4/IPv6 address or a host name
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; refuse anything absurd
 
 
@@ -304,6 +305,35 @@ class LogConfig(_Section):
     )
 
 
+class MetricsConfig(_Section):
+    """`metrics:` live Prometheus metrics, served by local rank 0 of each node (off by
+    default; needs the `metrics` extra, prometheus_client)."""
+
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="TCP port of the /metrics endpoint on local rank 0 of each node; "
+        "null: no metrics (docs/metrics.md)",
+    )
+    addr: str = Field(
+        "0.0.0.0",
+        min_length=1,
+        max_length=253,
+        description="address the endpoint listens on: all interfaces, so Prometheus on "
+        "another host can scrape it; 127.0.0.1 keeps it on this host",
+    )
+
+    @field_validator("addr")
+    @classmethod
+    def _plain_addr(cls, value: str) -> str:
+        if not _LISTEN_ADDR.match(value):
+            raise ValueError(
+                "must be an IP address or a host name (letters, digits, '.', '-', ':')"
+            )
+        return value
+
+
 class Config(_Section):
     """The whole configuration: one frozen section per YAML top-level key."""
 
@@ -322,6 +352,9 @@ class Config(_Section):
     )
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
     hang: HangConfig = Field(default_factory=HangConfig, description="hang watch")
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig, description="live Prometheus metrics (docs/metrics.md)"
+    )
 
 
 def _format_validation_error(source: str, err: ValidationError) -> str:

@@ -46,6 +46,7 @@ from distanom.hang import HangWatch
 from distanom.health import Health
 from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
+from distanom.metrics import NodeMetrics
 from distanom.pacing import RoundPacer
 from distanom.phases import phase_values
 from distanom.records.run_info import build_run_info, runtime_versions, write_run_info
@@ -129,6 +130,7 @@ class ControlLoop:
         self._sizer = RoundSizer(config.consensus, config.tracer)
         # with a tracer, a slowdown ends a long round early: it is traced a few steps in
         self._end_rounds_early = config.tracer.backend != "none"
+        self.metrics = NodeMetrics(config.metrics, world, self, health.warn_once)  # local rank 0
 
     # -- life cycle (called from the training thread) ----------------------------------
 
@@ -149,7 +151,8 @@ class ControlLoop:
         self._outcome = (state, exit_code)
 
     def close(self) -> None:
-        """Release the group (only once the thread has finished) and the steps file."""
+        """Release the group (only once the thread has finished), the steps file, metrics."""
+        self.metrics.close()
         if self.group is not None and not self._thread.is_alive():
             self.group.close()
         # taken away first: a thread abandoned at exit then writes nothing more to it
@@ -427,7 +430,7 @@ class ControlLoop:
         timeout = None
         if final:
             timeout = min(self.config.consensus.timeout_s, FINAL_ROUND_TIMEOUT_S)
-        with_evidence = self.world.rank == 0
+        with_evidence = self.world.rank == 0 or self.metrics.wants_evidence
         if self.world.world_size <= SMALL_WORLD:  # as lists: no torch call per round at one rank
             row = encode_row(local, batch)
             self._round_began = time.monotonic()
@@ -517,6 +520,7 @@ class ControlLoop:
         extra = lead_steps(self.detector.median_ms) - REQUEST_LEAD_STEPS
         self.duty.plan(judged, result.last_step, furthest + extra)
         straggler = self.evidence.fold(judged, result, may_trace=may_trace)
+        self.metrics.after_round(result, judged)  # after the journal's fold: its records
         if straggler is not None:  # worth one trace on every rank: it is late then too
             number = self.requests.offer_own(1, f"straggler-{straggler.rank}")
             log.info(

@@ -98,6 +98,7 @@ class HangWatch:
         self._wake = threading.Event()
         self._round_timeout: tuple[str, float, int] | None = None
         self.hangs = 0  # hangs this rank detected (records written or not)
+        self.hung = False  # a hang reported and no step ended since (live metrics)
         self._thread = threading.Thread(target=self._main, name="distanom-hang", daemon=True)
 
     def start(self) -> None:
@@ -143,6 +144,7 @@ class HangWatch:
             step, now = self._current_step(), time.monotonic()
             if step != last_step:
                 last_step, last_change, reported = step, now, False
+                self.hung = False
             silent_s = now - last_change
             round_timeout = self._round_timeout
             if round_timeout is not None and step != round_timeout[2]:
@@ -163,7 +165,7 @@ class HangWatch:
                 cause = CAUSE_NO_STEP
             else:
                 continue
-            reported = True
+            reported = self.hung = True
             self.hangs += 1
             self._report(cause, reason, step - 1, silent_s, limit)
 

@@ -206,6 +206,12 @@ class StragglerScorer:
                 best, start = total, step
         return start
 
+    def window_score(self, rank: int) -> float:
+        """The rank's score over the rolling window (0 when it was never late there)."""
+        if self._window_ms <= 0:
+            return 0.0
+        return self._window_late_ms.get(rank, 0.0) / self._window_ms
+
     def stragglers(self) -> list[Straggler]:
         """The ranks consistently late now, most severe first."""
         out = []
