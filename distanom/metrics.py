@@ -45,7 +45,10 @@ log = logging.getLogger(__name__)
 
 # The causes the evidence rule names; anything else is counted as "unknown", so the
 # label's values stay a fixed set whatever a record holds.
-CAUSES = ("python_gc", "host_busy", "host_stall", "gpu_work", "slow_collective", "unknown")
+CAUSES = (
+    "python_gc", "host_busy", "host_stall", "gpu_work", "data_loading", "distanom",
+    "slow_collective", "unknown",
+)  # fmt: skip
 PHASES = ("data", "forward", "backward", "optimizer", "unknown")
 NO_CULPRIT = "none"  # the rank label of anomalies no single rank is blamed for
 _BOUNDS_MS = tuple(1000.0 * bound for bound in BUCKETS_S)
