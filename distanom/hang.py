@@ -206,7 +206,8 @@ class HangWatch:
 
         deadline = time.monotonic() + min(limit, 30.0) + 2 * self.config.poll_s
         while time.monotonic() < deadline and not self._stop.is_set():
-            if len(hang_dirs(run).get(number, {})) >= self.world.world_size:
+            written = hang_dirs(run).get(number, {})
+            if sum(rank < self.world.world_size for rank in written) >= self.world.world_size:
                 break
             self._stop.wait(self.config.poll_s)
         records, _ = read_hang(run, number)

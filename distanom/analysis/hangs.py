@@ -115,8 +115,11 @@ def read_hangs(run: RunDir, world_size: int) -> tuple[list[Hang], list[str]]:
 
 def judge_hang(number: int, records: list[HangRecord], world_size: int) -> Hang:
     """The verdict of one hang from the records its ranks wrote (see the module rules)."""
-    by_rank = {r.rank: r for r in records}
-    world = max([world_size, *(r.world_size for r in records)])
+    # the run's world size (run.json, or the live job's), never the largest a record
+    # claims: a planted record must not list a million missing ranks; a record for a
+    # rank outside the world is not the job's
+    world = world_size
+    by_rank = {r.rank: r for r in records if 0 <= r.rank < world}
     culprit, cause = _by_collectives(by_rank)
     missing = [rank for rank in range(world) if rank not in by_rank]
     if culprit is None and missing:

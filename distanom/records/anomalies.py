@@ -222,8 +222,25 @@ def write_stragglers(run: RunDir, body: dict[str, Any], *, final: bool = True) -
     write_live_json(stragglers_path(run), {"v": FORMAT_VERSION, **body}, final=final)
 
 
+MAX_STRAGGLER_ENTRIES = 64  # entries kept of each list (the scorer writes at most 16 earlier)
+# the fields each entry may hold, as (kind, key): what a reader keeps of a (possibly
+# planted) file; anything else, and any entry whose kept fields are not all valid, goes
+_STRAGGLER_FIELDS = (("int", "rank"), ("num", "score"), ("int", "since_step"))
+_EVIDENCE_FIELDS = (
+    ("int", "late_steps"), ("int", "window_steps"), ("num", "mean_late_ms"),
+    ("num", "run_score"), ("int", "run_late_steps"),
+)  # fmt: skip
+_EARLIER_FIELDS = (("int", "rank"), ("int", "since_step"), ("int", "until_step"),
+                   ("num", "peak_score"))  # fmt: skip
+_DRIFT_FIELDS = (("num", "ratio"), ("num", "first_ms"), ("num", "last_ms"),
+                 ("int", "window_steps"), ("int", "from_step"))  # fmt: skip
+
+
 def read_stragglers(run: RunDir) -> dict[str, Any]:
-    """stragglers.json's body ({} without a readable file)."""
+    """stragglers.json's body ({} without a readable file), checked field by field:
+    finite numbers, integers within a step's range, at most `MAX_STRAGGLER_ENTRIES` of
+    each list; an entry whose identifying fields are missing or damaged is dropped, a
+    damaged detail is left out."""
     path = stragglers_path(run)
     if not path.is_file():
         return {}
@@ -231,7 +248,57 @@ def read_stragglers(run: RunDir) -> dict[str, Any]:
         data = read_json(path, MAX_STRAGGLERS_BYTES)
     except RunDirError:
         return {}
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    stragglers = []
+    for entry in _entries(data.get("stragglers")):
+        kept = _checked(entry, _STRAGGLER_FIELDS, required=3)
+        if kept is not None:
+            evidence = _checked(entry.get("evidence"), _EVIDENCE_FIELDS, required=0)
+            stragglers.append({**kept, "evidence": evidence or {}})
+    earlier = []
+    for entry in _entries(data.get("earlier")):
+        kept = _checked(entry, _EARLIER_FIELDS, required=2)
+        if kept is not None:
+            earlier.append(kept)
+    scored = data.get("scored_steps")
+    return {
+        "stragglers": stragglers,
+        "drift": _checked(data.get("drift"), _DRIFT_FIELDS, required=1),
+        "earlier": earlier,
+        "scored_steps": scored if _valid("int", scored) else None,
+    }
+
+
+def _entries(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        return []
+    return [entry for entry in value[:MAX_STRAGGLER_ENTRIES] if isinstance(entry, dict)]
+
+
+def _valid(kind: str, value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if kind == "int":
+        return isinstance(value, int) and 0 <= value < 2**53
+    return math.isfinite(value) and abs(value) < 1e15
+
+
+def _checked(
+    entry: Any, fields: tuple[tuple[str, str], ...], *, required: int
+) -> dict[str, Any] | None:
+    """The entry's fields that `fields` names and that are valid; None when it is not
+    an object or one of the first `required` fields is missing or damaged."""
+    if not isinstance(entry, dict):
+        return None
+    kept = {}
+    for position, (kind, key) in enumerate(fields):
+        value = entry.get(key)
+        if _valid(kind, value):
+            kept[key] = value
+        elif position < required:
+            return None
+    return kept
 
 
 def _num(value: float, digits: int = 3) -> float | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,6 +50,11 @@ MAX_RECORD_BYTES = 4 << 20
 MAX_ENTRIES = 1 << 17
 MAX_THREADS = 256
 MAX_GROUPS = 256
+MAX_FRAMES = 256  # per thread
+MAX_COLLECTIVES = 1024  # per group and list
+MAX_SIZES = 64  # per collective
+MAX_INT = 2**63  # integers a record may hold, either sign
+MAX_TEXT = 4096  # characters kept of a one-line field
 _HANG_FOLDER = re.compile(r"^hang_([0-9]{1,9})$")
 _RANK_FILE = re.compile(r"^rank([0-9]{1,7})\.json$")
 
@@ -199,24 +205,49 @@ def read_hang_record(path: Path) -> HangRecord:
         raise RunDirError(f"{path}: hang record version {version!r} is not {RECORD_VERSION}")
     try:
         fr = body.get("flight_recorder")
+        note = body.get("flight_recorder_note")
         return HangRecord(
-            rank=int(body["rank"]),
-            world_size=_bounded(int(body["world_size"]), 1, MAX_WORLD_SIZE, "world_size"),
-            host=str(body["host"]),
-            pid=int(body["pid"]),
-            number=int(body["number"]),
-            detected_at=float(body["detected_at"]),
-            cause=str(body["cause"]),
-            reason=str(body["reason"]),
-            last_step=int(body["last_step"]),
-            silent_s=float(body["silent_s"]),
-            after_s=float(body["after_s"]),
+            rank=_bounded(_int(body["rank"]), 0, MAX_WORLD_SIZE - 1, "rank"),
+            world_size=_bounded(_int(body["world_size"]), 1, MAX_WORLD_SIZE, "world_size"),
+            host=_line(body["host"]),
+            pid=_int(body["pid"]),
+            number=_int(body["number"]),
+            detected_at=_float(body["detected_at"]),
+            cause=_line(body["cause"]),
+            reason=_line(body["reason"]),
+            last_step=_int(body["last_step"]),
+            silent_s=_float(body["silent_s"]),
+            after_s=_float(body["after_s"]),
             threads=[_thread(t) for t in body["threads"][:MAX_THREADS]],
             flight_recorder=None if fr is None else [_group(g) for g in fr[:MAX_GROUPS]],
-            flight_recorder_note=body.get("flight_recorder_note"),
+            flight_recorder_note=None if note is None else _line(note),
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
         raise RunDirError(f"{path}: damaged hang record ({type(err).__name__}: {err})") from None
+
+
+def _int(value: Any) -> int:
+    """An integer field: a JSON integer within +-2**63 (not a bool, a float or text)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -MAX_INT <= value < MAX_INT:
+        raise ValueError(f"not an integer in range: {str(value)[:40]!r}")
+    return value
+
+
+def _float(value: Any) -> float:
+    """A number field: finite (inf, nan and overflowing literals are damage)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"not a number: {str(value)[:40]!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"not a finite number: {number}")
+    return number
+
+
+def _line(value: Any) -> str:
+    """A one-line text field: line breaks shown as escapes (they would forge lines in
+    the report), at most `MAX_TEXT` characters."""
+    text = str(value)[:MAX_TEXT]
+    return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _bounded(value: int, low: int, high: int, what: str) -> int:
@@ -227,12 +258,12 @@ def _bounded(value: int, low: int, high: int, what: str) -> int:
 
 def _thread(body: dict[str, Any]) -> ThreadStack:
     return ThreadStack(
-        ident=int(body["ident"]),
-        name=str(body["name"]),
+        ident=_int(body["ident"]),
+        name=_line(body["name"]),
         training=bool(body["training"]),
         frames=[
-            Frame(str(f["file"]), int(f["line"]), str(f["function"]), str(f["code"]))
-            for f in body["frames"]
+            Frame(_line(f["file"]), _int(f["line"]), _line(f["function"]), _line(f["code"]))
+            for f in body["frames"][:MAX_FRAMES]
         ],
         truncated=bool(body.get("truncated", False)),
     )
@@ -240,20 +271,20 @@ def _thread(body: dict[str, Any]) -> ThreadStack:
 
 def _collective(body: dict[str, Any]) -> Collective:
     return Collective(
-        seq=int(body["seq"]),
-        op=str(body["op"]),
-        state=str(body["state"]),
+        seq=_int(body["seq"]),
+        op=_line(body["op"]),
+        state=_line(body["state"]),
         completed=bool(body["completed"]),
-        created_ns=int(body["created_ns"]),
-        sizes=list(body.get("sizes") or []),
+        created_ns=_int(body["created_ns"]),
+        sizes=list(body.get("sizes") or [])[:MAX_SIZES],
     )
 
 
 def _group(body: dict[str, Any]) -> GroupCollectives:
     return GroupCollectives(
-        group=str(body["group"]),
-        last_enqueued=int(body["last_enqueued"]),
-        last_completed=int(body["last_completed"]),
-        in_flight=[_collective(c) for c in body["in_flight"]],
-        recent=[_collective(c) for c in body["recent"]],
+        group=_line(body["group"]),
+        last_enqueued=_int(body["last_enqueued"]),
+        last_completed=_int(body["last_completed"]),
+        in_flight=[_collective(c) for c in body["in_flight"][:MAX_COLLECTIVES]],
+        recent=[_collective(c) for c in body["recent"][:MAX_COLLECTIVES]],
     )
