@@ -30,6 +30,8 @@ STRAGGLERS_FILE = "stragglers.json"
 FORMAT_VERSION = 1
 MAX_LINES_READ = 100_000  # a report reads at most this many anomaly lines
 MAX_LINE_BYTES = 1 << 20
+MAX_SKIP_BYTES = 4 * MAX_LINE_BYTES  # a damaged line past this ends the read
+MAX_ANOMALIES_BYTES = 256 << 20  # read of anomalies.jsonl at most (100,000 lines of ~2.6 kB)
 MAX_STRAGGLERS_BYTES = 4 << 20  # a line holds one step's evidence for every rank
 
 
@@ -197,17 +199,24 @@ def read_anomalies(
         handle = os.fdopen(open_regular(path, follow=follow), "rb")
     except OSError:
         return []
-    budget = math.inf if max_bytes is None else max_bytes
+    budget = MAX_ANOMALIES_BYTES if max_bytes is None else max_bytes
     with handle:
         for _ in range(max_lines):
             line = handle.readline(MAX_LINE_BYTES + 1)
             budget -= len(line)
             if not line or budget < 0:
                 break
-            if len(line) > MAX_LINE_BYTES:  # damage: skip the rest of it in chunks
-                while line and not line.endswith(b"\n") and budget >= 0:
+            if len(line) > MAX_LINE_BYTES:
+                # damage: a line this long is none rank 0 writes, and past a few of its
+                # chunks the rest of the file is not trusted (a sparse file with no line
+                # break would otherwise be read for its whole apparent size)
+                skipped = len(line)
+                while line and not line.endswith(b"\n") and skipped <= MAX_SKIP_BYTES:
                     line = handle.readline(MAX_LINE_BYTES + 1)
-                    budget -= len(line)
+                    skipped += len(line)
+                budget -= skipped
+                if skipped > MAX_SKIP_BYTES:
+                    break
                 continue
             try:
                 record = AnomalyRecord.from_json(parse_json(line))

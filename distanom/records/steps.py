@@ -40,6 +40,7 @@ NO_PHASE_VALUES: tuple[float, ...] = (math.nan,) * len(PHASE_COLUMNS)
 MAX_STEP_ROWS = 10_000_000  # a steps file is one short line per step
 MAX_STEP = 2**53  # a step number a float still holds exactly; beyond is damage
 MAX_ROW_CHARS = 1024  # a longer row is damage, skipped without reading it whole
+MAX_SKIP_CHARS = 1024 * MAX_ROW_CHARS  # a damaged row past this (1 MB) ends the read
 # One row as written (`StepRow`'s fields in order, flags as bools), newline included. A
 # %-format of a tuple: the control thread writes a round's rows with no StepRow per step.
 ROW_FORMAT = "%d,%.4f,%d,%d,%.3f,%.3f,%d,%d" + ",%.3f" * len(PHASE_COLUMNS) + "\n"
@@ -142,11 +143,17 @@ def read_steps(path: Path) -> StepsFile:
                 break
             number += 1
             if len(line) > MAX_ROW_CHARS:  # damage: skip the rest of the line unread
-                while line and not line.endswith("\n"):
+                skipped = len(line)
+                while line and not line.endswith("\n") and skipped <= MAX_SKIP_CHARS:
                     line = handle.readline(MAX_ROW_CHARS + 1)
+                    skipped += len(line)
                 bad += number > 0
+                if skipped > MAX_SKIP_CHARS:  # no row is this long: the rest is not read
+                    break
                 continue
-            if number == 0 or number > MAX_STEP_ROWS:
+            if number > MAX_STEP_ROWS:
+                break  # the file's own bound: rows beyond it are not read at all
+            if number == 0:
                 continue
             # rows are written unquoted: a comma split reads them as csv would
             row = line.rstrip("\r\n").split(",")

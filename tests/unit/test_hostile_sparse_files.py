@@ -1,0 +1,36 @@
+"""Sparse-file time bombs (issue 37): anomalies.jsonl or a steps file of 1 TB apparent
+size with no line break costs a few kB on disk; the readers must stop within their caps
+instead of reading for as long as the file claims to be."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from distanom.records.anomalies import anomalies_path, read_anomalies
+from distanom.records.steps import STEPS_CSV_HEADER, read_steps
+from distanom.rundir import RunDir
+
+TERABYTE = 1 << 40
+
+
+def test_a_sparse_anomalies_file_is_read_only_to_its_cap(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    path = anomalies_path(run)
+    path.write_bytes(b"")
+    os.truncate(path, TERABYTE)  # a hole: reads as NULs, no line break anywhere
+    began = time.monotonic()
+    assert read_anomalies(run) == []
+    assert time.monotonic() - began < 5  # ~5 MB read, not a terabyte
+
+
+def test_a_sparse_steps_file_is_read_only_to_its_cap(tmp_path: Path) -> None:
+    path = tmp_path / "rank0.csv"
+    path.write_text(STEPS_CSV_HEADER + "1,2.5,0,0,0.0\n")
+    with open(path, "r+b") as handle:
+        handle.truncate(TERABYTE)
+    began = time.monotonic()
+    read = read_steps(path)
+    assert [row.step for row in read.rows] == [1] and read.bad == 1
+    assert time.monotonic() - began < 5
