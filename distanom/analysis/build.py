@@ -162,7 +162,8 @@ def _anomalies(
         if "anomaly" in c.kinds
     ]
     try:
-        return anomalies_of(read_anomalies(data.run), traced, captured, series.phases)
+        records = read_anomalies(data.run, world_size=data.world_size)
+        return anomalies_of(records, traced, captured, series.phases)
     except OSError as err:
         problems.append(f"anomalies.jsonl: not readable ({err.strerror})")
         return []

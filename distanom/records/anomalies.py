@@ -29,6 +29,7 @@ ANOMALIES_FILE = "anomalies.jsonl"
 STRAGGLERS_FILE = "stragglers.json"
 FORMAT_VERSION = 1
 MAX_LINES_READ = 100_000  # a report reads at most this many anomaly lines
+MAX_RANKS = 131072  # per-rank entries read of a line without the run's world size
 MAX_LINE_BYTES = 1 << 20
 MAX_SKIP_BYTES = 4 * MAX_LINE_BYTES  # a damaged line past this ends the read
 MAX_ANOMALIES_BYTES = 256 << 20  # read of anomalies.jsonl at most (100,000 lines of ~2.6 kB)
@@ -136,21 +137,34 @@ class AnomalyRecord:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> AnomalyRecord:
-        """Read one line back (raises KeyError/TypeError/ValueError on a malformed one)."""
+    def from_json(cls, data: dict[str, Any], world_size: int | None = None) -> AnomalyRecord:
+        """Read one line back (raises KeyError/TypeError/ValueError on a malformed one).
+        A step must be an integer in 0..2**53; per-rank lists are read for at most
+        `world_size` ranks (the run's, from run.json; else `MAX_RANKS`), so a line cannot
+        make the reader build more than the world holds."""
+        step = data["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**53:
+            raise ValueError(f"step {str(step)[:40]!r} is not a step number")
+        ranks = min(world_size or MAX_RANKS, MAX_RANKS)
+        slowest = data.get("slowest_rank", -1)
         return cls(
-            step=int(data["step"]),
+            step=step,
             step_ms=_float(data.get("step_ms")),
             median_ms=_float(data.get("median_ms")),
             threshold_ms=_float(data.get("threshold_ms")),
             traced=bool(data.get("traced", False)),
-            judged_by=str(data.get("judged_by", "condition")),
-            slowest_rank=int(data.get("slowest_rank", -1)),
-            durations_ms=tuple(_float(v) for v in data.get("durations_ms") or ()),
-            evidence=tuple(StepEvidence.from_json(e) for e in data.get("evidence") or ()),
-            arrive_median_ms=tuple(_float(v) for v in data.get("arrive_median_ms") or ()),
-            cpu_median_ms=tuple(_float(v) for v in data.get("cpu_median_ms") or ()),
+            judged_by=str(data.get("judged_by", "condition"))[:64].replace("\n", " "),
+            slowest_rank=slowest if isinstance(slowest, int) and 0 <= slowest < ranks else -1,
+            durations_ms=tuple(_float(v) for v in _first(data.get("durations_ms"), ranks)),
+            evidence=tuple(StepEvidence.from_json(e) for e in _first(data.get("evidence"), ranks)),
+            arrive_median_ms=tuple(_float(v) for v in _first(data.get("arrive_median_ms"), ranks)),
+            cpu_median_ms=tuple(_float(v) for v in _first(data.get("cpu_median_ms"), ranks)),
         )
+
+
+def _first(values: Any, count: int) -> list[Any]:
+    """The first `count` items of a JSON list ([] for anything else)."""
+    return values[:count] if isinstance(values, list) else []
 
 
 def anomalies_path(run: RunDir) -> Path:
@@ -187,6 +201,7 @@ def read_anomalies(
     max_lines: int = MAX_LINES_READ,
     max_bytes: int | None = None,
     follow: bool = True,
+    world_size: int | None = None,
 ) -> list[AnomalyRecord]:
     """Every readable anomaly line of the run, in step order ([] without the file): the
     first `max_lines` lines, and no more than `max_bytes` read (None: no budget beyond
@@ -219,7 +234,7 @@ def read_anomalies(
                     break
                 continue
             try:
-                record = AnomalyRecord.from_json(parse_json(line))
+                record = AnomalyRecord.from_json(parse_json(line), world_size)
             except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
                 continue
             records[record.step] = record

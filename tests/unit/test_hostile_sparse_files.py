@@ -34,3 +34,24 @@ def test_a_sparse_steps_file_is_read_only_to_its_cap(tmp_path: Path) -> None:
     read = read_steps(path)
     assert [row.step for row in read.rows] == [1] and read.bad == 1
     assert time.monotonic() - began < 5
+
+
+def test_anomaly_lines_are_bounded_by_the_runs_world_and_real_step_numbers(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    run = RunDir(tmp_path)
+    line = {"v": 1, "step": 40, "step_ms": 90.0, "median_ms": 10.0, "threshold_ms": 15.0,
+            "slowest_rank": 300_000, "judged_by": "condition\nforged line",
+            "durations_ms": [90] * 100_000, "evidence": [{}] * 150_000}  # fmt: skip
+    absurd = [{**line, "step": step, "evidence": [], "durations_ms": []}
+              for step in (10**299, -3, True, 2.5, "7")]  # fmt: skip
+    text = "\n".join(json.dumps(x, separators=(",", ":")) for x in [line, *absurd]) + "\n"
+    assert len(text) < 1 << 20  # under the line cap: read, then bounded by the world
+    anomalies_path(run).write_text(text)
+    began = time.monotonic()
+    (record,) = read_anomalies(run, world_size=2)
+    assert time.monotonic() - began < 5
+    assert record.step == 40 and len(record.evidence) == 2 and len(record.durations_ms) == 2
+    assert record.slowest_rank == -1 and "\n" not in record.judged_by
