@@ -170,3 +170,37 @@ def test_stacks_are_bounded() -> None:
     assert len(mine.frames) == 5
     assert mine.truncated
     assert [f.function for f in mine.frames[-2:]] == ["deep", "thread_stacks"]
+
+
+def test_a_planted_record_does_not_stop_the_live_watch_from_its_verdict(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A co-user plants hangs/hang_1/rank5.json (a rank outside the world) with an
+    overflowing number. Before, reading it raised OverflowError in the watch thread:
+    it logged an internal error and gave no verdict."""
+    planted = tmp_path / "hangs" / "hang_1"
+    planted.mkdir(parents=True)
+    frame = '{"file": "t.py", "line": 1e999, "function": "f", "code": "x"}'
+    (planted / "rank5.json").write_text(
+        '{"version": 1, "rank": 5, "world_size": 131072, "host": "h", "pid": 1, '
+        '"number": 1, "detected_at": 1.0, "cause": "no_step", "reason": "r", '
+        '"last_step": 1, "silent_s": 1.0, "after_s": 1.0, "threads": [{"ident": 1, '
+        f'"name": "M", "training": true, "frames": [{frame}]}}], "flight_recorder": null}}'
+    )
+    steps = Steps()
+    watch = _watch(tmp_path, steps)
+    watch.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="distanom"):
+            steps.advance(5)
+            _wait_file(record_path(RunDir(tmp_path), 1, 0))
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                if any("hang verdict" in r.message for r in caplog.records):
+                    break
+                time.sleep(0.01)
+        messages = [r.message for r in caplog.records]
+        assert any("hang verdict" in m for m in messages), messages
+        assert not any("internal error" in m or "Overflow" in m for m in messages), messages
+    finally:
+        watch.stop()
