@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -311,13 +312,17 @@ def _merged(
     match: MatchResult,
 ) -> tuple[str, Any, bytes | None] | None:
     """The merged trace's relative path, path and bytes (None: the one on disk is newer
-    than every rank trace it holds, so an earlier report wrote it)."""
+    than every rank trace it holds, so an earlier report wrote it). One on disk is kept
+    only as a regular file (never a link) owned by whoever owns the rank traces: a
+    co-user's planted file, or a link to one outside the run, is written over."""
     if not facts:
         return None
     path = data.run.capture_dir(info.step) / MERGED_NAME
     traces = [data.run.path / ranks[r].trace for r in facts]
     try:
-        if path.exists() and path.stat().st_mtime >= max(t.stat().st_mtime for t in traces):
+        found, written = path.lstat(), [t.stat() for t in traces]
+        ours = stat.S_ISREG(found.st_mode) and all(t.st_uid == found.st_uid for t in written)
+        if ours and found.st_mtime >= max(t.st_mtime for t in written):
             return data.run.relative(path), path, None
     except OSError:
         pass

@@ -189,3 +189,22 @@ def test_stall_before_the_first_op_shows_in_the_table_as_in_the_verdict(
     assert lines[at + 6].startswith("  outside ops: step window before the rank's first op")
     summary = json.loads(run.summary_json(40).read_text())
     assert summary["ranks"]["1"]["outside_ms"] == outside
+
+
+def test_a_planted_link_in_place_of_the_merged_trace_is_written_over_not_shown(
+    tmp_path: Path,
+) -> None:
+    """Issue 37: a link named merged.trace.json.gz, newer than the rank traces and
+    pointing outside the run, was shown as the run's merged trace."""
+    run = make_run(tmp_path, [Capture(40, "anomaly", gpu_job(), 4.1, 1.2)], hosts=HOSTS)
+    outside = tmp_path / "outside.json.gz"
+    outside.write_bytes(gzip.compress(b'{"traceEvents": [], "planted": true}'))
+    link = run.capture_dir(40) / "merged.trace.json.gz"
+    link.symlink_to(outside)
+    newer = max(run.trace_path(40, r).stat().st_mtime_ns for r in range(4)) + 10**9
+    os.utime(link, ns=(newer, newer), follow_symlinks=False)
+    run_report(load_run(str(tmp_path)))
+    assert not link.is_symlink()  # replaced by the report's own merged trace
+    merged = json.loads(gzip.decompress(link.read_bytes()))
+    assert merged["distanom"]["step"] == 40 and "planted" not in merged
+    assert json.loads(gzip.decompress(outside.read_bytes())) == {"traceEvents": [], "planted": True}
