@@ -27,6 +27,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from distanom.errors import DistanomError
@@ -131,10 +132,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from distanom.analysis.report import build_report, render_text, report_json, write_outputs
     from distanom.analysis.run import load_run
 
+    # the page's folder (often the run's, through the runs/latest link) is resolved once,
+    # before the run is read: a link swapped meanwhile cannot send the page elsewhere
+    html_out = _resolved_out(args.html) if args.html else None
     data = load_run(args.run_dir)
     report = write_outputs(data, build_report(data, step_times=bool(args.html)))
-    if args.html:
-        _write_html(report, args.html, sys.stderr if args.json else sys.stdout)
+    if html_out is not None:
+        _write_html(report, html_out, args.html, sys.stderr if args.json else sys.stdout)
         if not args.json:
             return 0
     if args.json:
@@ -144,15 +148,17 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_html(report: Report, out: str, stream: TextIO) -> None:
-    from pathlib import Path
+def _resolved_out(out: str) -> Path:
+    """`--html OUT`: its folder resolved (it may be reached through runs/latest)."""
+    return Path(out).parent.resolve() / Path(out).name
 
+
+def _write_html(report: Report, target: Path, out: str, stream: TextIO) -> None:
     from distanom.analysis.html_report import render_html, write_html
 
     page = render_html(report)
     try:
-        # the folder the user named may be a link (runs/latest): resolved, then written
-        written = write_html(page, Path(out).parent.resolve() / Path(out).name)
+        written = write_html(page, target)
     except OSError as err:
         raise DistanomError(f"{out}: cannot write the page: {err.strerror or err}") from None
     print(f"wrote {', '.join(str(p) for p in written)}", file=stream)

@@ -208,3 +208,29 @@ def test_a_planted_link_in_place_of_the_merged_trace_is_written_over_not_shown(
     merged = json.loads(gzip.decompress(link.read_bytes()))
     assert merged["distanom"]["step"] == 40 and "planted" not in merged
     assert json.loads(gzip.decompress(outside.read_bytes())) == {"traceEvents": [], "planted": True}
+
+
+def test_report_html_through_latest_is_written_where_latest_pointed_at_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 37: `report runs/latest --html runs/latest/report.html` resolved `latest`
+    again after loading: a link swapped meanwhile sent the page into another folder."""
+    import distanom.analysis.run as run_module
+
+    make_run(tmp_path, [Capture(40, "anomaly", gpu_job(), 4.1, 1.2)], hosts=HOSTS)
+    other = tmp_path / "other"
+    other.mkdir()
+    latest = tmp_path / "current"  # a link as runs/latest is
+    latest.symlink_to(tmp_path / "run1")
+    original = run_module.load_run
+
+    def load_then_swap(path: str) -> RunData:
+        data = original(path)
+        latest.unlink()
+        latest.symlink_to(other)  # swapped while the report is built
+        return data
+
+    monkeypatch.setattr(run_module, "load_run", load_then_swap)
+    assert cli_main(["report", str(latest), "--html", str(latest / "report.html")]) == 0
+    assert (tmp_path / "run1" / "report.html").exists()
+    assert not list(other.iterdir())
