@@ -12,10 +12,12 @@ torch here.
 
 from __future__ import annotations
 
+import collections as collections_module
 import itertools
 import math
 import re
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -292,6 +294,31 @@ def _step_files(data: RunData) -> list[int]:
     return sorted(ranks)
 
 
+# steps x ranks the report aligns at most (each cell is a Python float in a list, ~32
+# bytes): step files that disagree (disjoint steps on every rank, as a planted set can)
+# must not make the report build ranks x all their steps
+MAX_ALIGNED_CELLS = 6_000_000
+
+
+def _aligned_steps(data: RunData, per_rank_rows: Mapping[int, Mapping[int, Any]]) -> list[int]:
+    """The steps the series aligns: every step any rank has, unless that makes more than
+    `MAX_ALIGNED_CELLS` cells; then the steps most ranks hold (the latest first among
+    equals), with a problem line saying how many were left out."""
+    union = set().union(*(rows.keys() for rows in per_rank_rows.values()))
+    ranks = max(1, len(per_rank_rows))
+    keep = MAX_ALIGNED_CELLS // ranks
+    if len(union) <= keep:
+        return sorted(union)
+    held = collections_module.Counter(step for rows in per_rank_rows.values() for step in rows)
+    chosen = sorted(sorted(held, key=lambda step: (-held[step], -step))[:keep])
+    data.problems.append(
+        f"steps/: {len(union) - len(chosen)} steps left out of the step series: "
+        f"{len(union)} steps on {ranks} ranks is more than the report aligns "
+        f"({MAX_ALIGNED_CELLS} cells); the steps most ranks hold are kept"
+    )
+    return chosen
+
+
 def load_steps(data: RunData) -> StepSeries:
     """Every rank's steps/rank<R>.csv, aligned by step; damaged rows become problems."""
     per_rank_rows: dict[int, dict[int, tuple[float, bool, bool, float]]] = {}
@@ -322,7 +349,7 @@ def load_steps(data: RunData) -> StepSeries:
             data.problems.append(f"{data.run.relative(path)}: {read.bad} unreadable row(s) skipped")
         per_rank_rows[rank] = rows
         collections[rank] = pauses
-    steps = sorted(set().union(*(rows.keys() for rows in per_rank_rows.values())))
+    steps = _aligned_steps(data, per_rank_rows)
     missing = (math.nan, True, False, 0.0)
     per_rank = {
         rank: [rows.get(step, missing)[0] for step in steps] for rank, rows in per_rank_rows.items()

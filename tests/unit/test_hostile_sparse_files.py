@@ -8,6 +8,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from distanom.records.anomalies import anomalies_path, read_anomalies
 from distanom.records.steps import STEPS_CSV_HEADER, read_steps
 from distanom.rundir import RunDir
@@ -55,3 +57,24 @@ def test_anomaly_lines_are_bounded_by_the_runs_world_and_real_step_numbers(
     assert time.monotonic() - began < 5
     assert record.step == 40 and len(record.evidence) == 2 and len(record.durations_ms) == 2
     assert record.slowest_rank == -1 and "\n" not in record.judged_by
+
+
+def test_step_files_of_disjoint_steps_are_aligned_within_a_cell_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 37: 64 step files of 20k disjoint steps made the report align 64 x 1.28M
+    cells (past 60 s and 930 MB). Scaled down here: 4 ranks of 1,000 disjoint steps
+    against a budget of 1,000 cells."""
+    import distanom.analysis.run as run_module
+    from distanom.analysis.run import load_run, load_steps
+    from tests.unit.rungen import make_run
+
+    monkeypatch.setattr(run_module, "MAX_ALIGNED_CELLS", 1000)
+    run = make_run(tmp_path, [], hosts=["a"] * 4, steps=10)
+    for rank in range(4):
+        rows = "".join(f"{rank * 1000 + i},2.0,0,0,0.0\n" for i in range(1000))
+        run.steps_csv(rank).write_text(STEPS_CSV_HEADER + rows)
+    data = load_run(str(run.path))
+    series = load_steps(data)
+    assert len(series.steps) == 250 and all(len(v) == 250 for v in series.per_rank.values())
+    assert any("steps left out of the step series" in p for p in data.problems)
