@@ -154,7 +154,7 @@ def _straggler_lines(scores: Any) -> list[str]:
         found = entry.get("evidence")
         evidence: dict[str, Any] = found if isinstance(found, dict) else {}
         score = entry.get("score")
-        share = f"{100 * score:.0f}%" if isinstance(score, (int, float)) else "-"
+        share = f"{100 * score:.0f}%" if _number(score) else "-"  # a 400-digit int overflowed
         lines.append(
             f"  straggler: rank {entry.get('rank')} since step {entry.get('since_step')}: ranks "
             f"wait for it {share} of their step time (late at {evidence.get('late_steps')} of "

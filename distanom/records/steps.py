@@ -39,6 +39,7 @@ STEPS_CSV_HEADER = (
 NO_PHASE_VALUES: tuple[float, ...] = (math.nan,) * len(PHASE_COLUMNS)
 MAX_STEP_ROWS = 10_000_000  # a steps file is one short line per step
 MAX_STEP = 2**53  # a step number a float still holds exactly; beyond is damage
+MAX_DURATION_MS = 1e9  # 11.6 days: a longer (or negative, or not finite) step is damage
 MAX_ROW_CHARS = 1024  # a longer row is damage, skipped without reading it whole
 MAX_SKIP_CHARS = 1024 * MAX_ROW_CHARS  # a damaged row past this (1 MB) ends the read
 # One row as written (`StepRow`'s fields in order, flags as bools), newline included. A
@@ -166,7 +167,11 @@ def read_steps(path: Path) -> StepsFile:
             except (ValueError, IndexError):
                 bad += 1
                 continue
-            if not (0 <= step < MAX_STEP and math.isfinite(duration) and math.isfinite(spent)):
+            if not (
+                0 <= step < MAX_STEP
+                and 0 <= duration < MAX_DURATION_MS
+                and 0 <= spent < MAX_DURATION_MS
+            ):
                 bad += 1
                 continue
             gc_ms, gc_generation = _gc_pause(row)

@@ -38,3 +38,25 @@ def test_damaged_straggler_entries_never_reach_a_renderer(tmp_path: Path) -> Non
     assert "rank 1: the typical rank waited" in render_text(report)
     json.dumps(report_json(report), allow_nan=False)  # no non-finite number reaches JSON
     assert "Stragglers" in render_html(report, use_matplotlib=False).html
+
+
+def test_status_with_a_huge_integer_score_and_a_huge_step_time_renders(tmp_path: Path) -> None:
+    """Issue 37: a 400-digit integer score in status.json crashed `distanom status`
+    (OverflowError); a finite 1.7e308 step time crashed the SVG chart."""
+    from distanom.live import render_status
+    from distanom.rundir import RunDir
+
+    status = {
+        "state": "running",
+        "stragglers": {"stragglers": [{"rank": 1, "score": 10**400, "since_step": 4}]},
+    }
+    assert "straggler: rank 1 since step 4: ranks wait for it -" in render_status(
+        RunDir(tmp_path), status
+    )
+    run = make_run(tmp_path / "r", [], hosts=["a", "a"])
+    rows = run.steps_csv(0).read_text().splitlines()
+    rows[5] = "5,1.7e308,0,0,0.0"
+    run.steps_csv(0).write_text("\n".join(rows) + "\n")
+    report = build_report(load_run(run.path), step_times=True)
+    assert "steps/rank0.csv: 1 unreadable row(s) skipped" in report.problems
+    assert "<svg" in render_html(report, use_matplotlib=False).html
