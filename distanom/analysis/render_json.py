@@ -80,7 +80,9 @@ def report_json(report: Report) -> dict[str, Any]:
 def _with_nodes(body: dict[str, Any], report: Report) -> dict[str, Any]:
     """The report naming ranks by node (runs that recorded their nodes): `nodes` (each
     node's host and ranks, local rank i at place i), `copies` where the run came in
-    several, a node beside each culprit rank and each capture's rank entries."""
+    several, and the node number (torchrun's GROUP_RANK) beside each culprit rank and
+    each capture's rank entries: `culprit_node_rank`, `node_rank` (a verdict's
+    `culprit_node` is the host whose ranks are all the culprits)."""
     facts = report.facts
     node_of = facts.node_of
     body["nodes"] = {
@@ -91,12 +93,13 @@ def _with_nodes(body: dict[str, Any], report: Report) -> dict[str, Any]:
         body["copies"] = list(facts.copies)
     for capture in body["captures"]:
         culprit = capture["culprit_rank"]
-        capture["culprit_node"] = None if culprit is None else node_of.get(culprit)
+        capture["culprit_node_rank"] = None if culprit is None else node_of.get(culprit)
         for rank, entry in capture["ranks"].items():
-            entry["node"] = node_of.get(int(rank))
+            entry["node_rank"] = node_of.get(int(rank))
     for anomaly in body["anomalies"]:
-        culprit = anomaly["verdict"]["culprit_rank"]
-        anomaly["verdict"]["culprit_node"] = None if culprit is None else node_of.get(culprit)
+        verdict = anomaly["verdict"]
+        culprit = verdict["culprit_rank"]
+        verdict["culprit_node_rank"] = None if culprit is None else node_of.get(culprit)
     return body
 
 
