@@ -3,7 +3,10 @@ job that had no shared filesystem (docs/multinode.md).
 
 `open_copies` opens each directory given (a base resolves to its `latest`, as
 everywhere), drops a directory given twice, refuses copies of different runs with one
-line, and picks the primary copy: the one holding run.json (node 0's, where rank 0
+line (a copy's run: its run.json's id, else the one its node files name, else its
+folder's name; a node file naming another run is set aside with a problem line, so a
+file planted in a shared run directory cannot make the report refuse it), and picks the
+primary copy: the one holding run.json (node 0's, where rank 0
 writes run.json, status.json and the anomaly journal). Every rank's own files (steps,
 traces, index lines, hang records) are then read from whichever copy holds them.
 `missing_nodes` says which node's ranks left no step file in any copy given. Reads only
@@ -60,14 +63,16 @@ def open_copies(paths: Sequence[str]) -> RunCopies:
         run_id = _run_json_id(run)
         if run_id is not None:
             with_run_json.append(run)
-        ids = {node.run_id for node in found} | ({run_id} if run_id else set())
-        if len(ids) > 1:
-            raise DistanomError(
-                f"report: {run.path}: its files name different runs ({', '.join(sorted(ids))})"
-            )
-        identities.append((next(iter(ids)) if ids else run.run_id, run))
+        identity = run_id or _node_files_id(run, found)
         for node in found:
+            if node.run_id != identity:  # planted, or left by another run: not this run's
+                problems.append(
+                    f"{run.path}/nodes/node{node.node_rank}.json: names run "
+                    f"{node.run_id!r}, not {identity!r}; ignored"
+                )
+                continue
             nodes.setdefault(node.node_rank, node)
+        identities.append((identity, run))
     distinct = {run_id for run_id, _ in identities}
     if len(distinct) > 1:
         shown = "; ".join(f"{run.path}: {run_id}" for run_id, run in identities[:4])
@@ -79,6 +84,17 @@ def open_copies(paths: Sequence[str]) -> RunCopies:
             "no run.json in the run directories given: rank 0 writes it into node 0's copy"
         )
     return RunCopies(ordered, dict(sorted(nodes.items())), problems)
+
+
+def _node_files_id(run: RunDir, found: list[NodeInfo]) -> str:
+    """The run a copy without run.json belongs to, by its node files: the folder's own
+    name when a node file names it (the run id is the folder's name as every node made
+    it), else the one run they all name (a copy fetched under another name), else the
+    folder's name."""
+    named = {node.run_id for node in found}
+    if run.run_id in named or len(named) != 1:
+        return run.run_id
+    return next(iter(named))
 
 
 def _run_json_id(run: RunDir) -> str | None:

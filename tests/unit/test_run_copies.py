@@ -117,6 +117,15 @@ def test_copies_of_different_runs_are_refused_in_one_line(
         load_run([str(node0), str(node1)])
 
 
+def test_a_node_file_naming_another_run_is_set_aside(tmp_path: Path) -> None:
+    node0, node1 = split_into_copies(tmp_path)
+    planted = RunDir(node0 / "run1")
+    write_node_info(planted, NodeInfo("other", 1, 2, "evil", 4, (2, 3)))
+    data = load_run([str(node0), str(node1)])
+    assert data.nodes[1].host == "b"  # node 1's own file, from its copy
+    assert any("names run 'other', not 'run1'; ignored" in p for p in data.problems)
+
+
 def test_the_same_copy_given_twice_is_read_once(tmp_path: Path) -> None:
     node0, _ = split_into_copies(tmp_path)
     data = load_run([str(node0), str(node0 / "run1")])
