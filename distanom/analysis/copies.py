@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from distanom.analysis.text import ranks_word
 from distanom.errors import DistanomError, RunDirError
@@ -43,7 +44,7 @@ class RunCopies:
         return self.copies[0]
 
 
-def open_copies(paths: Sequence[str]) -> RunCopies:
+def open_copies(paths: Sequence[str | Path]) -> RunCopies:
     """Open the copies of one run; DistanomError (one line) when a directory is not a
     run or the copies belong to different runs."""
     if len(paths) > MAX_COPIES:

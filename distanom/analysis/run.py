@@ -180,11 +180,11 @@ class RunData:
         return hosts_of(self.info)
 
 
-def load_run(path: str | Sequence[str]) -> RunData:
+def load_run(path: str | Path | Sequence[str | Path]) -> RunData:
     """Open a run directory (or a base with `latest`), or every node's copy of one run,
     and read everything but the traces and step files' rows; damage becomes `problems`,
     a missing directory raises RunDirError, copies of different runs DistanomError."""
-    opened = open_copies([path] if isinstance(path, str) else path)
+    opened = open_copies([path] if isinstance(path, (str, Path)) else path)
     run = opened.primary
     problems: list[str] = list(opened.problems)
     info: dict[str, Any]
