@@ -1,10 +1,11 @@
 """The `distanom` command: look at runs, traces and running jobs.
 
-    distanom report RUN_DIR [--json] [--html OUT.html]
+    distanom report RUN_DIR [RUN_DIR ...] [--json] [--html OUT.html]
                                               the run: steps, threshold, captures, per-rank
                                               tables, verdicts, kernel diffs; --html writes
                                               a self-contained page (and its PNGs) instead
-                                              of the text
+                                              of the text; several RUN_DIRs: each node's
+                                              copy of one run, reported as one
     distanom analyze TRACE [--json]           gpu_timeline and kernel_summary of one trace
     distanom status RUN_DIR [--json] [--watch] live state of a running job (or the final one)
     distanom capture RUN_DIR [--steps N] [--ranks 0,3-5]
@@ -57,7 +58,14 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     report = commands.add_parser("report", help="summarise a run directory")
-    report.add_argument("run_dir", metavar="RUN_DIR", **_RUN_DIR_DEFAULT)
+    report.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        nargs="*",
+        default=["runs"],
+        help="a run, or a folder of runs (its latest); several: every node's copy of one "
+        "run, reported as one (docs/multinode.md); default: runs",
+    )
     report.add_argument("--json", action="store_true", help="machine-readable output")
     report.add_argument(
         "--html",
@@ -183,6 +191,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     run = RunDir.open(args.run_dir)
     while True:
         status = read_status(run)
+        if status is None and not run.run_json.exists() and (run.path / "nodes").is_dir():
+            raise DistanomError(
+                f"{run.path}: another node's copy of the run; rank 0 writes status.json "
+                "into node 0's copy (docs/multinode.md)"
+            )
         if status is None:
             raise DistanomError(f"{run.path}: no status.json yet (has the job started?)")
         if args.json:

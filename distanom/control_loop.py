@@ -1,6 +1,6 @@
 """The agent's control thread (`distanom-control`): everything that can block.
 
-Forms distanom's group, creates the run directory (rank 0) and writes run.json, then
+Forms distanom's group, joins the run directory (`run_join`) and writes run.json, then
 loops: takes the `StepRecord`s the training thread queued, appends them to this rank's
 steps file, gathers rounds of step times across ranks, feeds the duty cycle, decides
 captures and hands them to the capture worker, polls and answers on-demand requests and
@@ -54,7 +54,8 @@ from distanom.records.status import TracerReport, write_status
 from distanom.records.steps import StepsWriter
 from distanom.request_desk import RequestDesk
 from distanom.rounds import RoundBuilder, RoundSizer
-from distanom.rundir import RunDir, create_run, update_latest
+from distanom.run_join import Place, join_run, read_places
+from distanom.rundir import RunDir
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
 
 log = logging.getLogger(__name__)
@@ -226,26 +227,10 @@ class ControlLoop:
             setup_timeout_s=config.consensus.setup_timeout_s,
             op_timeout_s=config.consensus.timeout_s,
         )
-        run_id = ""
-        if world.rank == 0:
-            try:
-                path = create_run(self.run_base, config.run.name)
-                run_id = path.name
-                with contextlib.suppress(OSError):
-                    update_latest(self.run_base, path)
-            except RunDirError as err:
-                self.health.capture_off(str(err))
-            self.group.publish("run_id", run_id)
-        else:
-            run_id = self.group.lookup("run_id")
-            if not run_id:
-                self.health.capture_off("rank 0 could not create the run directory")
-        self.group.publish(f"host/{world.rank}", world.host)
-        if not run_id:
+        run = join_run(self.group, world, self.run_base, config.run.name, self.health)
+        if run is None:
             return
-        run = RunDir(self.run_base / run_id)
         try:
-            run.path.mkdir(parents=True, exist_ok=True)  # other nodes without a shared filesystem
             self._steps = StepsWriter(run.steps_csv(world.rank))
         except OSError as err:
             self.health.capture_off(f"{run.path}: not writable ({err.strerror})")
@@ -253,11 +238,10 @@ class ControlLoop:
         self.run = run
         self.health.run_dir = run.path
         if world.rank == 0:
-            hosts = [self.group.lookup(f"host/{r}") for r in range(world.world_size)]
-            self._write_run_json(hosts)
+            self._write_run_json(read_places(self.group, world.world_size))
             self.evidence.open_journal(run)
 
-    def _write_run_json(self, hosts: list[str]) -> None:
+    def _write_run_json(self, places: list[Place]) -> None:
         if self.run is None:
             return
         info = build_run_info(
@@ -267,7 +251,8 @@ class ControlLoop:
             started_at=self._started_at,
             argv=self.argv,
             config=self.config.model_dump(mode="json"),
-            hosts=hosts,
+            hosts=[place.host for place in places],
+            node_ranks=[place.node_rank for place in places],
         )
         try:
             write_run_info(self.run, info)

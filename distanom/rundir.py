@@ -12,6 +12,7 @@
       summary.json                 all ranks side by side, verdict, kernel diff (report)
       merged.trace.json.gz         every rank in one Perfetto trace (report)
   index.jsonl                      one line per written or dropped capture file, any rank
+  nodes/node<N>.json               node N's run id, host and ranks (its local rank 0)
   requests/<id>.json               on-demand capture requests (distanom capture)
   requests/<id>.response.json      the job's answer
 <base>/latest -> <run-id>
@@ -65,6 +66,7 @@ _INDENTED = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NE
 INDEX_NAME = "index.jsonl"
 RUN_JSON = "run.json"
 STATUS_JSON = "status.json"
+NODES_DIR = "nodes"  # nodes/node<N>.json: `distanom.records.nodes`
 LATEST = "latest"
 LOCK_TIMEOUT_S = 5.0  # a real writer holds it for one fsync; longer is someone else
 MAX_JSON_BYTES = 64 * 1024 * 1024
@@ -213,7 +215,9 @@ class RunDir:
         if not candidate.is_dir():
             raise RunDirError(f"{path}: not a directory")
         resolved = candidate.resolve()
-        if not (resolved / RUN_JSON).exists() and not (resolved / INDEX_NAME).exists():
+        # another node's copy of a run holds no run.json (rank 0's) but its node file
+        markers = (RUN_JSON, INDEX_NAME, NODES_DIR)
+        if not any((resolved / marker).exists() for marker in markers):
             raise RunDirError(f"{path}: not a distanom run directory (no {RUN_JSON})")
         return cls(resolved)
 

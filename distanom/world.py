@@ -1,7 +1,8 @@
 """Who this process is in the job, and distanom's own channel to the other ranks.
 
 `WorldInfo` is read once from the environment torchrun sets (RANK, WORLD_SIZE,
-LOCAL_RANK, GROUP_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID) and passed explicitly.
+LOCAL_RANK, GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID) and
+passed explicitly.
 `AgentGroup` is a gloo process group of distanom's own, built on a client connection to
 the launcher's TCPStore under a distanom key prefix. It never calls
 `init_process_group` and never touches the default group, so the training script keeps
@@ -37,11 +38,19 @@ class WorldInfo:
     master_addr: str | None
     master_port: int | None
     job_id: str
+    node_count: int = 1  # torchrun's nodes (agents) in the rendezvous
 
     @property
     def is_distributed(self) -> bool:
         """Whether the job has more than one rank."""
         return self.world_size > 1
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks of this node: torchrun numbers a node's workers contiguously,
+        local rank 0 first."""
+        first = self.rank - self.local_rank
+        return range(first, first + self.local_world_size)
 
     @property
     def label(self) -> str:
@@ -74,6 +83,7 @@ class WorldInfo:
             master_port=int(port) if port and port.isdecimal() else None,
             job_id=f"{env.get('TORCHELASTIC_RUN_ID', 'none')}/"
             f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+            node_count=max(1, number("GROUP_WORLD_SIZE", 1)),
         )
 
 

@@ -16,6 +16,7 @@ import stat
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from distanom.analysis import crossrank
@@ -72,7 +73,7 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
     config = data.info.get("config") if isinstance(data.info.get("config"), dict) else {}
     detect = (config or {}).get("detect", {})
     counters = status.get("captures") or {}
-    hangs, hang_problems = read_hangs(data.run, data.world_size)
+    hangs, hang_problems = read_hangs(data.copies, data.world_size)
     problems.extend(hang_problems)
     stragglers = read_stragglers(data.run)
     anomalies = _anomalies(data, captures, problems, series)
@@ -86,6 +87,9 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
             started_at=data.info.get("started_at"),
             torch=data.info.get("torch"),
             argv=data.info.get("argv"),
+            node_of=data.node_of,
+            node_hosts=_node_hosts(data),
+            copies=[str(copy.path) for copy in data.copies] if len(data.copies) > 1 else [],
         ),
         steps=StepStats(
             count=len(series.steps),
@@ -121,6 +125,15 @@ def build_report(data: RunData, *, engine: str = "auto", step_times: bool = Fals
         earlier_stragglers=_with_phases(_list_of_dicts(stragglers.get("earlier")), series),
         drift=_dict_or_none(stragglers.get("drift")),
     )
+
+
+def _node_hosts(data: RunData) -> dict[int, str]:
+    """Each known node's host: its node file's, else run.json's host of its first rank."""
+    hosts = {number: node.host for number, node in data.nodes.items()}
+    for rank, node in data.node_of.items():
+        if node not in hosts and rank < len(data.hosts):
+            hosts[node] = data.hosts[rank]
+    return dict(sorted(hosts.items()))
 
 
 def _run_ms(series: StepSeries) -> float | None:
@@ -261,8 +274,11 @@ def _read_capture(data: RunData, info: CaptureInfo, engine: str) -> _Read:
     table_problems: list[str] = []
     fact_problems: list[str] = []
     for rank, held in sorted(info.ranks.items()):
-        path = data.run.path / held.trace
+        run = data.copies[held.copy]
+        path = run.path / held.trace
         entry = RankEntry(rank, held.trace, held.host, held.bytes, held.tracer, held.tracer_stats)
+        if held.copy:
+            entry = replace(entry, run_dir=str(run.path))
         document: dict[str, Any] | None = None
         error: DistanomError | None = None
         try:
@@ -270,7 +286,7 @@ def _read_capture(data: RunData, info: CaptureInfo, engine: str) -> _Read:
         except DistanomError as err:
             error = err
         if path.is_file():
-            cached = cached_tables(data.run, info.step, rank)
+            cached = cached_tables(run, info.step, rank)
             if cached is not None:
                 entry = replace(entry, timeline=cached.timeline, timeline_kind=cached.kind)
             else:
@@ -318,7 +334,7 @@ def _merged(
     if not facts:
         return None
     path = data.run.capture_dir(info.step) / MERGED_NAME
-    traces = [data.run.path / ranks[r].trace for r in facts]
+    traces = [Path(ranks[r].run_dir or data.run.path) / ranks[r].trace for r in facts]
     try:
         found, written = path.lstat(), [t.stat() for t in traces]
         ours = stat.S_ISREG(found.st_mode) and all(t.st_uid == found.st_uid for t in written)

@@ -18,6 +18,7 @@ rather than the summaries a hang record keeps.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,14 +103,24 @@ def read_hang(run: RunDir, number: int) -> tuple[list[HangRecord], list[str]]:
     return records, problems
 
 
-def read_hangs(run: RunDir, world_size: int) -> tuple[list[Hang], list[str]]:
-    """Every hang of the run with its verdict, in order, and the problems met."""
-    hangs, problems = [], []
-    for number in hang_dirs(run):
-        records, found = read_hang(run, number)
-        problems.extend(found)
-        if records:
-            hangs.append(judge_hang(number, records, world_size))
+def read_hangs(runs: RunDir | Sequence[RunDir], world_size: int) -> tuple[list[Hang], list[str]]:
+    """Every hang of the run with its verdict, in order, and the problems met; a run in
+    several copies (one per node) has each hang's records from all of them."""
+    copies = [runs] if isinstance(runs, RunDir) else list(runs)
+    by_number: dict[int, dict[int, HangRecord]] = {}
+    problems: list[str] = []
+    for run in copies:
+        for number in hang_dirs(run):
+            records, found = read_hang(run, number)
+            problems.extend(found)
+            held = by_number.setdefault(number, {})
+            for record in records:
+                held.setdefault(record.rank, record)
+    hangs = [
+        judge_hang(number, [held[rank] for rank in sorted(held)], world_size)
+        for number, held in sorted(by_number.items())
+        if held
+    ]
     return hangs, problems
 
 

@@ -57,6 +57,33 @@ class RunFacts:
     started_at: Any
     torch: Any
     argv: Any
+    node_of: dict[int, int] = field(default_factory=dict)
+    """torchrun's node (GROUP_RANK) of each rank whose node is known."""
+    node_hosts: dict[int, str] = field(default_factory=dict)
+    """Each known node's host."""
+    copies: list[str] = field(default_factory=list)
+    """Every node's copy of the run the report read, where it read more than one."""
+
+    @property
+    def several_nodes(self) -> bool:
+        """Whether the ranks ran on more than one node."""
+        return len(set(self.node_of.values())) > 1
+
+    def node_ranks(self) -> dict[int, list[int]]:
+        """Each known node's ranks, by node; a rank's local rank is its place there."""
+        nodes: dict[int, list[int]] = {}
+        for rank, node in sorted(self.node_of.items()):
+            nodes.setdefault(node, []).append(rank)
+        return dict(sorted(nodes.items()))
+
+    def where(self, rank: int) -> str:
+        """Where `rank` ran, for people: "node 1, local rank 0, host gpu-7" ('' unknown)."""
+        node = self.node_of.get(rank)
+        if node is None:
+            return ""
+        local = self.node_ranks()[node].index(rank)
+        host = self.node_hosts.get(node)
+        return f"node {node}, local rank {local}" + (f", host {host}" if host else "")
 
 
 @dataclass(frozen=True)
@@ -130,6 +157,9 @@ class RankEntry:
     """Step window outside the ops' span (CPU-only traces), which the verdict counts idle."""
     computed: TraceTables | None = None
     """Tables computed from the trace (not read from their CSV): cached by `outputs`."""
+    run_dir: str | None = None
+    """The copy of the run that holds `trace` where it is not the report's run directory
+    (another node's copy; docs/multinode.md)."""
 
     def breakdown(self) -> dict[str, float] | None:
         """The rank's computation / exposed comm / exposed memcpy / idle / total in ms."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
+from pathlib import Path
 
 from distanom.analysis.model import Capture, Report
 from distanom.analysis.render_json import summary_json
@@ -28,8 +29,10 @@ def write_outputs(data: RunData | RunDir, report: Report) -> Report:
     for capture in report.captures:
         for rank, entry in capture.ranks.items():
             if entry.computed is not None:
+                # beside the trace, in its node's copy of the run where it came from one
+                where = RunDir(Path(entry.run_dir)) if entry.run_dir else run
                 with contextlib.suppress(OSError):  # the report does not need the cache
-                    write_tables(run, capture.step, rank, entry.computed)
+                    write_tables(where, capture.step, rank, entry.computed)
     captures: list[Capture] = []
     failures: list[tuple[int, str]] = []
     for capture in report.captures:

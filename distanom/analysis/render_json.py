@@ -24,7 +24,7 @@ def report_json(report: Report) -> dict[str, Any]:
         report.capture_cost,
     )
     found = recurring(report.anomalies, report.detect_config)
-    return {
+    body = {
         "run_id": facts.run_id,
         "run_dir": facts.run_dir,
         "world_size": facts.world_size,
@@ -75,6 +75,33 @@ def report_json(report: Report) -> dict[str, Any]:
         "problems": list(report.problems),
         "hangs": [hang.as_json() for hang in report.hangs],
     }
+    return _with_nodes(body, report) if report.facts.node_of else body
+
+
+def _with_nodes(body: dict[str, Any], report: Report) -> dict[str, Any]:
+    """The report naming ranks by node (runs that recorded their nodes): `nodes` (each
+    node's host and ranks, local rank i at place i), `copies` where the run came in
+    several, and the node number (torchrun's GROUP_RANK) beside each culprit rank and
+    each capture's rank entries: `culprit_node_rank`, `node_rank` (a verdict's
+    `culprit_node` is the host whose ranks are all the culprits)."""
+    facts = report.facts
+    node_of = facts.node_of
+    body["nodes"] = {
+        str(node): {"host": facts.node_hosts.get(node), "ranks": ranks}
+        for node, ranks in facts.node_ranks().items()
+    }
+    if facts.copies:
+        body["copies"] = list(facts.copies)
+    for capture in body["captures"]:
+        culprit = capture["culprit_rank"]
+        capture["culprit_node_rank"] = None if culprit is None else node_of.get(culprit)
+        for rank, entry in capture["ranks"].items():
+            entry["node_rank"] = node_of.get(int(rank))
+    for anomaly in body["anomalies"]:
+        verdict = anomaly["verdict"]
+        culprit = verdict["culprit_rank"]
+        verdict["culprit_node_rank"] = None if culprit is None else node_of.get(culprit)
+    return body
 
 
 def _rank_json(entry: RankEntry) -> dict[str, Any]:
@@ -91,6 +118,8 @@ def _rank_json(entry: RankEntry) -> dict[str, Any]:
         body["timeline_kind"] = entry.timeline_kind
     if entry.outside_ms is not None:
         body["outside_ms"] = entry.outside_ms
+    if entry.run_dir is not None:  # another node's copy of the run holds this trace
+        body["run_dir"] = entry.run_dir
     return body
 
 

@@ -15,9 +15,16 @@ from distanom.analysis.anomalies import Anomaly, evidence_notes
 from distanom.analysis.anomaly_classes import anomaly_classes, recurrence_line, recurring
 from distanom.analysis.hangs import hang_lines
 from distanom.analysis.kernel_diff import kernel_diff_lines
-from distanom.analysis.model import BREAKDOWN_ROWS, Capture, RankEntry, Report, StepStats
+from distanom.analysis.model import (
+    BREAKDOWN_ROWS,
+    Capture,
+    RankEntry,
+    Report,
+    RunFacts,
+    StepStats,
+)
 from distanom.analysis.render_json import kernel_diff_json
-from distanom.analysis.text import fmt, table
+from distanom.analysis.text import fmt, ranks_word, table
 from distanom.analysis.verdict import GC_NOTE_MS
 from distanom.run_periods import PERIODIC
 
@@ -235,6 +242,30 @@ def _over_budget_lines(duty: dict[str, Any]) -> list[str]:
     ]
 
 
+def _node_lines(facts: RunFacts) -> list[str]:
+    """The nodes of a run on several (and the copies read), nothing on one."""
+    if not facts.several_nodes:
+        return []
+    nodes = [
+        f"node {node}"
+        + (f" ({facts.node_hosts[node]})" if node in facts.node_hosts else "")
+        + f" {ranks_word(ranks)}"
+        for node, ranks in facts.node_ranks().items()
+    ]
+    lines = ["  nodes: " + "; ".join(nodes)]
+    if facts.copies:
+        lines.append(f"  read from {len(facts.copies)} copies: " + ", ".join(facts.copies))
+    return lines
+
+
+def _culprit_cell(facts: RunFacts, rank: int | None) -> str:
+    """A culprit rank as a table shows it, with its node on a run of several nodes."""
+    if rank is None:
+        return "-"
+    node = facts.node_of.get(rank)
+    return f"{rank} (node {node})" if facts.several_nodes and node is not None else str(rank)
+
+
 def _run_lines(report: Report) -> list[str]:
     """The header: the run, its steps, tracing cost, detector and capture counters."""
     facts, steps = report.facts, report.steps
@@ -246,6 +277,7 @@ def _run_lines(report: Report) -> list[str]:
         + f"   state: {facts.state}",
         f"  steps: {steps.count}   " + "   ".join(median_parts(steps)),
     ]
+    lines[2:2] = _node_lines(facts)
     if steps.optimizer_skipped:
         lines.append(
             f"  optimizer step skipped (inf/nan gradients) in {steps.optimizer_skipped} steps"
@@ -305,8 +337,11 @@ def _run_lines(report: Report) -> list[str]:
     return lines
 
 
-def _capture_lines(captures: list[Capture], anomalies: Sequence[Anomaly] = ()) -> list[str]:
-    """The captures table, then each capture's breakdown, collections and verdict."""
+def _capture_lines(
+    captures: list[Capture], anomalies: Sequence[Anomaly] = (), facts: RunFacts | None = None
+) -> list[str]:
+    """The captures table, then each capture's breakdown, collections and verdict (and
+    the culprit's node, on a run of several nodes)."""
     notes = evidence_notes(anomalies)
     if not captures:
         return ["no captures"]
@@ -331,6 +366,13 @@ def _capture_lines(captures: list[Capture], anomalies: Sequence[Anomaly] = ()) -
         sentence = gc_sentence(capture)
         lines += [f"  {sentence}"] if sentence else []
         lines += _cross_rank_lines(capture, notes.get(capture.step))
+        culprit = capture.verdict.culprit_rank
+        if facts is not None and facts.several_nodes and culprit is not None:
+            lines += (
+                [f"  rank {culprit} ran on {facts.where(culprit)}"]
+                if culprit in facts.node_of
+                else []
+            )
     for capture in captures:
         if capture.missing_ranks:
             missing = ",".join(str(r) for r in capture.missing_ranks)
@@ -407,7 +449,7 @@ def _anomaly_lines(report: Report) -> list[str]:
                 fmt(a.ratio, 2),
                 "yes" if a.traced else "no",
                 a.judged_by,
-                "-" if a.verdict.culprit_rank is None else str(a.verdict.culprit_rank),
+                _culprit_cell(report.facts, a.verdict.culprit_rank),
                 a.verdict.cause,
                 a.verdict.phase or "-",
             ]
@@ -456,7 +498,7 @@ def render_text(report: Report) -> str:
         lines[1:1] = [report.lost_time.line()]  # first, under the run's name
     if report.has_slowness:
         lines += [*_anomaly_lines(report), ""]
-    lines += _capture_lines(report.captures, report.anomalies)
+    lines += _capture_lines(report.captures, report.anomalies, report.facts)
     for hang in report.hangs:
         lines += ["", *hang_lines(hang)]
     problems = report.problems

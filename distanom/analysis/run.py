@@ -17,17 +17,26 @@ import itertools
 import math
 import re
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
+from distanom.analysis.copies import missing_nodes, node_of_ranks, open_copies
 from distanom.analysis.phases import PhaseTable
 from distanom.analysis.run_checks import RUN_FIELDS, STATUS_FIELDS, checked
 from distanom.detect import StepSample
 from distanom.errors import RunDirError
 from distanom.records.index import IndexRecord, read_index
+from distanom.records.nodes import NodeInfo
 from distanom.records.requests import accepted_ranks
-from distanom.records.run_info import hosts_of, load_run_info, world_size_of, world_size_problem
+from distanom.records.run_info import (
+    hosts_of,
+    load_run_info,
+    node_ranks_of,
+    world_size_of,
+    world_size_problem,
+)
 from distanom.records.status import job_alive, load_status
 from distanom.records.steps import read_steps
 from distanom.rundir import RunDir, capture_steps_on_disk
@@ -59,6 +68,7 @@ class RankCapture:
     tracer: str | None
     tracer_stats: dict[str, Any]
     cost_ms: dict[str, float] = field(default_factory=dict)  # the capture worker's time
+    copy: int = 0  # which of `RunData.copies` holds the file (its node's copy of the run)
 
 
 @dataclass
@@ -136,18 +146,36 @@ class StepSeries:
 @dataclass
 class RunData:
     """A run read back: run.json (`info`, {} when unreadable), status.json (None when
-    absent), every kept capture, and a line for each piece of damage found."""
+    absent), every kept capture, and a line for each piece of damage found. A run given
+    as several copies (one per node, no shared filesystem) has them all in `copies`,
+    `run` (the one holding run.json) first; `step_files` says which copy holds each
+    rank's steps file."""
 
     run: RunDir
     info: dict[str, Any]  # a `records.run_info.RunInfo`
     status: dict[str, Any] | None  # a `records.status.Status`
     captures: list[CaptureInfo]
     problems: list[str]
+    copies: tuple[RunDir, ...] = ()
+    nodes: dict[int, NodeInfo] = field(default_factory=dict)  # the node files, by node
+    step_files: dict[int, int] = field(default_factory=dict)  # rank -> index in copies
+
+    def __post_init__(self) -> None:
+        if not self.copies:
+            self.copies = (self.run,)
 
     @property
     def world_size(self) -> int:
-        """The run's world size, 1 when run.json does not say."""
+        """The run's world size: run.json's, else the node files' (node 0's copy not
+        given), else 1."""
+        if "world_size" not in self.info and self.nodes:
+            return max(node.world_size for node in self.nodes.values())
         return world_size_of(self.info)
+
+    @property
+    def node_of(self) -> dict[int, int]:
+        """The node of each rank whose node is known (run.json, else the node files)."""
+        return node_of_ranks(self.world_size, node_ranks_of(self.info), self.nodes)
 
     @property
     def hosts(self) -> list[str]:
@@ -155,11 +183,13 @@ class RunData:
         return hosts_of(self.info)
 
 
-def load_run(path: str) -> RunData:
-    """Open a run directory (or a base with `latest`) and read everything but the traces
-    and step files; damage becomes `problems`, a missing directory raises RunDirError."""
-    run = RunDir.open(path)
-    problems: list[str] = []
+def load_run(path: str | Path | Sequence[str | Path]) -> RunData:
+    """Open a run directory (or a base with `latest`), or every node's copy of one run,
+    and read everything but the traces and step files' rows; damage becomes `problems`,
+    a missing directory raises RunDirError, copies of different runs DistanomError."""
+    opened = open_copies([path] if isinstance(path, (str, Path)) else path)
+    run = opened.primary
+    problems: list[str] = list(opened.problems)
     info: dict[str, Any]
     try:
         info = checked(cast(dict[str, Any], load_run_info(run)), RUN_FIELDS, run.run_json, problems)
@@ -179,22 +209,53 @@ def load_run(path: str) -> RunData:
         problems.append(str(err))
         status = None
     if not job_alive(status):  # the job is gone: what its killed writers left goes
-        removed = run.clean_orphans(ORPHAN_AGE_S)
-        if removed:
-            shown = ", ".join(removed[:5]) + (", ..." if len(removed) > 5 else "")
-            problems.append(f"removed {len(removed)} temporary file(s) of a killed writer: {shown}")
-    data = RunData(run, info, status, [], problems)
+        for copy in opened.copies:
+            removed = copy.clean_orphans(ORPHAN_AGE_S)
+            if removed:
+                shown = ", ".join(removed[:5]) + (", ..." if len(removed) > 5 else "")
+                where = "" if len(opened.copies) == 1 else f" in {copy.path}"
+                problems.append(
+                    f"removed {len(removed)} temporary file(s) of a killed writer{where}: {shown}"
+                )
+    data = RunData(run, info, status, [], problems, opened.copies, opened.nodes)
+    data.step_files = _step_files(data)
+    data.problems += missing_nodes(data.world_size, set(data.step_files), data.node_of, data.nodes)
     data.captures = _fold_index(data)
     return data
 
 
 def _fold_index(data: RunData) -> list[CaptureInfo]:
-    run = data.run
-    records, index_problems = read_index(run)
-    for problem in index_problems:
-        data.problems.append(f"{run.index_path.name} line {problem.line}: {problem.reason}")
+    records: list[tuple[int, IndexRecord]] = []
+    for copy, run in enumerate(data.copies):
+        read, index_problems = read_index(run)
+        where = run.index_path.name if copy == 0 else str(run.index_path)
+        for problem in index_problems:
+            data.problems.append(f"{where} line {problem.line}: {problem.reason}")
+        records += [(copy, record) for record in read]
+    captures = _fold_records(data, records)
+    kept = [info for info in captures.values() if info.ranks]
+    for info in kept:
+        info.expected_ranks = _expected_ranks(data, info)
+    for run in data.copies:
+        on_disk = set(capture_steps_on_disk(run)) - {info.step for info in kept}
+        for step in sorted(on_disk):
+            if any(run.capture_dir(step).glob("rank*.trace.json.gz")):
+                data.problems.append(f"step {step}: trace files on disk but not in the index")
+        for info in kept:  # a rank killed between writing its trace and indexing it
+            for rank in _ranks_on_disk(run, info.step):
+                if rank not in info.ranks:
+                    data.problems.append(
+                        f"step {info.step} rank {rank}: trace file on disk but not in the index"
+                    )
+    return sorted(kept, key=lambda info: info.step)
+
+
+def _fold_records(data: RunData, records: list[tuple[int, IndexRecord]]) -> dict[int, CaptureInfo]:
+    """The index lines of every copy folded into each step's capture (a file written,
+    then perhaps dropped)."""
     captures: dict[int, CaptureInfo] = {}
-    for record in records:
+    for copy, record in records:
+        run = data.copies[copy]
         step, rank = record.step, record.rank
         if record.event == "dropped":
             info = captures.get(step)
@@ -235,28 +296,16 @@ def _fold_index(data: RunData) -> list[CaptureInfo]:
                 tracer=record.tracer,
                 tracer_stats=record.tracer_stats,
                 cost_ms=record.cost_ms,
+                copy=copy,
             )
         else:
             held.kinds.add(kind)
     for info in captures.values():
         info.kinds = set().union(*(held.kinds for held in info.ranks.values()))
         for held in list(info.ranks.values()):
-            if not (run.path / held.trace).is_file():
+            if not (data.copies[held.copy].path / held.trace).is_file():
                 data.problems.append(f"step {info.step} rank {held.rank}: trace file missing")
-    kept = [info for info in captures.values() if info.ranks]
-    for info in kept:
-        info.expected_ranks = _expected_ranks(data, info, records)
-    on_disk = set(capture_steps_on_disk(run)) - {info.step for info in kept}
-    for step in sorted(on_disk):
-        if any(run.capture_dir(step).glob("rank*.trace.json.gz")):
-            data.problems.append(f"step {step}: trace files on disk but not in the index")
-    for info in kept:  # a rank killed between writing its trace and indexing it
-        for rank in _ranks_on_disk(run, info.step):
-            if rank not in info.ranks:
-                data.problems.append(
-                    f"step {info.step} rank {rank}: trace file on disk but not in the index"
-                )
-    return sorted(kept, key=lambda info: info.step)
+    return captures
 
 
 def _ranks_on_disk(run: RunDir, step: int) -> list[int]:
@@ -269,7 +318,7 @@ def _ranks_on_disk(run: RunDir, step: int) -> list[int]:
     return sorted(ranks)
 
 
-def _expected_ranks(data: RunData, info: CaptureInfo, records: list[IndexRecord]) -> list[int]:
+def _expected_ranks(data: RunData, info: CaptureInfo) -> list[int]:
     if info.request is not None:
         # a requested capture covers only the ranks asked for: those that wrote, or
         # more if the response file names them
@@ -280,18 +329,20 @@ def _expected_ranks(data: RunData, info: CaptureInfo, records: list[IndexRecord]
     return list(range(data.world_size))
 
 
-def _step_files(data: RunData) -> list[int]:
-    """Ranks of the world with a steps file, found by listing steps/ (never by probing
-    each rank of a world size read from a file)."""
-    folder = data.run.path / "steps"
-    if not folder.is_dir():
-        return []
-    ranks = []
-    for path in itertools.islice(folder.iterdir(), MAX_LISTED):
-        match = _RANK_STEPS.match(path.name)
-        if match and len(match.group(1)) < 9 and int(match.group(1)) < data.world_size:
-            ranks.append(int(match.group(1)))
-    return sorted(ranks)
+def _step_files(data: RunData) -> dict[int, int]:
+    """Ranks of the world with a steps file and the copy holding it (the first given
+    that has one), found by listing steps/ (never by probing each rank of a world size
+    read from a file)."""
+    ranks: dict[int, int] = {}
+    for copy, run in enumerate(data.copies):
+        folder = run.path / "steps"
+        if not folder.is_dir():
+            continue
+        for path in itertools.islice(folder.iterdir(), MAX_LISTED):
+            match = _RANK_STEPS.match(path.name)
+            if match and len(match.group(1)) < 9 and int(match.group(1)) < data.world_size:
+                ranks.setdefault(int(match.group(1)), copy)
+    return dict(sorted(ranks.items()))
 
 
 # steps x ranks the report aligns at most (each cell is a Python float in a list, ~32
@@ -325,14 +376,15 @@ def load_steps(data: RunData) -> StepSeries:
     collections: dict[int, dict[int, tuple[float, int]]] = {}
     skipped: set[int] = set()
     phases: dict[int, PhaseTable] = {}
-    for rank in _step_files(data):
-        path = data.run.steps_csv(rank)
+    for rank, copy in data.step_files.items():
+        run = data.copies[copy]
+        path = run.steps_csv(rank)
         rows: dict[int, tuple[float, bool, bool, float]] = {}
         pauses: dict[int, tuple[float, int]] = {}
         try:
             read = read_steps(path)
         except OSError as err:
-            data.problems.append(f"{data.run.relative(path)}: cannot be read ({err.strerror})")
+            data.problems.append(f"{_shown(data, run, path)}: cannot be read ({err.strerror})")
             continue
         skipped.update(row.step for row in read.rows if row.skipped)
         table = PhaseTable.of_rows({row.step: (*row.phases, row.self_ms) for row in read.rows})
@@ -346,7 +398,7 @@ def load_steps(data: RunData) -> StepSeries:
             else:
                 pauses[row.step] = pause
         if read.bad:
-            data.problems.append(f"{data.run.relative(path)}: {read.bad} unreadable row(s) skipped")
+            data.problems.append(f"{_shown(data, run, path)}: {read.bad} unreadable row(s) skipped")
         per_rank_rows[rank] = rows
         collections[rank] = pauses
     steps = _aligned_steps(data, per_rank_rows)
@@ -361,3 +413,9 @@ def load_steps(data: RunData) -> StepSeries:
     return StepSeries(
         steps, per_rank, traced, flushed, own, collections, frozenset(skipped), phases
     )
+
+
+def _shown(data: RunData, run: RunDir, path: Path) -> str:
+    """A file of the run as a problem line names it: relative to its run directory,
+    whole where the run came in several copies and this is not the first."""
+    return run.relative(path) if run is data.run else str(path)

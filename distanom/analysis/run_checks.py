@@ -95,6 +95,7 @@ RUN_FIELDS: dict[str, Check] = {
     "config": _config,
     "hosts": _list_of(_str),
     "nodes": _dict_of(_list_of(_int)),
+    "node_ranks": _list_of(_int),
 }
 """run.json's fields and the shape each must have."""
 

@@ -29,6 +29,7 @@ class RunInfo(TypedDict, total=False):
     config: dict[str, Any]
     hosts: list[str]  # host of each rank
     nodes: dict[str, list[int]]  # host -> its ranks
+    node_ranks: list[int]  # torchrun's node (GROUP_RANK) of each rank, -1 unknown
 
 
 def runtime_versions() -> dict[str, str | None]:
@@ -56,6 +57,7 @@ def build_run_info(
     argv: list[str],
     config: dict[str, Any],
     hosts: list[str] | None,
+    node_ranks: list[int] | None = None,
 ) -> RunInfo:
     """The run.json body; `versions` holds distanom, torch, cuda and python, in that order."""
     body: dict[str, Any] = {"run_id": run_id, **versions}
@@ -66,6 +68,8 @@ def build_run_info(
         for rank, host in enumerate(hosts):
             nodes.setdefault(host, []).append(rank)
         body["nodes"] = nodes
+    if node_ranks is not None:
+        body["node_ranks"] = node_ranks
     return body  # type: ignore[return-value]
 
 
@@ -97,6 +101,17 @@ def world_size_problem(info: RunInfo | dict[str, Any]) -> str | None:
         return None
     shown = repr(size) if len(repr(size)) < 40 else repr(size)[:40] + "..."
     return f"world_size {shown} is not an integer in 1..{MAX_WORLD_SIZE}; read as 1"
+
+
+def node_ranks_of(info: RunInfo | dict[str, Any]) -> list[int]:
+    """The node of each rank (-1 unknown), [] when absent or damaged."""
+    nodes = info.get("node_ranks")
+    if not isinstance(nodes, list):
+        return []
+    return [
+        n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n < MAX_WORLD_SIZE else -1
+        for n in nodes[:MAX_WORLD_SIZE]
+    ]
 
 
 def hosts_of(info: RunInfo | dict[str, Any]) -> list[str]:

@@ -12,7 +12,7 @@ import pytest
 
 from distanom.cli import main as cli_main
 from distanom.records.steps import STEPS_CSV_HEADER
-from tests.conftest import TOY, free_port, job_env, launch, torchrun, why_not_captured
+from tests.conftest import TOY, job_env, launch, torchrun, why_not_captured
 
 FAST = [  # every step traced (a one-off stall is captured): the budget off
     "--set",
@@ -128,46 +128,3 @@ def test_unwritable_run_dir_warns_and_training_finishes(tmp_path: Path) -> None:
     warnings = [line for line in done.stderr.splitlines() if "capture steps aside" in line]
     assert len(warnings) == 2  # once per rank
     assert all("cannot create run directory" in w or "could not create" in w for w in warnings)
-
-
-def test_two_nodes_share_one_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    port = free_port()
-    common = [
-        "--nnodes=2",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=twonode",
-    ]
-    launch = ["--run-dir", "runs", *FAST]
-    script = ["--steps", "70", "--stall-rank", "1", "--stall-steps", "45", "--stall-s", "0.5"]
-    nodes = []
-    for node in range(2):
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            *common,
-            f"--node-rank={node}",
-            "--nproc-per-node=1",
-            "-m",
-            "distanom.launch",
-            *launch,
-            str(TOY),
-            *script,
-        ]
-        nodes.append(
-            subprocess.Popen(
-                command,
-                cwd=tmp_path,
-                env=job_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outputs = [node.communicate(timeout=240) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:]
-    report = report_json(tmp_path / "runs", capsys)
-    assert report["world_size"] == 2
-    captures = {c["step"]: c for c in report["captures"]}
-    assert 45 in captures and sorted(captures[45]["ranks"]) == ["0", "1"]
