@@ -194,3 +194,12 @@ def test_rank_zero_names_the_run_and_every_rank_its_place(tmp_path: Path) -> Non
     places = read_places(group, 1)
     assert [(p.node_rank, p.host) for p in places] == [(0, "h0")]
     assert read_nodes(run)[0][0].ranks == (0,)
+
+
+def test_status_on_another_nodes_copy_says_where_status_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, node1 = split_into_copies(tmp_path)
+    assert cli_main(["status", str(node1)]) == 2
+    err = capsys.readouterr().err
+    assert "another node's copy of the run" in err and "node 0's copy" in err
