@@ -41,6 +41,7 @@ import functools
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -237,14 +238,12 @@ class PhaseMarks:
         if seen is None:
             if len(self._top) >= MAX_TOP_MODULES:
                 return
-            import weakref
-
             seen = self._top[id(module)] = [weakref.ref(module), 0, 0]
         seen[1] += time.perf_counter_ns() - self._entered_ns
         seen[2] += 1
 
     def _drop_global_hooks(self) -> None:
-        for handle in getattr(self, "_global", ()):
+        for handle in self._global:
             handle.remove()
         self._global = []
 

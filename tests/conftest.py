@@ -33,6 +33,14 @@ class Ticks:
         return self.now
 
 
+# every step traced, so a one-off stall is captured (the budget off), judged early
+EVERY_STEP_TRACED = [
+    *["--set", "tracer.overhead_budget_pct=null"],
+    *["--set", "detect.warmup_steps=5", "--set", "detect.min_steps=15"],
+    *["--set", "detect.window_steps=60"],
+]
+
+
 def why_not_captured(report: dict, step: int, stderr: str = "") -> dict:
     """What a failed "step was captured" assertion shows: the step's anomaly, the
     captures made, the capture state, its index lines, and the end of the job's log."""

@@ -92,7 +92,8 @@ class LostTime:
 
 def lost_time(anomalies: Sequence[Anomaly], run_ms: float | None) -> LostTime:
     """Group the anomalies' lost time (step time over the median) by verdict."""
-    groups: dict[tuple[int | None, str, str | None], list[tuple[int, float, bool]]] = {}
+    # per group: (step, lost ms, the step it is a knock-on of, or None)
+    groups: dict[tuple[int | None, str, str | None], list[tuple[int, float, Any]]] = {}
     for anomaly in anomalies:
         lost = anomaly.step_ms - anomaly.median_ms
         if not (math.isfinite(lost) and lost > 0):
@@ -100,16 +101,12 @@ def lost_time(anomalies: Sequence[Anomaly], run_ms: float | None) -> LostTime:
         verdict = anomaly.verdict
         knock = verdict.details.get("knock_on_of")
         key = (verdict.culprit_rank, verdict.cause, verdict.phase)
-        groups.setdefault(key, []).append((anomaly.step, lost, isinstance(knock, int)))
+        groups.setdefault(key, []).append((anomaly.step, lost, knock))
     shares = []
     for (rank, cause, phase), members in groups.items():
         steps = [step for step, _lost, _knock in members]
         in_group = set(steps)
-        knock_ons = sum(
-            1
-            for anomaly in anomalies
-            if anomaly.step in in_group and anomaly.verdict.details.get("knock_on_of") in in_group
-        )
+        knock_ons = sum(1 for _step, _lost, knock in members if knock in in_group)
         shares.append(
             LostShare(
                 rank,

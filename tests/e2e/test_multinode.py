@@ -17,18 +17,9 @@ from pathlib import Path
 import pytest
 
 from distanom.cli import main as cli_main
-from tests.conftest import TOY, free_port, job_env, why_not_captured
+from tests.conftest import EVERY_STEP_TRACED, TOY, free_port, job_env, why_not_captured
 
-FAST = [  # every step traced, so the one stall is captured: the budget off
-    "--set",
-    "tracer.overhead_budget_pct=null",
-    "--set",
-    "detect.warmup_steps=5",
-    "--set",
-    "detect.min_steps=15",
-    "--set",
-    "detect.window_steps=60",
-]
+FAST = EVERY_STEP_TRACED
 STALL_STEP = 40
 SCRIPT = ["--steps", "60", "--stall-rank", "1", "--stall-steps", str(STALL_STEP)]
 

@@ -12,18 +12,9 @@ import pytest
 
 from distanom.cli import main as cli_main
 from distanom.records.steps import STEPS_CSV_HEADER
-from tests.conftest import TOY, job_env, launch, torchrun, why_not_captured
+from tests.conftest import EVERY_STEP_TRACED, TOY, job_env, launch, torchrun, why_not_captured
 
-FAST = [  # every step traced (a one-off stall is captured): the budget off
-    "--set",
-    "tracer.overhead_budget_pct=null",
-    "--set",
-    "detect.warmup_steps=5",
-    "--set",
-    "detect.min_steps=15",
-    "--set",
-    "detect.window_steps=60",
-]
+FAST = EVERY_STEP_TRACED
 
 
 def report_json(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> dict:
