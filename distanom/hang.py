@@ -32,7 +32,7 @@ from distanom.records.hangs import (
     Frame,
     HangRecord,
     ThreadStack,
-    hang_dirs,
+    hang_ranks,
     write_hang_record,
 )
 from distanom.rundir import RunDir
@@ -206,7 +206,7 @@ class HangWatch:
 
         deadline = time.monotonic() + min(limit, 30.0) + 2 * self.config.poll_s
         while time.monotonic() < deadline and not self._stop.is_set():
-            written = hang_dirs(run).get(number, {})
+            written = hang_ranks(run, number)
             if sum(rank < self.world.world_size for rank in written) >= self.world.world_size:
                 break
             self._stop.wait(self.config.poll_s)

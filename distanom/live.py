@@ -28,7 +28,7 @@ from distanom.records.requests import (
 from distanom.records.run_info import MAX_WORLD_SIZE, world_size_of
 from distanom.records.status import Status, heartbeat, job_alive, read_status, stale_since
 from distanom.rundir import RunDir
-from distanom.sanitize import terminal_safe
+from distanom.sanitize import json_finite, terminal_safe
 
 POLL_S = 0.2
 
@@ -122,8 +122,10 @@ def _int(value: Any) -> str:
 
 def status_json(run: RunDir, status: Status | dict[str, Any]) -> dict[str, Any]:
     """`distanom status --json`: status.json as written, plus the hangs the ranks recorded
-    (each rank writes its own, so they show even while rank 0's status is stale)."""
-    return {**status, "hangs": [hang.as_json() for hang in _hangs(run, status)]}
+    (each rank writes its own, so they show even while rank 0's status is stale); a
+    number that is not finite is null."""
+    body = json_finite(dict(status))  # a planted 1e999 must not crash the JSON writer
+    return {**body, "hangs": [hang.as_json() for hang in _hangs(run, status)]}
 
 
 def _hangs(run: RunDir, status: Status | dict[str, Any]) -> list[Hang]:

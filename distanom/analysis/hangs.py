@@ -18,12 +18,19 @@ rather than the summaries a hang record keeps.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from distanom.errors import RunDirError
-from distanom.records.hangs import Collective, HangRecord, hang_dirs, read_hang_record
+from distanom.records.hangs import (
+    Collective,
+    HangRecord,
+    hang_numbers,
+    hang_ranks,
+    read_hang_record,
+)
 from distanom.rundir import RunDir
 
 __all__ = [
@@ -41,6 +48,7 @@ _TORCH_WAITS = ("/torch/distributed/", "/torch/nn/parallel/", "/torch/autograd/"
 # Frames from these paths are libraries, not the script (the culprit's frame named).
 _LIBRARY_PATHS = ("/lib/python3", "site-packages", "dist-packages", "<frozen", "/distanom/")
 STACK_FRAMES_SHOWN = 12  # frames of a stack the text report and status print
+MISSING_LISTED = 32  # ranks without a record listed one by one; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,8 @@ class Hang:
     culprit_rank: int | None
     cause: str
     ranks: dict[int, HangRank]
+    unlisted: int = 0
+    """Ranks past the first MISSING_LISTED without a record: counted, not listed."""
 
     def summary(self) -> str:
         """The verdict in one line."""
@@ -89,13 +99,14 @@ class Hang:
             "culprit_rank": self.culprit_rank,
             "cause": self.cause,
             "ranks": {str(rank): entry.as_json() for rank, entry in sorted(self.ranks.items())},
+            "ranks_unlisted": self.unlisted,
         }
 
 
 def read_hang(run: RunDir, number: int) -> tuple[list[HangRecord], list[str]]:
     """The records of hang `number` and the problems met reading them."""
     records, problems = [], []
-    for path in hang_dirs(run).get(number, {}).values():
+    for path in hang_ranks(run, number).values():
         try:
             records.append(read_hang_record(path))
         except RunDirError as err:
@@ -110,7 +121,7 @@ def read_hangs(runs: RunDir | Sequence[RunDir], world_size: int) -> tuple[list[H
     by_number: dict[int, dict[int, HangRecord]] = {}
     problems: list[str] = []
     for run in copies:
-        for number in hang_dirs(run):
+        for number in hang_numbers(run):
             records, found = read_hang(run, number)
             problems.extend(found)
             held = by_number.setdefault(number, {})
@@ -132,7 +143,8 @@ def judge_hang(number: int, records: list[HangRecord], world_size: int) -> Hang:
     world = world_size
     by_rank = {r.rank: r for r in records if 0 <= r.rank < world}
     culprit, cause = _by_collectives(by_rank)
-    missing = [rank for rank in range(world) if rank not in by_rank]
+    # the first MISSING_LISTED ranks without a record (a world of 10^5 is not walked)
+    missing = list(itertools.islice((r for r in range(world) if r not in by_rank), MISSING_LISTED))
     if culprit is None and missing:
         culprit = missing[0]
         cause = (
@@ -164,6 +176,7 @@ def judge_hang(number: int, records: list[HangRecord], world_size: int) -> Hang:
         culprit_rank=culprit,
         cause=cause or "",
         ranks=ranks,
+        unlisted=world - len(by_rank) - len(missing),
     )
 
 
@@ -277,6 +290,8 @@ def hang_lines(hang: Hang, frames: int = STACK_FRAMES_SHOWN) -> list[str]:
             continue
         where = _collective_text(entry.collective)
         lines.append(f"  rank {rank}: last step {entry.last_step}; {where}")
+    if hang.unlisted:
+        lines.append(f"  {hang.unlisted} more rank(s): no hang record")
     culprit = hang.ranks.get(hang.culprit_rank) if hang.culprit_rank is not None else None
     if culprit is not None and culprit.stack:
         lines.append(f"  rank {hang.culprit_rank}'s training thread (innermost last):")

@@ -263,11 +263,16 @@ def _culprit_cell(capture: Capture) -> str:
 
 
 def _merged_link(capture: Capture) -> str:
-    """A link to the merged trace, and how to open it (Perfetto loads local files)."""
+    """A link to the merged trace, and how to open it (Perfetto loads local files); a
+    link only to a file inside the run, never through a planted link."""
     merged = capture.merged
     if merged is None:
         return ""
-    uri = Path(merged.path).resolve().as_uri()
+    path = Path(merged.path)
+    run = path.parents[len(Path(merged.relative).parts) - 1]
+    if path.is_symlink() or not path.resolve().is_relative_to(run.resolve()):
+        return f"<p>All ranks in one trace: {_e(merged.relative)} (not a file of the run).</p>"
+    uri = path.resolve().as_uri()
     return (
         f'<p>All ranks in one trace: <a href="{_e(uri)}">{_e(merged.relative)}</a>. '
         "Open it in Perfetto (https://ui.perfetto.dev, <i>Open trace file</i>; the "

@@ -74,6 +74,16 @@ class PhaseTable:
             return None
         return cls(steps, values)
 
+    @classmethod
+    def of_columns(cls, steps: np.ndarray, values: np.ndarray) -> PhaseTable | None:
+        """A table of steps (ascending, each once) and their rows (the phase columns, then
+        `self_ms`), None when no row has a known value (as `of_rows`)."""
+        if not len(steps) or values.ndim != 2 or values.shape[1] != COLUMNS:
+            return None
+        if not np.isfinite(values).any():
+            return None
+        return cls(np.asarray(steps, dtype=np.int64), np.asarray(values, dtype=np.float32))
+
     def row(self, step: int) -> np.ndarray | None:
         """The step's columns, None when the step has no row."""
         at = int(np.searchsorted(self.steps, step))

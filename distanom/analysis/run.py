@@ -12,15 +12,16 @@ torch here.
 
 from __future__ import annotations
 
-import collections as collections_module
 import itertools
 import math
 import re
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
+
+import numpy as np
 
 from distanom.analysis.copies import missing_nodes, node_of_ranks, open_copies
 from distanom.analysis.phases import PhaseTable
@@ -38,7 +39,7 @@ from distanom.records.run_info import (
     world_size_problem,
 )
 from distanom.records.status import job_alive, load_status
-from distanom.records.steps import read_steps
+from distanom.records.steps import StepColumns, read_step_columns
 from distanom.rundir import RunDir, capture_steps_on_disk
 
 ORPHAN_AGE_S = 60.0  # a live writer's temporary file is seconds old
@@ -100,10 +101,11 @@ class CaptureInfo:
 
 @dataclass
 class StepSeries:
-    """Every rank's step times, aligned by step (NaN where a rank has none)."""
+    """Every rank's step times, aligned by step (NaN where a rank has none): one float64
+    array per rank, so a long run costs 8 bytes a cell."""
 
     steps: list[int]
-    per_rank: dict[int, list[float]]
+    per_rank: dict[int, np.ndarray]  # lists are taken too, and stored as arrays
     traced: list[bool]  # on every rank
     after_flush: list[bool] = field(default_factory=list)  # on any rank
     self_ms: list[float] = field(default_factory=list)  # the longest on any rank
@@ -112,35 +114,43 @@ class StepSeries:
     skipped: frozenset[int] = frozenset()  # steps whose optimizer step was skipped, any rank
     phases: dict[int, PhaseTable] = field(default_factory=dict)  # per rank, where recorded
 
-    def samples(self) -> list[StepSample]:
-        """The steps as the detector saw them (same fields the consensus gathers)."""
-        out = []
-        for position, step in enumerate(self.steps):
-            own = self.self_ms[position] if self.self_ms else 0.0
-            out.append(
-                StepSample(
-                    step,
-                    tuple(values[position] for values in self.per_rank.values()),
+    def __post_init__(self) -> None:
+        self.per_rank = {
+            rank: np.asarray(values, dtype=np.float64) for rank, values in self.per_rank.items()
+        }
+
+    def samples(self) -> Iterator[StepSample]:
+        """The steps as the detector saw them (same fields the consensus gathers), made a
+        block of steps at a time."""
+        columns = list(self.per_rank.values())
+        for first in range(0, len(self.steps), SAMPLE_BLOCK):
+            last = min(first + SAMPLE_BLOCK, len(self.steps))
+            block = np.column_stack([v[first:last] for v in columns]).tolist() if columns else []
+            for position in range(first, last):
+                own = self.self_ms[position] if self.self_ms else 0.0
+                yield StepSample(
+                    self.steps[position],
+                    tuple(block[position - first]) if block else (),
                     self.traced[position],
                     after_flush=bool(self.after_flush and self.after_flush[position]),
                     disturbed=own > 0,
                     self_ms=own,
                 )
-            )
-        return out
 
     def step_ms(self) -> list[float]:
         """Each step's time on its slowest rank (NaN where no rank has one)."""
-        out = []
-        for position in range(len(self.steps)):
-            values = [v[position] for v in self.per_rank.values() if math.isfinite(v[position])]
-            out.append(max(values) if values else math.nan)
-        return out
+        out = np.full(len(self.steps), np.nan)
+        for values in self.per_rank.values():
+            out = np.fmax(out, values)
+        return [float(v) for v in out.tolist()]
 
     def median_ms(self) -> float | None:
         """The median of `step_ms`, None without any finite step."""
         finite = [v for v in self.step_ms() if math.isfinite(v)]
         return statistics.median(finite) if finite else None
+
+
+SAMPLE_BLOCK = 4096  # steps turned into samples at a time (ranks x block floats)
 
 
 @dataclass
@@ -345,23 +355,34 @@ def _step_files(data: RunData) -> dict[int, int]:
     return dict(sorted(ranks.items()))
 
 
-# steps x ranks the report aligns at most (each cell is a Python float in a list, ~32
-# bytes): step files that disagree (disjoint steps on every rank, as a planted set can)
-# must not make the report build ranks x all their steps
+# steps x ranks the report aligns at most (8 bytes a cell): step files that disagree
+# (disjoint steps on every rank, as a planted set can) must not make the report build
+# ranks x all their steps
 MAX_ALIGNED_CELLS = 6_000_000
 
 
-def _aligned_steps(data: RunData, per_rank_rows: Mapping[int, Mapping[int, Any]]) -> list[int]:
+@dataclass(frozen=True)
+class _RankSteps:
+    """One rank's readable rows, a row per step (the later of a repeated one), by step."""
+
+    steps: np.ndarray
+    duration_ms: np.ndarray
+    traced: np.ndarray
+    after_flush: np.ndarray
+    self_ms: np.ndarray
+
+
+def _aligned_steps(data: RunData, per_rank: Mapping[int, _RankSteps]) -> np.ndarray:
     """The steps the series aligns: every step any rank has, unless that makes more than
     `MAX_ALIGNED_CELLS` cells; then the steps most ranks hold (the latest first among
     equals), with a problem line saying how many were left out."""
-    union = set().union(*(rows.keys() for rows in per_rank_rows.values()))
-    ranks = max(1, len(per_rank_rows))
+    every = [rows.steps for rows in per_rank.values()]
+    union, held = np.unique(np.concatenate([np.empty(0, np.int64), *every]), return_counts=True)
+    ranks = max(1, len(per_rank))
     keep = MAX_ALIGNED_CELLS // ranks
     if len(union) <= keep:
-        return sorted(union)
-    held = collections_module.Counter(step for rows in per_rank_rows.values() for step in rows)
-    chosen = sorted(sorted(held, key=lambda step: (-held[step], -step))[:keep])
+        return np.asarray(union)
+    chosen = np.sort(union[np.lexsort((-union, -held))[:keep]])
     data.problems.append(
         f"steps/: {len(union) - len(chosen)} steps left out of the step series: "
         f"{len(union)} steps on {ranks} ranks is more than the report aligns "
@@ -372,47 +393,63 @@ def _aligned_steps(data: RunData, per_rank_rows: Mapping[int, Mapping[int, Any]]
 
 def load_steps(data: RunData) -> StepSeries:
     """Every rank's steps/rank<R>.csv, aligned by step; damaged rows become problems."""
-    per_rank_rows: dict[int, dict[int, tuple[float, bool, bool, float]]] = {}
+    per_rank_rows: dict[int, _RankSteps] = {}
     collections: dict[int, dict[int, tuple[float, int]]] = {}
     skipped: set[int] = set()
     phases: dict[int, PhaseTable] = {}
     for rank, copy in data.step_files.items():
         run = data.copies[copy]
         path = run.steps_csv(rank)
-        rows: dict[int, tuple[float, bool, bool, float]] = {}
-        pauses: dict[int, tuple[float, int]] = {}
         try:
-            read = read_steps(path)
+            read = read_step_columns(path)
         except OSError as err:
             data.problems.append(f"{_shown(data, run, path)}: cannot be read ({err.strerror})")
             continue
-        skipped.update(row.step for row in read.rows if row.skipped)
-        table = PhaseTable.of_rows({row.step: (*row.phases, row.self_ms) for row in read.rows})
-        if table is not None:
-            phases[rank] = table
-        for row in read.rows:
-            rows[row.step] = (row.duration_ms, row.traced, row.after_flush, row.self_ms)
-            pause = row.gc_pause
-            if pause is None:
-                pauses.pop(row.step, None)  # a repeated row replaces the whole step
-            else:
-                pauses[row.step] = pause
         if read.bad:
             data.problems.append(f"{_shown(data, run, path)}: {read.bad} unreadable row(s) skipped")
-        per_rank_rows[rank] = rows
-        collections[rank] = pauses
+        skipped.update(read.step[read.skipped].tolist())
+        per_rank_rows[rank], table, collections[rank] = _one_row_per_step(read)
+        if table is not None:
+            phases[rank] = table
     steps = _aligned_steps(data, per_rank_rows)
-    missing = (math.nan, True, False, 0.0)
-    per_rank = {
-        rank: [rows.get(step, missing)[0] for step in steps] for rank, rows in per_rank_rows.items()
-    }
-    every = list(per_rank_rows.values())
-    traced = [all(rows.get(step, missing)[1] for rows in every) for step in steps]
-    flushed = [any(rows.get(step, missing)[2] for rows in every) for step in steps]
-    own = [max((rows.get(step, missing)[3] for rows in every), default=0.0) for step in steps]
+    per_rank: dict[int, np.ndarray] = {}
+    traced = np.ones(len(steps), dtype=bool)  # a rank without the step does not veto
+    flushed = np.zeros(len(steps), dtype=bool)
+    own = np.zeros(len(steps))
+    for rank, rows in per_rank_rows.items():
+        per_rank[rank] = np.full(len(steps), np.nan)
+        if not len(rows.steps):
+            continue
+        where = np.minimum(np.searchsorted(rows.steps, steps), len(rows.steps) - 1)
+        present = rows.steps[where] == steps
+        per_rank[rank][present] = rows.duration_ms[where[present]]
+        traced &= ~present | rows.traced[where]
+        flushed |= present & rows.after_flush[where]
+        own = np.maximum(own, np.where(present, rows.self_ms[where], 0.0))
     return StepSeries(
-        steps, per_rank, traced, flushed, own, collections, frozenset(skipped), phases
+        steps.tolist(), per_rank, traced.tolist(), flushed.tolist(), own.tolist(), collections,
+        frozenset(skipped), phases,
+    )  # fmt: skip
+
+
+def _one_row_per_step(
+    read: StepColumns,
+) -> tuple[_RankSteps, PhaseTable | None, dict[int, tuple[float, int]]]:
+    """A rank's rows by step, its phase table and its collections; of a repeated step the
+    later row wins, whole (its collection too)."""
+    reverse_first = np.unique(read.step[::-1], return_index=True)[1]
+    last = len(read) - 1 - reverse_first  # ascending by step
+    step = read.step[last]
+    table = PhaseTable.of_columns(step, np.column_stack([read.phases[last], read.self_ms[last]]))
+    collected = last[read.gc_ms[last] > 0]
+    spent, generation = read.gc_ms[collected].tolist(), read.gc_generation[collected].tolist()
+    pauses = dict(
+        zip(read.step[collected].tolist(), zip(spent, generation, strict=True), strict=True)
     )
+    rows = _RankSteps(
+        step, read.duration_ms[last], read.traced[last], read.after_flush[last], read.self_ms[last]
+    )
+    return rows, table, pauses
 
 
 def _shown(data: RunData, run: RunDir, path: Path) -> str:

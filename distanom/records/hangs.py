@@ -35,6 +35,8 @@ __all__ = [
     "HangRecord",
     "ThreadStack",
     "hang_dirs",
+    "hang_numbers",
+    "hang_ranks",
     "read_hang_record",
     "record_path",
     "write_hang_record",
@@ -48,6 +50,7 @@ CAUSE_ROUND_TIMEOUT = "round_timeout"  # a consensus round timed out or lost a p
 # is a few kB; folders beyond these counts are left unread
 MAX_RECORD_BYTES = 4 << 20
 MAX_ENTRIES = 1 << 17
+MAX_HANGS = 64  # the latest hang folders read
 MAX_THREADS = 256
 MAX_GROUPS = 256
 MAX_FRAMES = 256  # per thread
@@ -167,28 +170,42 @@ def write_hang_record(run: RunDir, record: HangRecord) -> Path:
 
 
 def hang_dirs(run: RunDir) -> dict[int, dict[int, Path]]:
-    """Every hang folder's rank records: {hang number: {rank: path}}, in number order."""
+    """The latest `MAX_HANGS` hang folders' rank records: {hang number: {rank: path}}, in
+    number order (a job hangs once or twice; planted folders beyond these are not read)."""
+    return {number: hang_ranks(run, number) for number in hang_numbers(run)}
+
+
+def hang_numbers(run: RunDir) -> list[int]:
+    """The numbers of the latest `MAX_HANGS` hang folders (of the first MAX_ENTRIES
+    entries of hangs/), ascending; [] when hangs/ is missing or a link."""
     base = run.path / HANGS_DIR
-    found: dict[int, dict[int, Path]] = {}
+    numbers = []
     try:
-        folders = sorted(itertools.islice(base.iterdir(), MAX_ENTRIES)) if _real_dir(base) else []
+        entries = itertools.islice(base.iterdir(), MAX_ENTRIES) if _real_dir(base) else ()
+        for entry in entries:
+            match = _HANG_FOLDER.match(entry.name)
+            if match is not None:
+                numbers.append(int(match.group(1)))
     except OSError:
-        return {}
-    for folder in folders:
-        match = _HANG_FOLDER.match(folder.name)
-        if match is None or not folder.is_dir() or folder.is_symlink():
-            continue
-        ranks: dict[int, Path] = {}
-        try:
-            files = list(itertools.islice(folder.iterdir(), MAX_ENTRIES))
-        except OSError:
-            continue
-        for path in files:
+        return []
+    return sorted(numbers)[-MAX_HANGS:]
+
+
+def hang_ranks(run: RunDir, number: int) -> dict[int, Path]:
+    """One hang folder's rank records, {rank: path} in rank order ({} when the folder is
+    missing or a link; files that are links are left out)."""
+    folder = run.path / HANGS_DIR / f"hang_{number}"
+    ranks: dict[int, Path] = {}
+    try:
+        if not _real_dir(folder):
+            return {}
+        for path in itertools.islice(folder.iterdir(), MAX_ENTRIES):
             rank_match = _RANK_FILE.match(path.name)
             if rank_match is not None and path.is_file() and not path.is_symlink():
                 ranks[int(rank_match.group(1))] = path
-        found[int(match.group(1))] = dict(sorted(ranks.items()))
-    return dict(sorted(found.items()))
+    except OSError:
+        return {}
+    return dict(sorted(ranks.items()))
 
 
 def _real_dir(path: Path) -> bool:

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+import numpy as np
 
 from distanom.rundir import FILE_MODE
 from distanom.safe_io import open_append_at, open_dir, open_regular
@@ -123,91 +126,229 @@ class StepsFile:
     bad: int
 
 
+WIDTH = 8 + len(PHASE_COLUMNS)  # the columns a row has today; older rows have fewer
+_DEFAULTS = np.array([np.nan, np.nan, 0, 0, 0, 0, np.nan, 0] + [np.nan] * len(PHASE_COLUMNS))
+_REQUIRED = (0, 1, 4)  # step, duration, self_ms: a row whose cell is unreadable is damaged
+
+
+@dataclass(frozen=True)
+class StepColumns:
+    """One steps file read into columns (one entry per readable row, in file order) and
+    the number of damaged rows: the report's form, a few tens of bytes a row."""
+
+    step: np.ndarray  # int64
+    duration_ms: np.ndarray  # float64
+    traced: np.ndarray  # bool
+    after_flush: np.ndarray  # bool
+    self_ms: np.ndarray  # float64
+    gc_ms: np.ndarray  # float64, 0 where no collection ran
+    gc_generation: np.ndarray  # int8, -1 where no collection ran
+    skipped: np.ndarray  # bool
+    phases: np.ndarray  # float32, one row of PHASE_COLUMNS per step, NaN: not known
+    bad: int
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def rows(self) -> list[StepRow]:
+        """The rows as `StepRow`s (an object per row: for small files and tests); an
+        unknown phase is `math.nan` itself, as rows made in memory hold it."""
+        return [
+            StepRow(
+                int(self.step[i]),
+                float(self.duration_ms[i]),
+                bool(self.traced[i]),
+                bool(self.after_flush[i]),
+                float(self.self_ms[i]),
+                float(self.gc_ms[i]),
+                int(self.gc_generation[i]),
+                bool(self.skipped[i]),
+                tuple(v if v == v else math.nan for v in self.phases[i].tolist()),
+            )
+            for i in range(len(self.step))
+        ]
+
+
 def read_steps(path: Path) -> StepsFile:
-    """Every readable row of a steps file; damaged rows are counted, never raised.
+    """Every readable row of a steps file as `StepRow`s (`read_step_columns`' rules)."""
+    columns = read_step_columns(path)
+    return StepsFile(columns.rows(), columns.bad)
+
+
+def read_step_columns(path: Path) -> StepColumns:
+    """Every readable row of a steps file, in columns; damaged rows are counted, never
+    raised.
 
     The header (first line) and rows past `MAX_STEP_ROWS` are skipped. A row needs a step
-    and a duration; flags read as set only when exactly 1; a missing self_ms reads as 0;
-    garbage collection columns that are missing, unreadable, not finite or not positive
-    read as none. Rows longer than MAX_ROW_CHARS, steps out of range and times that are
-    not finite count as damaged. OSError when the file cannot be opened or is not a
-    regular file (a FIFO or a device is refused without blocking).
+    (an integer in 0..MAX_STEP), a duration and a self_ms (0..MAX_DURATION_MS; a missing
+    self_ms reads as 0); flags read as set only when exactly 1; garbage collection columns
+    that are missing, unreadable, not finite or not positive read as none; a phase cell
+    that is unreadable, negative or not finite reads as NaN. Rows longer than
+    MAX_ROW_CHARS are damaged and skipped unread; a damaged row past MAX_SKIP_CHARS ends
+    the read. OSError when the file cannot be opened or is not a regular file (a FIFO or a
+    device is refused without blocking).
     """
-    rows: list[StepRow] = []
-    bad = 0
+    reader = _BlockReader()
     fd = open_regular(path)  # a FIFO or a device in its place: OSError, never a hang
     with os.fdopen(fd, encoding="ascii", errors="replace", newline="") as handle:
-        number = -1
-        while True:
-            line = handle.readline(MAX_ROW_CHARS + 1)
-            if not line:
+        while not reader.done:
+            block = handle.read(BLOCK_CHARS)
+            if not block:
+                reader.end()
                 break
-            number += 1
-            if len(line) > MAX_ROW_CHARS:  # damage: skip the rest of the line unread
-                skipped = len(line)
-                while line and not line.endswith("\n") and skipped <= MAX_SKIP_CHARS:
-                    line = handle.readline(MAX_ROW_CHARS + 1)
-                    skipped += len(line)
-                bad += number > 0
-                if skipped > MAX_SKIP_CHARS:  # no row is this long: the rest is not read
-                    break
-                continue
-            if number > MAX_STEP_ROWS:
-                break  # the file's own bound: rows beyond it are not read at all
-            if number == 0:
-                continue
-            # rows are written unquoted: a comma split reads them as csv would
-            row = line.rstrip("\r\n").split(",")
-            try:
-                after = len(row) > 3 and row[3].strip() == "1"
-                spent = float(row[4]) if len(row) > 4 else 0.0
-                step = int(row[0])
-                duration = float(row[1])
-                traced = row[2].strip() == "1"
-            except (ValueError, IndexError):
-                bad += 1
-                continue
-            if not (
-                0 <= step < MAX_STEP
-                and 0 <= duration < MAX_DURATION_MS
-                and 0 <= spent < MAX_DURATION_MS
-            ):
-                bad += 1
-                continue
-            gc_ms, gc_generation = _gc_pause(row)
-            skipped = len(row) > 7 and row[7].strip() == "1"
-            rows.append(
-                StepRow(
-                    step, duration, traced, after, spent, gc_ms, gc_generation, skipped,
-                    _phases(row),
-                )
-            )  # fmt: skip
-    return StepsFile(rows, bad)
+            reader.feed(block)
+    return _columns(reader.parsed, reader.bad)
 
 
-def _gc_pause(row: list[str]) -> tuple[float, int]:
-    """A row's garbage collection (ms, generation); (0.0, -1) for none or unreadable."""
-    try:
-        spent, generation = float(row[5]), int(row[6])
-    except (ValueError, IndexError):
-        return 0.0, -1
-    return (spent, generation) if math.isfinite(spent) and spent > 0 else (0.0, -1)
+BLOCK_CHARS = 1 << 20  # read at a time: a line with no end costs at most this much more
 
 
-PHASES_AT = 8  # the first phase column
+class _BlockReader:
+    """Cuts blocks of a steps file into rows and parses them a run of equally wide rows
+    at a time, within the file's bounds (row length, damaged-row skip, row count)."""
+
+    def __init__(self) -> None:
+        self.parsed: list[np.ndarray] = []
+        self.bad = 0
+        self.done = False
+        self._lines = 0  # lines met so far, the header included
+        self._carry = ""  # the unfinished line of the last block
+        self._skipped = -1  # chars skipped of a damaged (too long) line; -1: none
+
+    def feed(self, block: str) -> None:
+        """Take the next block of the file."""
+        parts = block.split("\n")
+        if self._skipped >= 0:  # inside a damaged line: skip to its end
+            if len(parts) == 1:
+                self._skip(len(block))
+                return
+            self._skipped = -1
+            parts = parts[1:]
+        else:
+            parts[0] = self._carry + parts[0]
+        self._carry = parts.pop()
+        self._rows(parts)
+        if len(self._carry) > MAX_ROW_CHARS:  # a line that will not end in time: damage
+            self._damaged()
+            self._skip(len(self._carry))
+            self._carry = ""
+
+    def end(self) -> None:
+        """The file ended: its last line (one without a newline) is a row too."""
+        if self._skipped < 0 and self._carry:
+            self._rows([self._carry])
+        self.done = True
+
+    def _skip(self, chars: int) -> None:
+        self._skipped = max(self._skipped, 0) + chars
+        if self._skipped > MAX_SKIP_CHARS:  # no row is this long: the rest is not read
+            self.done = True
+
+    def _damaged(self) -> None:
+        self.bad += self._lines > 0  # a damaged header is not a row
+        self._lines += 1
+
+    def _rows(self, lines: list[str]) -> None:
+        if self.done:
+            return
+        if not self._lines and lines:  # the header
+            lines = lines[1:]
+            self._lines = 1
+        if self._lines + len(lines) > MAX_STEP_ROWS + 1:  # the file's own bound
+            lines = lines[: max(0, MAX_STEP_ROWS + 1 - self._lines)]
+            self.done = True
+        self._lines += len(lines)
+        if any(len(line) > MAX_ROW_CHARS for line in lines):
+            self.bad += sum(len(line) > MAX_ROW_CHARS for line in lines)
+            lines = [line for line in lines if len(line) <= MAX_ROW_CHARS]
+        commas = [line.count(",") for line in lines]
+        first = 0
+        for at in range(1, len(lines) + 1):  # runs of rows as wide as each other
+            if at == len(lines) or commas[at] != commas[first]:
+                values, unreadable = _parse_rows(lines[first:at], commas[first] + 1)
+                self.parsed.append(values)
+                self.bad += unreadable
+                first = at
 
 
-def _phases(row: list[str]) -> tuple[float, ...]:
-    """A row's phase columns; missing, unreadable, negative or not finite read as NaN
-    (a row without them, from before they existed, reads as all NaN)."""
-    if len(row) <= PHASES_AT:
-        return NO_PHASE_VALUES
-    values = []
-    for cell in row[PHASES_AT : PHASES_AT + len(PHASE_COLUMNS)]:
+def _widened(values: np.ndarray) -> np.ndarray:
+    """`values` cut or padded to WIDTH columns (missing ones at their defaults)."""
+    width = values.shape[1]
+    if width >= WIDTH:
+        return values[:, :WIDTH]
+    out = np.empty((len(values), WIDTH))
+    out[:, :width] = values
+    out[:, width:] = _DEFAULTS[width:]
+    return out
+
+
+def _parse_rows(lines: list[str], width: int) -> tuple[np.ndarray, int]:
+    """Rows (no newlines) of `width` cells as a (rows, WIDTH) float array, missing
+    columns at their defaults, and how many rows were unreadable: one vectorised parse;
+    where a cell is not a number, each half again, down to a row at a time."""
+    if width >= 3 and lines:
         try:
-            value = float(cell)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", DeprecationWarning)  # a cell it cannot read
+                flat = np.fromstring(",".join(lines), sep=",")
+        except (ValueError, DeprecationWarning):
+            flat = None
+        if flat is not None and flat.size == width * len(lines):
+            return _widened(flat.reshape(len(lines), width)), 0
+    if len(lines) > 64:
+        half = len(lines) // 2
+        head, head_bad = _parse_rows(lines[:half], width)
+        tail, tail_bad = _parse_rows(lines[half:], width)
+        return np.concatenate([head, tail]), head_bad + tail_bad
+    rows = [_parse_row(line) for line in lines]
+    good = [row for row in rows if row is not None]
+    return np.array(good, dtype=np.float64).reshape(len(good), WIDTH), len(rows) - len(good)
+
+
+def _parse_row(line: str) -> list[float] | None:
+    """One row's cells as WIDTH floats (defaults where missing, NaN where unreadable);
+    None when a required cell is missing or unreadable."""
+    cells = line.rstrip("\r").split(",")[:WIDTH]
+    if len(cells) < 3:  # step, duration and traced at least
+        return None
+    out = list(_DEFAULTS)
+    for at, cell in enumerate(cells):
+        try:
+            out[at] = float(cell)
         except ValueError:
-            value = math.nan
-        values.append(value if math.isfinite(value) and 0 <= value < 1e12 else math.nan)
-    values += [math.nan] * (len(PHASE_COLUMNS) - len(values))
-    return tuple(values)
+            if at in _REQUIRED:
+                return None
+            out[at] = math.nan
+    return out
+
+
+def _columns(parsed: list[np.ndarray], bad: int) -> StepColumns:
+    """The parsed rows checked: damaged ones counted and dropped, the rest in columns."""
+    values = np.concatenate(parsed) if parsed else np.empty((0, WIDTH))
+    step, duration, spent = values[:, 0], values[:, 1], values[:, 4]
+    with np.errstate(invalid="ignore"):
+        good = (
+            (step >= 0) & (step < MAX_STEP) & (step == np.floor(step))
+            & (duration >= 0) & (duration < MAX_DURATION_MS)
+            & (spent >= 0) & (spent < MAX_DURATION_MS)
+        )  # fmt: skip
+        values = values[good]
+        gc_ms, generation = values[:, 5], values[:, 6]
+        collected = (
+            np.isfinite(gc_ms) & (gc_ms > 0)
+            & (generation >= -1) & (generation <= 127) & (generation == np.floor(generation))
+        )  # fmt: skip
+        phases = values[:, 8:]
+        phases = np.where(np.isfinite(phases) & (phases >= 0) & (phases < 1e12), phases, np.nan)
+    return StepColumns(
+        step=values[:, 0].astype(np.int64),
+        duration_ms=np.ascontiguousarray(values[:, 1]),
+        traced=values[:, 2] == 1,
+        after_flush=values[:, 3] == 1,
+        self_ms=np.ascontiguousarray(values[:, 4]),
+        gc_ms=np.where(collected, gc_ms, 0.0),
+        gc_generation=np.where(collected, generation, -1).astype(np.int8),
+        skipped=values[:, 7] == 1,
+        phases=phases.astype(np.float32),
+        bad=bad + int(np.count_nonzero(~good)),
+    )

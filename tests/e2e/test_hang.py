@@ -126,3 +126,41 @@ def test_a_rank_blocked_in_user_code_is_named_while_the_job_hangs(
         assert len(lines) == 1, err[-3000:]
     verdict = [line for line in err.splitlines() if "hang verdict" in line]
     assert len(verdict) == 1 and "culprit rank 1" in verdict[0]
+
+
+def test_a_planted_record_does_not_stop_the_live_verdict(tmp_path: Path) -> None:
+    """A co-user plants hangs/hang_1/rank5.json (a rank outside the 2-rank world, with a
+    frame line of 1e999) before the job hangs: rank 0's watch still logs its verdict."""
+    script = tmp_path / "hang_train.py"
+    script.write_text(SCRIPT)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "distanom.launch", "--run-dir", "runs",
+        "--set", f"hang.after_s={AFTER_S}", "--set", f"hang.poll_s={POLL_S}",
+        "--set", "tracer.backend=none", str(script), "before_backward",
+    ]  # fmt: skip
+    stderr = tmp_path / "stderr.txt"
+    with stderr.open("w") as err_file:
+        job = subprocess.Popen(
+            command, cwd=tmp_path, env=job_env(), stdout=subprocess.DEVNULL, stderr=err_file,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+    try:
+        latest = tmp_path / "runs" / "latest"
+        _wait_for(lambda: (latest / "run.json").exists(), time.monotonic() + 120, job)
+        planted = latest / "hangs" / "hang_1" / "rank5.json"
+        planted.parent.mkdir(parents=True, exist_ok=True)
+        frame = '{"file": "x.py", "line": 1e999, "function": "f", "code": ""}'
+        planted.write_text(
+            '{"version": 1, "rank": 5, "world_size": 8, "host": "h", "pid": 1, "number": 1,'
+            ' "detected_at": 1.0, "cause": "no_step", "reason": "r", "last_step": 0,'
+            ' "silent_s": 1.0, "after_s": 1.0, "flight_recorder": null, "threads":'
+            ' [{"ident": 1, "name": "MainThread", "training": true, "frames": [' + frame + "]}]}"
+        )
+        _wait_for(lambda: "hang verdict" in stderr.read_text(), time.monotonic() + 150, job)
+    finally:
+        kill_job(job)
+    err = stderr.read_text()
+    verdict = [line for line in err.splitlines() if "hang verdict" in line]
+    assert len(verdict) == 1 and "culprit rank 1" in verdict[0], err[-3000:]
+    assert "internal error" not in err

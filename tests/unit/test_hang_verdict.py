@@ -83,7 +83,7 @@ def test_the_rank_that_never_entered_the_collective_is_the_culprit() -> None:
     assert "ranks 0, 2 wait in" in hang.cause
     assert "train.py:7 in wait_forever" in hang.cause  # the script's frame, not a library's
     body = hang.as_json()
-    assert set(body) == {"step", "detected_at", "culprit_rank", "cause", "ranks"}
+    assert set(body) == {"step", "detected_at", "culprit_rank", "cause", "ranks", "ranks_unlisted"}
     assert set(body["ranks"]["1"]) == {"stack", "collective", "last_step"}
     assert body["ranks"]["1"]["stack"][-1] == "train.py:7 in wait_forever: threading.Event().wait()"
     assert body["ranks"]["0"]["collective"] == {
