@@ -1,10 +1,13 @@
 """False anomalies on a healthy job: the loop of tests/e2e/scripts/phases_train.py with no
 fault, under `torchrun -m distanom.launch` at the default config, once with the spread
 fence (`detect.spread_sigmas`, default) and once without (`spread_sigmas=0`: the
-multiplier alone), alternating `--pairs` times. Reports the anomalies per 1,000 judged
-steps of each, with each anomaly's step and ratio.
+multiplier alone), and (`--plain`) under plain `torchrun` with no distanom, alternating
+`--pairs` times. Reports the anomalies per 1,000 judged steps of each, with each
+anomaly's step and ratio, and for every run, from the script's own step times (the same
+clock with or without distanom), how many steps took over 1.5x and over 3x its median:
+slow steps that are there without distanom are the loop's own, not distanom's noise.
 
-    python3 bench/noise_rate.py [--cuda] [--nproc 1] [--steps 2000] [--pairs 2] --out FILE
+    python3 bench/noise_rate.py [--cuda] [--nproc 1] [--steps 2000] [--pairs 2] [--plain] --out FILE
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,18 +26,48 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "e2e" / "scripts" / "phases_train.py"
 
 
-def one_job(nproc: int, steps: int, cuda: bool, sets: list[str], scratch: Path) -> dict:
+def own_times(prefix: Path, nproc: int) -> dict:
+    """Steps over 1.5x and 3x their rank's median in the script's own step times (the
+    first 20 steps, warm-up, left out), per 1,000 steps over all ranks."""
+    over_1_5, over_3, count, spikes = 0, 0, 0, []
+    for rank in range(nproc):
+        path = Path(f"{prefix}.rank{rank}.json")
+        times = json.loads(path.read_text())[20:] if path.exists() else []
+        if not times:
+            continue
+        median = statistics.median(times)
+        count += len(times)
+        over_1_5 += sum(t > 1.5 * median for t in times)
+        over_3 += sum(t > 3 * median for t in times)
+        spikes += [
+            [rank, i + 21, round(t / median, 2)] for i, t in enumerate(times) if t > 3 * median
+        ]
+    per = 1000 / max(count, 1)
+    return {"steps": count, "over_1.5x_per_1000": round(over_1_5 * per, 2),
+            "over_3x_per_1000": round(over_3 * per, 2), "over_3x": spikes[:200]}  # fmt: skip
+
+
+def one_job(nproc: int, steps: int, cuda: bool, sets: list[str] | None, scratch: Path) -> dict:
+    """One run: under distanom with `sets`, or under plain torchrun when `sets` is None."""
     run_dir = scratch / f"runs-{time.monotonic_ns()}"
+    prefix = scratch / f"times-{time.monotonic_ns()}"
+    launch = (
+        [] if sets is None
+        else ["-m", "distanom.launch", "--run-dir", str(run_dir),
+              *[a for s in sets for a in ("--set", s)]]
+    )  # fmt: skip
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", "-m", "distanom.launch", "--run-dir", str(run_dir),
-        *[a for s in sets for a in ("--set", s)], str(SCRIPT), "--steps", str(steps),
-        *(["--cuda"] if cuda else []),
+        f"--nproc-per-node={nproc}", *launch, str(SCRIPT), "--steps", str(steps),
+        "--step-times", str(prefix), *(["--cuda"] if cuda else []),
     ]  # fmt: skip
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    own = own_times(prefix, nproc)
+    if sets is None:
+        return {"rc": done.returncode, "steps": own["steps"], "anomalies": [], "own": own}
     report = subprocess.run(
         [sys.executable, "-m", "distanom", "report", str(run_dir), "--json"],
         capture_output=True, text=True, env=env, timeout=300,
@@ -46,6 +80,7 @@ def one_job(nproc: int, steps: int, cuda: bool, sets: list[str], scratch: Path) 
         "median_ms": found.get("steps", {}).get("median_ms"),
         "threshold_ms": found.get("steps", {}).get("threshold_ms"),
         "anomalies": [[a["step"], a["ratio"], a["traced"]] for a in anomalies],
+        "own": own,
     }
 
 
@@ -55,9 +90,15 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--plain", action="store_true", help="also under plain torchrun")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    variants = {"fence": [], "multiplier_only": ["detect.spread_sigmas=0"]}
+    variants: dict[str, list[str] | None] = {
+        "fence": [],
+        "multiplier_only": ["detect.spread_sigmas=0"],
+    }
+    if args.plain:
+        variants["plain_torchrun"] = None
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as scratch:
         for pair in range(args.pairs):
@@ -65,14 +106,17 @@ def main() -> None:
             for name in order:
                 result = one_job(args.nproc, args.steps, args.cuda, variants[name], Path(scratch))
                 runs[name].append(result)
-                print(name, json.dumps({k: v for k, v in result.items() if k != "anomalies"}),
-                      len(result["anomalies"]), "anomalies", flush=True)  # fmt: skip
+                shown = {k: v for k, v in result.items() if k != "anomalies"}
+                shown["own"] = {k: v for k, v in result["own"].items() if k != "over_3x"}
+                print(name, json.dumps(shown), len(result["anomalies"]), "anomalies", flush=True)
     import torch
 
     summary = {
         name: {
             "anomalies": sum(len(r["anomalies"]) for r in results),
             "steps": sum(r["steps"] or 0 for r in results),
+            "own_over_3x_per_1000": [r["own"]["over_3x_per_1000"] for r in results],
+            "own_over_1.5x_per_1000": [r["own"]["over_1.5x_per_1000"] for r in results],
         }
         for name, results in runs.items()
     }

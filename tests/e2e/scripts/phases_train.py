@@ -9,12 +9,16 @@ and step: `--faults KIND:RANK:STEP,...`, KIND one of
 - `gpu_backward` (CUDA): a GPU-side delay inside the backward pass,
 - `host`: a sleep before the batch is used (before forward).
 `--scaler` runs fp16 autocast with a GradScaler (it synchronizes every step); `--no-sync`
-drops the per-step `loss.item()`, so (without a scaler) the host never waits."""
+drops the per-step `loss.item()`, so (without a scaler) the host never waits.
+`--step-times PREFIX` writes each step's own wall time (ms, from one batch's arrival to the
+next) to PREFIX.rank<R>.json, the same with or without distanom (bench/noise_rate.py)."""
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
+import json
 import os
 import time
 from typing import Any
@@ -109,6 +113,9 @@ def main() -> None:
     parser.add_argument("--scaler", action="store_true")
     parser.add_argument("--cuda", action="store_true")
     parser.add_argument("--no-sync", action="store_true", help="no loss.item(): never waits")
+    parser.add_argument(
+        "--step-times", default="", help="write own step times to PREFIX.rank<R>.json"
+    )
     args = parser.parse_args()
     dist.init_process_group("nccl" if args.cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -133,7 +140,10 @@ def main() -> None:
     optimizer = SlowAdamW(model.parameters(), faults.at.get("optimizer", set()))
     scaler = torch.amp.GradScaler("cuda") if args.scaler else None
     garbage: list[Any] = []
+    stamps: list[float] = []
     for step, batch in enumerate(loader):
+        if args.step_times:
+            stamps.append(time.perf_counter())
         if faults("host", step):
             time.sleep(FAULT_S)
         batch = batch.to(device, non_blocking=True)
@@ -157,6 +167,10 @@ def main() -> None:
             if not step % 50:
                 print(f"step {step} loss {value:.4f}", flush=True)
     del garbage
+    if args.step_times:
+        times = [round((b - a) * 1e3, 4) for a, b in itertools.pairwise(stamps)]
+        with open(f"{args.step_times}.rank{rank}.json", "w") as handle:
+            json.dump(times, handle)
     print(f"phases_train: {args.steps} steps", flush=True)
     dist.destroy_process_group()
 
