@@ -14,6 +14,7 @@ Files written before the last columns existed still read: missing columns read a
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import warnings
@@ -258,17 +259,25 @@ class _BlockReader:
             lines = lines[: max(0, MAX_STEP_ROWS + 1 - self._lines)]
             self.done = True
         self._lines += len(lines)
-        if any(len(line) > MAX_ROW_CHARS for line in lines):
+        if max(map(len, lines), default=0) > MAX_ROW_CHARS:
             self.bad += sum(len(line) > MAX_ROW_CHARS for line in lines)
             lines = [line for line in lines if len(line) <= MAX_ROW_CHARS]
-        commas = [line.count(",") for line in lines]
+        if not lines:
+            return
+        commas = list(map(str.count, lines, itertools.repeat(",")))
+        if commas.count(commas[0]) == len(commas):  # one width: the usual file
+            self._parse(lines, commas[0] + 1)
+            return
         first = 0
         for at in range(1, len(lines) + 1):  # runs of rows as wide as each other
             if at == len(lines) or commas[at] != commas[first]:
-                values, unreadable = _parse_rows(lines[first:at], commas[first] + 1)
-                self.parsed.append(values)
-                self.bad += unreadable
+                self._parse(lines[first:at], commas[first] + 1)
                 first = at
+
+    def _parse(self, lines: list[str], width: int) -> None:
+        values, unreadable = _parse_rows(lines, width)
+        self.parsed.append(values)
+        self.bad += unreadable
 
 
 def _widened(values: np.ndarray) -> np.ndarray:
