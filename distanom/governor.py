@@ -35,9 +35,13 @@ predicted anomalies) is charged to the same budget (`charge`): its cost, in trac
 windows, comes off the credit of the first window whose decision the data recorded so
 far cannot make yet, the same window on every rank (docs/budget.md).
 
-Without a budget it traces every window but one in `probe_every_windows` (the first one
-after `first_probe_window` windows, past the run's start, when detection is still
-filling its baselines), so every run can still report what tracing costs.
+Without a budget it traces every window but one in each period of `probe_every_windows`
+windows (periods counted from window `first_probe_window`, past the run's start, when
+detection is still filling its baselines), so every run can still report what tracing
+costs. Where in its period the untraced window falls is drawn from a seed every rank
+shares (the run id, `probe_window`): a different place each period and each run, so no
+step is always left untraced; the first period draws among its first
+`first_probe_window` windows only, so a short run measures too.
 
 Pure and deterministic: no torch, no clock, no I/O. Every rank feeds it the SAME
 gathered data in step order (per step: the step time, max over ranks, and whether
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import hashlib
 import math
 import statistics
 from dataclasses import dataclass
@@ -98,6 +103,16 @@ class GovernorParams:
             raise ValueError("hysteresis in [0, 1), min_samples >= 1")
         if not 1 <= self.burst_windows <= self.max_run_windows < self.probe_every_windows:
             raise ValueError("need 1 <= burst_windows <= max_run_windows < probe_every_windows")
+
+
+def probe_window(seed: str, period: int, params: GovernorParams) -> int:
+    """The untraced window of a run without a budget in `period` (0, 1, ...): drawn from
+    `seed` by a hash every process computes alike (Python's `hash` differs per process),
+    among the period's first `first_probe_window` windows for period 0, else its all."""
+    first, every = params.first_probe_window, params.probe_every_windows
+    span = min(first, every) if period == 0 else every
+    digest = hashlib.blake2b(f"{seed}/{period}".encode(), digest_size=8).digest()
+    return first + period * every + int.from_bytes(digest, "big") % max(1, span)
 
 
 @dataclass(frozen=True)
@@ -253,6 +268,8 @@ class OverheadGovernor:
         self._recent_untraced: collections.deque[float] = collections.deque(
             maxlen=self.REPORT_SAMPLES
         )
+        self.probe_seed = ""  # where the probe windows fall (no budget): `seed_probes`
+        self._probes: dict[int, int] = {}  # period -> its probe window
         self._fraction: float | None = None
         self._credit = 0.0
         self._burst_left = 0  # traced windows still to come in the current burst
@@ -426,9 +443,24 @@ class OverheadGovernor:
             self._consumed += 1
             self._costs.add(window)
 
+    def seed_probes(self, seed: str) -> None:
+        """Place the untraced probe windows (no budget) by `seed`, which every rank must
+        share; before the first decision, or ranks could disagree on one already made."""
+        if self._n_decided:
+            raise ValueError("probe windows are seeded before the first decision")
+        self.probe_seed = seed
+        self._probes.clear()
+
     def _is_probe(self, window: int) -> bool:
         p, first = self.params.probe_every_windows, self.params.first_probe_window
-        return window >= first and (window - first) % p == 0
+        if window < first:
+            return False
+        period = (window - first) // p
+        if period not in self._probes:
+            if len(self._probes) > 4:  # decisions go forward: old periods are done
+                self._probes.clear()
+            self._probes[period] = probe_window(self.probe_seed, period, self.params)
+        return window == self._probes[period]
 
     def _decide(self, window: int) -> bool:
         overhead = self._costs.overhead()
