@@ -153,6 +153,7 @@ class _Costs:
         self.switch_off: collections.deque[float] = bounded()
         self.flush: collections.deque[float] = bounded()
         self.offs = self.ons = self.flushes = self.traced_windows = 0  # over the whole run
+        self.untraced_windows = 0  # complete untraced windows, over the whole run
         self.settled_runs = 0  # runs of traced windows costed so far
         # the untraced step times just before the current run of traced windows
         self._before: collections.deque[float] = collections.deque(
@@ -186,6 +187,7 @@ class _Costs:
             return
         self._waiting_offs.extend(window.switch_times)
         if window.kind == "U":
+            self.untraced_windows += 1
             pooled = [*self._before, *window.times]
             if len(pooled) >= self.min_samples and statistics.median(pooled) > 0:
                 self._settle(statistics.median(pooled))
@@ -556,6 +558,12 @@ class OverheadGovernor:
             else None,
             "target_fraction": self._fraction,
             "measured_overhead_pct": None if recent is None else 100.0 * recent,
+            # what it rests on: runs of traced windows costed against the untraced window
+            # after them (one such comparison swings by tens of % on a busy host), and the
+            # complete windows of each kind so far (a short run has too few to compare)
+            "overhead_comparisons": costs.settled_runs,
+            "complete_traced_windows": costs.traced_windows,
+            "complete_untraced_windows": costs.untraced_windows,
             "effective_overhead_pct": (
                 None
                 if recent is None or fraction_steps is None
