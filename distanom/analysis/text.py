@@ -127,6 +127,6 @@ def unmeasured_words(duty: dict[str, Any]) -> str:
     size = duty.get("window_steps")
     steps = f" of {size} steps" if isinstance(size, int) else ""
     return (
-        f"run too short to measure tracing overhead: {traced} traced and {untraced} "
-        f"untraced windows{steps} so far, needs an untraced window after a traced one"
+        f"run too short to measure tracing overhead: {traced} whole traced and {untraced} "
+        f"untraced windows{steps} so far, needs an untraced window after a whole traced one"
     )

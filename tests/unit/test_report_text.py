@@ -146,8 +146,8 @@ def test_an_unmeasured_overhead_says_the_run_was_too_short_and_a_measured_one_it
     text = render_text(run_report(load_run(str(run.path))))
     assert "overhead not measured yet" not in text  # said of finished runs that had it
     assert (
-        "tracing: run too short to measure tracing overhead: 7 traced and 0 untraced "
-        "windows of 16 steps so far, needs an untraced window after a traced one" in text
+        "tracing: run too short to measure tracing overhead: 7 whole traced and 0 untraced "
+        "windows of 16 steps so far, needs an untraced window after a whole traced one" in text
     )
     duty |= {"measured_overhead_pct": 27.0, "overhead_comparisons": 1}
     duty |= {"complete_traced_windows": 25, "complete_untraced_windows": 1}
@@ -320,7 +320,7 @@ def test_the_live_status_says_what_the_tracing_overhead_rests_on(tmp_path: Path)
     duty |= {"overhead_comparisons": 0, "complete_traced_windows": 5}
     duty |= {"complete_untraced_windows": 0}
     text = render_status(RunDir(tmp_path), {"state": "running", "tracer": tracer})
-    assert "tracing: run too short to measure tracing overhead: 5 traced and 0 untraced" in text
+    assert "run too short to measure tracing overhead: 5 whole traced and 0 untraced" in text
 
 
 def test_the_governor_counts_what_its_overhead_rests_on() -> None:
