@@ -43,8 +43,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SLEEP_STEPS = [100, 160, 220, 280]
-# not 129-144: without a budget that is the governor's first untraced (probe) window,
-# where nothing can be captured (the 16-step windows counted from step 1)
+# not 129-144: without a budget that is the first untraced (probe) window with the
+# probe seed these runs fix (2), where nothing can be captured (16-step windows from 1)
 MATMUL_STEPS = [190, 250]
 # --budget only: host stalls (time.sleep before the forward pass), off the GPU delays' period
 STALL_STEPS = [75, 205]
@@ -92,7 +92,12 @@ def run_job(
     sets: list[str] | None = None,
 ) -> dict[str, Any]:
     # every step traced (one-off delays captured), unless the default budget is checked
-    trace_all = [] if budget else ["--set", "tracer.overhead_budget_pct=null"]
+    # (probe seed 2: the untraced window is steps 129-144, as the fault steps assume)
+    trace_all = (
+        []
+        if budget
+        else ["--set", "tracer.overhead_budget_pct=null", "--set", "tracer.probe_seed=2"]
+    )
     extra = [arg for key_value in sets or [] for arg in ("--set", key_value)]
     stalls = ["--stall-steps", ",".join(map(str, STALL_STEPS)), "--stall-s", str(STALL_S)]
     command = [

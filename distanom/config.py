@@ -195,8 +195,16 @@ class TracerConfig(_Section):
         le=100,
         description="duty-cycle tracing so its measured overhead stays under this percent "
         "of step time; detection stays on for every step; null: trace every step except "
-        "one window in 64 (the first after 8 windows), left untraced to measure the "
-        "overhead; an anomaly there is counted (`anomalous_untraced`), not captured",
+        "one window in 64 (its place drawn from the run id, different each period and "
+        "each run), left untraced to measure the overhead; an anomaly there is counted "
+        "(`anomalous_untraced`), not captured",
+    )
+    probe_seed: int | None = Field(
+        None,
+        ge=0,
+        description="with overhead_budget_pct null: draws the untraced windows' places "
+        "from this number instead of the run id, the same in every run (tests that "
+        "place faults)",
     )
 
 

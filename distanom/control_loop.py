@@ -227,7 +227,8 @@ class ControlLoop:
             setup_timeout_s=config.consensus.setup_timeout_s,
             op_timeout_s=config.consensus.timeout_s,
         )
-        run = join_run(self.group, world, self.run_base, config.run.name, self.health)
+        run_id, run = join_run(self.group, world, self.run_base, config.run.name, self.health)
+        self.duty.seed_probes(run_id)  # the same on every rank, whatever its own run dir
         if run is None:
             return
         try:

@@ -48,6 +48,9 @@ class DutyCycle:
             # also chosen from the decisions for all its steps (`first_traced`)
             params = GovernorParams(lag_steps=config.consensus.batch_steps + 4)
             self._governor = OverheadGovernor.from_config(config.tracer, params, first_step=1)
+        self._probe_seed = config.tracer.probe_seed  # None: the run id places the probes
+        if self._governor is not None and self._probe_seed is not None:
+            self._governor.seed_probes(str(self._probe_seed))
         # without a budget every window but the probes is traced: nothing to plan (and a
         # planned step in a probe window would spoil the measurement it is there for)
         self.planner: TracePlanner | None = None
@@ -77,6 +80,15 @@ class DutyCycle:
         # (`first_traced`) and quiet runs of its untraced windows must ask again
         self._governor = governor
         self.schedule_version += 1
+
+    def seed_probes(self, run_id: str) -> None:
+        """Place the untraced probe windows (no budget) by the run id every rank got from
+        rank 0, unless the config fixed their seed. Before the first round: no decision
+        is made before gathered data."""
+        governor = self._governor
+        if governor is not None and self._probe_seed is None:
+            with self._lock:
+                governor.seed_probes(run_id)
 
     # -- training thread ---------------------------------------------------------------
 

@@ -35,9 +35,13 @@ predicted anomalies) is charged to the same budget (`charge`): its cost, in trac
 windows, comes off the credit of the first window whose decision the data recorded so
 far cannot make yet, the same window on every rank (docs/budget.md).
 
-Without a budget it traces every window but one in `probe_every_windows` (the first one
-after `first_probe_window` windows, past the run's start, when detection is still
-filling its baselines), so every run can still report what tracing costs.
+Without a budget it traces every window but one in each period of `probe_every_windows`
+windows (periods counted from window `first_probe_window`, past the run's start, when
+detection is still filling its baselines), so every run can still report what tracing
+costs. Where in its period the untraced window falls is drawn from a seed every rank
+shares (the run id, `probe_window`): a different place each period and each run, so no
+step is always left untraced; the first period draws among its first
+`first_probe_window` windows only, so a short run measures too.
 
 Pure and deterministic: no torch, no clock, no I/O. Every rank feeds it the SAME
 gathered data in step order (per step: the step time, max over ranks, and whether
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import hashlib
 import math
 import statistics
 from dataclasses import dataclass
@@ -100,6 +105,16 @@ class GovernorParams:
             raise ValueError("need 1 <= burst_windows <= max_run_windows < probe_every_windows")
 
 
+def probe_window(seed: str, period: int, params: GovernorParams) -> int:
+    """The untraced window of a run without a budget in `period` (0, 1, ...): drawn from
+    `seed` by a hash every process computes alike (Python's `hash` differs per process),
+    among the period's first `first_probe_window` windows for period 0, else its all."""
+    first, every = params.first_probe_window, params.probe_every_windows
+    span = min(first, every) if period == 0 else every
+    digest = hashlib.blake2b(f"{seed}/{period}".encode(), digest_size=8).digest()
+    return first + period * every + int.from_bytes(digest, "big") % max(1, span)
+
+
 @dataclass(frozen=True)
 class MeasuredCosts:
     """Tracing's costs measured so far, as fractions of an untraced step (None: not yet):
@@ -138,6 +153,7 @@ class _Costs:
         self.switch_off: collections.deque[float] = bounded()
         self.flush: collections.deque[float] = bounded()
         self.offs = self.ons = self.flushes = self.traced_windows = 0  # over the whole run
+        self.untraced_windows = 0  # complete untraced windows, over the whole run
         self.settled_runs = 0  # runs of traced windows costed so far
         # the untraced step times just before the current run of traced windows
         self._before: collections.deque[float] = collections.deque(
@@ -171,6 +187,7 @@ class _Costs:
             return
         self._waiting_offs.extend(window.switch_times)
         if window.kind == "U":
+            self.untraced_windows += 1
             pooled = [*self._before, *window.times]
             if len(pooled) >= self.min_samples and statistics.median(pooled) > 0:
                 self._settle(statistics.median(pooled))
@@ -253,6 +270,8 @@ class OverheadGovernor:
         self._recent_untraced: collections.deque[float] = collections.deque(
             maxlen=self.REPORT_SAMPLES
         )
+        self.probe_seed = ""  # where the probe windows fall (no budget): `seed_probes`
+        self._probes: dict[int, int] = {}  # period -> its probe window
         self._fraction: float | None = None
         self._credit = 0.0
         self._burst_left = 0  # traced windows still to come in the current burst
@@ -426,9 +445,24 @@ class OverheadGovernor:
             self._consumed += 1
             self._costs.add(window)
 
+    def seed_probes(self, seed: str) -> None:
+        """Place the untraced probe windows (no budget) by `seed`, which every rank must
+        share; before the first decision, or ranks could disagree on one already made."""
+        if self._n_decided:
+            raise ValueError("probe windows are seeded before the first decision")
+        self.probe_seed = seed
+        self._probes.clear()
+
     def _is_probe(self, window: int) -> bool:
         p, first = self.params.probe_every_windows, self.params.first_probe_window
-        return window >= first and (window - first) % p == 0
+        if window < first:
+            return False
+        period = (window - first) // p
+        if period not in self._probes:
+            if len(self._probes) > 4:  # decisions go forward: old periods are done
+                self._probes.clear()
+            self._probes[period] = probe_window(self.probe_seed, period, self.params)
+        return window == self._probes[period]
 
     def _decide(self, window: int) -> bool:
         overhead = self._costs.overhead()
@@ -524,6 +558,12 @@ class OverheadGovernor:
             else None,
             "target_fraction": self._fraction,
             "measured_overhead_pct": None if recent is None else 100.0 * recent,
+            # what it rests on: runs of traced windows costed against the untraced window
+            # after them (one such comparison swings by tens of % on a busy host), and the
+            # complete windows of each kind so far (a short run has too few to compare)
+            "overhead_comparisons": costs.settled_runs,
+            "complete_traced_windows": costs.traced_windows,
+            "complete_untraced_windows": costs.untraced_windows,
             "effective_overhead_pct": (
                 None
                 if recent is None or fraction_steps is None

@@ -15,7 +15,7 @@ import time
 from typing import Any, TypeGuard
 
 from distanom.analysis.hangs import Hang, hang_lines, read_hangs
-from distanom.analysis.text import table
+from distanom.analysis.text import comparisons_words, table, unmeasured_words
 from distanom.errors import CaptureRequestError
 from distanom.records.index import read_index
 from distanom.records.requests import (
@@ -53,8 +53,12 @@ def render_status(run: RunDir, status: Status | dict[str, Any]) -> str:
     if tracer.get("note"):
         lines.append(f"  {str(tracer['note'])[:500]}")
     overhead = tracer.get("overhead_pct")
+    duty = _obj(tracer.get("duty_cycle"))
     if _number(overhead):
-        lines.append(f"  measured tracing overhead: {overhead:.2f}% of step time")
+        said = comparisons_words(duty.get("overhead_comparisons"))  # one swings by tens of %
+        lines.append(f"  measured tracing overhead: {overhead:.2f}% of step time{said}")
+    elif _number(duty.get("traced_fraction")):
+        lines.append(f"  tracing: {unmeasured_words(duty)}")
     captures = _obj(status.get("captures"))
     detector = _obj(status.get("detector"))
     written_bytes = captures.get("bytes")

@@ -38,9 +38,10 @@ class Place:
 
 def join_run(
     group: AgentGroup, world: WorldInfo, run_base: Path, name: str | None, health: Health
-) -> RunDir | None:
-    """This rank's run directory (its node's copy), None when it cannot write one (the
-    reason is in `health`). Publishes the run id (rank 0) and this rank's place."""
+) -> tuple[str, RunDir | None]:
+    """The run id every rank shares ("" when rank 0 could not create the run) and this
+    rank's run directory (its node's copy), None when it cannot write one (the reason is
+    in `health`). Publishes the run id (rank 0) and this rank's place."""
     run_id = ""
     if world.rank == 0:
         try:
@@ -57,7 +58,7 @@ def join_run(
             health.capture_off("rank 0 could not create the run directory")
     group.publish(f"place/{world.rank}", f"{world.node_rank}/{world.host}")
     if not run_id:
-        return None
+        return run_id, None
     run = RunDir(run_base / run_id)
     try:
         if world.rank != 0:
@@ -65,7 +66,7 @@ def join_run(
     except (OSError, RunDirError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         health.capture_off(f"{run.path}: not writable ({reason})")
-        return None
+        return run_id, None
     if world.local_rank == 0:
         node = NodeInfo(
             run_id=run_id,
@@ -81,7 +82,7 @@ def join_run(
                 update_latest(run_base, run.path)
         except OSError as err:  # the report then lacks this node's name: training goes on
             health.warn_once("node-file", "distanom: %s: node file not written (%s)", run.path, err)
-    return run
+    return run_id, run
 
 
 def _open_copy(path: Path) -> None:

@@ -8,13 +8,18 @@ after the median rank's (`late`; the lower median) is time the typical rank wait
 against the median, several slow ranks (a slow node) are each seen, not just the last.
 
 - A rank is late at a step when `late` is at least `LATE_SHARE` of the step's time.
-- A rank's score is the share of step time the typical rank waited for it: its summed
-  `late` over summed step times, over the run and over the last `window` steps.
+- A rank's score is the share of step time the typical rank waited for it over the last
+  `window` steps: the median over those steps of its `late` as a share of the step (0 at
+  a step it was not late), so one stall, however long, moves it by one step's place at
+  most. Its run score is the mean over the run: summed `late` over summed step times.
 - A straggler was late at `LATE_FRACTION` or more of the window's steps (once it holds
-  half a window of steps at least), with a window score of at least `MIN_SCORE`:
-  consistently late, by enough to matter. `since_step` is where its late streak began
-  (the change point of how late it was, in the window when it was first named). Most
-  severe (highest score) first.
+  half a window of steps at least), with a score of at least `MIN_SCORE` and at least
+  `SPREAD_LEAD` robust standard deviations of the window's step time (1.4826 x its
+  median absolute deviation, as a share of its median): consistently late, by enough to
+  matter and by more than the host's jitter (on a loaded host some rank is a little
+  late at most steps). `since_step` is where its late streak began (the change point of
+  how late it was, in the window when it was first named). Most severe (highest score)
+  first.
 - A rank that stops being a straggler is kept in `earlier` (since, until, its highest
   window score), the last `EARLIER_KEPT`: the job's log named it, and the report must
   say so after it caught up. Named again within a window, it continues that entry.
@@ -23,7 +28,8 @@ against the median, several slow ranks (a slow node) are each seen, not just the
   detector's median with it, so no single step is anomalous).
 
 State is O(world + window x late ranks); `add` is O(world log world) (one median);
-`add_late`, for a caller that found the late ranks itself, O(late ranks + window).
+`add_late`, for a caller that found the late ranks itself, O(late ranks + window), and
+O(window log window) more per rank late at `LATE_FRACTION` of the window (the medians).
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ from typing import Any
 LATE_FRACTION = 0.6
 LATE_SHARE = 0.05
 MIN_SCORE = 0.05
+# a straggler's score is at least this many robust standard deviations of the window's
+# step time (relative to its median): a lead the jitter does not make
+SPREAD_LEAD = 2.0
+MAD_TO_SIGMA = 1.4826
+WINSOR_QUANTILE = 0.9  # a share above this quantile of the window's counts as at it
 DRIFT_RATIO = 1.2
 DEFAULT_WINDOW = 64
 # steps the window must hold before anyone is named: this many, and half the window.
@@ -80,6 +91,8 @@ class StragglerScorer:
     _recent: collections.deque[tuple[int, float, tuple[tuple[int, float], ...]]] = field(init=False)
     _window_late_ms: dict[int, float] = field(default_factory=dict)
     _window_late_steps: dict[int, int] = field(default_factory=dict)
+    # per late rank, its late shares of the step in the window, oldest first
+    _window_shares: dict[int, collections.deque[float]] = field(default_factory=dict)
     _window_ms: float = 0.0
     _since: dict[int, int] = field(default_factory=dict)
     # while named: rank -> (the latest step it was named at, its highest window score)
@@ -136,14 +149,18 @@ class StragglerScorer:
         for rank, ms in entry[2]:
             self._window_late_ms[rank] = self._window_late_ms.get(rank, 0.0) + ms
             self._window_late_steps[rank] = self._window_late_steps.get(rank, 0) + 1
+            shares = self._window_shares.setdefault(rank, collections.deque())
+            shares.append(min(1.0, ms / entry[1]))
         if len(self._recent) > self.window:
             _, old_ms, old_late = self._recent.popleft()
             self._window_ms -= old_ms
             for rank, ms in old_late:
                 self._window_late_ms[rank] -= ms
                 self._window_late_steps[rank] -= 1
+                self._window_shares[rank].popleft()
                 if self._window_late_steps[rank] <= 0:
                     del self._window_late_steps[rank], self._window_late_ms[rank]
+                    del self._window_shares[rank]
 
     def _flagged(self) -> dict[int, tuple[int, float, float]]:
         """rank -> (late steps, late ms, score) for the ranks that are stragglers now."""
@@ -151,12 +168,32 @@ class StragglerScorer:
         out: dict[int, tuple[int, float, float]] = {}
         if counted < max(MIN_WINDOW_STEPS, self.window // 2) or self._window_ms <= 0:
             return out
+        floor: float | None = None  # the jitter's bar, measured once a rank may pass it
         for rank, late in self._window_late_steps.items():
-            waited = self._window_late_ms[rank]
-            score = waited / self._window_ms
-            if late >= LATE_FRACTION * counted and score >= MIN_SCORE:
-                out[rank] = (late, waited, score)
+            if late < LATE_FRACTION * counted:
+                continue
+            score = self.window_score(rank)
+            if score < MIN_SCORE:
+                continue
+            if floor is None:
+                floor = SPREAD_LEAD * self.step_spread()
+            if score >= floor:
+                out[rank] = (late, self._window_late_ms[rank], score)
         return out
+
+    def step_spread(self) -> float:
+        """The window's step time jitter: 1.4826 x the median absolute deviation of its
+        step times, as a share of their median (0 for an empty window). Robust while
+        under half the window is slow, so a straggler's own slow steps, once they are
+        most of the window (as when it is named), set its median, not its spread."""
+        times = [step_ms for _, step_ms, _ in self._recent]
+        if not times:
+            return 0.0
+        median = statistics.median(times)
+        if median <= 0:
+            return 0.0
+        mad = statistics.median(abs(t - median) for t in times)
+        return MAD_TO_SIGMA * mad / median
 
     def _update_since(self, step: int) -> None:
         flagged = self._flagged()
@@ -193,11 +230,16 @@ class StragglerScorer:
         maximises the sum, over the steps from it on, of its lateness (share of the step)
         less half its mean lateness over the window. Weighing by how late, not whether:
         a loaded host makes every rank late by a little at many steps, and counted alike
-        those moved the start of a real straggler's streak back by tens of steps."""
+        those moved the start of a real straggler's streak back by tens of steps. Each
+        step's share is capped at the window's 90th percentile of them (winsorized), so a
+        stall or two before the streak weigh as its typical late steps, not as tens."""
         shares = [
             (step, sum(ms for r, ms in late if r == rank) / step_ms)
             for step, step_ms, late in self._recent
         ]
+        ordered = sorted(share for _, share in shares)
+        cap = ordered[int(WINSOR_QUANTILE * (len(ordered) - 1))] if ordered else 0.0
+        shares = [(step, min(share, cap)) for step, share in shares]
         half_level = 0.5 * sum(share for _, share in shares) / max(1, len(shares))
         total, best, start = 0.0, -math.inf, -1
         for step, share in reversed(shares):
@@ -207,10 +249,14 @@ class StragglerScorer:
         return start
 
     def window_score(self, rank: int) -> float:
-        """The rank's score over the rolling window (0 when it was never late there)."""
-        if self._window_ms <= 0:
+        """The rank's score over the rolling window: the median over its steps of the
+        rank's late share of the step, 0 at a step it was not late (0 when it was never
+        late there). One step moves a median by one place: a single stall cannot make it."""
+        shares = self._window_shares.get(rank)
+        counted = len(self._recent)
+        if not shares or counted == 0:
             return 0.0
-        return self._window_late_ms.get(rank, 0.0) / self._window_ms
+        return statistics.median([0.0] * (counted - len(shares)) + list(shares))
 
     def stragglers(self) -> list[Straggler]:
         """The ranks consistently late now, most severe first."""

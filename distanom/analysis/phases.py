@@ -8,8 +8,10 @@ median of its last `USUAL_STEPS` steps before it). `with_phase` then names the p
 makes the cause more specific where a phase signal explains the slowdown (in order):
 
 1. a Python GC pause stays `python_gc` (the collector ran, whichever phase it hit),
-   unless distanom's own capture work ran in the step (`self_ms`): its decoding and
-   writing allocate, and the pause is named `distanom`, with its own share;
+   unless distanom's own work ran in the step (`self_ms`: capture work, and consensus
+   rounds heavy enough to be charged): its decoding, writing and gathering allocate,
+   and the pause is named `distanom`, with its own share; so is a host stall or busy
+   host of which that work is `PHASE_SHARE` of the slowdown or more;
 2. the batch fetch grew by at least `PHASE_SHARE` of the slowdown: `data_loading`, in
    the `data` phase;
 3. a GPU part (up to the forward's end, the backward, after the backward's end) grew by
@@ -39,7 +41,7 @@ TAIL = 3
 FETCH = 5  # column of the batch fetch in a table's values
 GPU_AT = 6  # first GPU part column: to the forward's end, backward, after the backward
 GPU_PARTS = 3
-SELF = 9  # distanom's own capture work in the step (steps file `self_ms`)
+SELF = 9  # distanom's own work in the step: capture, heavy rounds (steps file `self_ms`)
 # the host parts each GPU part spans, and the phase its device work is named by
 GPU_SPANS = (((0, 1), "forward"), ((2,), "backward"), ((3, 4), "optimizer"))
 COLUMNS = 10
@@ -47,6 +49,7 @@ USUAL_STEPS = 64  # the steps before an anomaly whose median is "usual"
 MIN_USUAL = 4  # steps with a value needed for a usual value
 PHASE_SHARE = 0.5  # a phase signal explains a slowdown when it grew by this share of it
 PHASE_CAUSES = ("python_gc", "host_busy", "host_stall", "gpu_work", "data_loading", "distanom")
+HOST_CAUSES = ("host_busy", "host_stall")  # distanom's own work may explain these
 
 
 def phase_of_part(part: int) -> str:
@@ -164,13 +167,20 @@ def find_phase(
         facts["median_gpu_phases_ms"] = gpu_json(usual)
     share = PHASE_SHARE * slowdown
     own = float(now[SELF]) if len(now) > SELF else math.nan
-    if cause == "python_gc" and math.isfinite(own) and own > 0:
+    ours = math.isfinite(own) and own > 0
+    if ours and (cause == "python_gc" or (cause in HOST_CAUSES and own >= share)):
         part = int(np.nanargmax(host_growth)) if np.isfinite(host_growth).any() else None
+        what = (
+            "the collection ran while distanom's own work (capture, consensus rounds) took "
+            f"{own:.1f} ms of the step (its decoding, writing and gathering allocate)"
+            if cause == "python_gc"
+            else f"distanom's own work (capture, consensus rounds) took {own:.1f} ms of the "
+            "step, holding the interpreter the training thread needs"
+        )
         return PhaseFinding(
             None if part is None else phase_of_part(part),
             "distanom",
-            f"the collection ran while distanom's own capture work took {own:.1f} ms of "
-            "the step (its decoding and writing allocate): distanom's, not the script's",
+            f"{what}: distanom's, not the script's",
             {**facts, "distanom_ms": round(own, 3)},
         )
     fetch, fetch_usual = float(now[FETCH]), float(usual[FETCH])

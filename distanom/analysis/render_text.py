@@ -24,7 +24,7 @@ from distanom.analysis.model import (
     StepStats,
 )
 from distanom.analysis.render_json import kernel_diff_json
-from distanom.analysis.text import fmt, ranks_word, table
+from distanom.analysis.text import comparisons_words, fmt, ranks_word, table, unmeasured_words
 from distanom.analysis.verdict import GC_NOTE_MS
 from distanom.run_periods import PERIODIC
 
@@ -179,11 +179,11 @@ def _overhead_lines(tracer: dict[str, Any]) -> list[str]:
     if "backend" in tracer and tracer["backend"] is None:
         return []  # no tracer ever started (a run that failed first): nothing was traced
     budget = duty.get("budget_pct")
-    measured = (
-        f"measured overhead {overhead:.1f}% of step time while tracing"
-        if isinstance(overhead, (int, float))
-        else "overhead not measured yet (no traced window compared with an untraced one so far)"
-    )
+    if isinstance(overhead, (int, float)):
+        measured = f"measured overhead {overhead:.1f}% of step time while tracing"
+        measured += comparisons_words(duty.get("overhead_comparisons"))
+    else:
+        measured = unmeasured_words(duty)
     line = f"  tracing: {measured}, {100 * fraction:.1f}% of steps traced"
     effective = duty.get("effective_overhead_pct")
     if isinstance(effective, (int, float)):

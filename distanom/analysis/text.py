@@ -10,7 +10,22 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["change", "fmt", "ms", "rank_list", "ranks_word", "short", "signed", "span", "table"]
+__all__ = [
+    "change",
+    "comparisons_words",
+    "fmt",
+    "ms",
+    "rank_list",
+    "ranks_word",
+    "short",
+    "signed",
+    "span",
+    "table",
+    "unmeasured_words",
+]
+
+# a measured tracing overhead from fewer traced/untraced comparisons is called rough
+ROUGH_BELOW_COMPARISONS = 3
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -91,3 +106,27 @@ def change(values: Sequence[float], where: str) -> str:
     low, high = min(values), max(values)
     amount = f"{signed(low)}" if abs(high - low) < 0.05 else f"{signed(low)} to {signed(high)}"
     return f"changed over {where} by {amount} ms"
+
+
+def comparisons_words(count: Any) -> str:
+    """How many traced/untraced comparisons a measured overhead rests on ("" unknown)."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        return ""
+    if count < ROUGH_BELOW_COMPARISONS:
+        return (
+            f" (from {count} comparison{'s' if count > 1 else ''} with an untraced window: rough)"
+        )
+    return f" (from {count} comparisons with untraced windows)"
+
+
+def unmeasured_words(duty: dict[str, Any]) -> str:
+    """Why a run has no measured tracing overhead: too short, with its window counts."""
+    traced, untraced = duty.get("complete_traced_windows"), duty.get("complete_untraced_windows")
+    if not (isinstance(traced, int) and isinstance(untraced, int)):  # a status before them
+        return "overhead not measured (no traced window compared with an untraced one)"
+    size = duty.get("window_steps")
+    steps = f" of {size} steps" if isinstance(size, int) else ""
+    return (
+        f"run too short to measure tracing overhead: {traced} whole traced and {untraced} "
+        f"untraced windows{steps} so far, needs an untraced window after a whole traced one"
+    )

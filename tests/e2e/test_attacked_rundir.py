@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 
 from distanom.cli import main as cli_main
+from distanom.governor import GovernorParams, probe_window
 from tests.conftest import TOY, job_env
 
 STEP_SLEEP_S = 0.02
+PROBE_SEED = 2  # its first untraced window is window 8, steps 129-144 (the next: 1153+)
+assert probe_window(str(PROBE_SEED), 0, GovernorParams()) == 8
 
 
 def attack(run: Path, victim: Path, stop: threading.Event) -> None:
@@ -57,6 +60,7 @@ def test_an_attacked_job_finishes_with_its_captures_and_speed(
         "-m", "distanom.launch", "--run-dir", str(runs),
         "--set", "tracer.backend=kineto", "--set", "control.poll_interval_s=0.2",
         "--set", "tracer.overhead_budget_pct=null",  # every step traced
+        "--set", f"tracer.probe_seed={PROBE_SEED}",  # but steps 129-144: no fault there
         "--set", "control.status_interval_s=0.5", "--set", "capture.reference_every_steps=0",
         str(TOY), "--steps", "1200", "--step-sleep", str(STEP_SLEEP_S), "--width", "16",
         "--stall-rank", "1", "--stall-steps", "150,250,305,900", "--stall-s", "0.3",

@@ -70,3 +70,24 @@ def test_each_fault_is_named_with_its_rank_cause_and_phase(
     assert (largest["culprit_rank"], largest["cause"]) == (1, "python_gc"), report["lost_time"]
     data = next(a for a in report["anomalies"] if a["step"] == 60)["verdict"]
     assert data["phases_ms"]["data"] >= 300 and data["fetch_ms"] >= 300, data
+
+
+NOISE_STEPS = 300
+
+
+def test_a_fault_free_run_stays_under_the_noise_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # issue 36's target at the default config: at most 1 anomaly per 100 steps for a
+    # fault-free 4-rank CPU job (DataLoader workers) on the loaded 2-core host; at 1.5x
+    # alone it raised 4 per 100 there, and jitter named stragglers and periods
+    done = torchrun(
+        4, ["--run-dir", "runs"], ["--steps", str(NOISE_STEPS)], cwd=tmp_path, script=SCRIPT,
+        timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = _report(tmp_path / "runs", capsys)
+    seen = [(a["step"], round(a["ratio"], 2)) for a in report["anomalies"]]
+    assert len(seen) <= NOISE_STEPS // 100, seen
+    assert report["stragglers"] == [] and report["earlier_stragglers"] == [], report["stragglers"]
+    assert report["recurrences"] == [], report["recurrences"]

@@ -3,7 +3,6 @@ detected, traced and explained, in the JSON, the text and the HTML page."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 from distanom.analysis.anomalies import Anomaly, AnomalyVerdict
@@ -73,18 +72,17 @@ def test_classes_follow_the_runs_merge_gap() -> None:
 
 
 def test_the_text_names_the_best_supported_periods_and_counts_the_rest(tmp_path: Path) -> None:
-    # an evaluation every 200 steps detected only now and then: the learner finds it at
-    # several multiples of 200 (each came again where predicted)
-    rng = random.Random(3)
-    steps = [s for s in range(200, 10_001, 200) if rng.random() < 0.6]
+    # five cadences, each of its own strength (an evaluation, checkpoints, ...)
+    cadences = ((300, 3.0, 150), (770, 6.0, 400), (1130, 12.0, 620), (1900, 24.0, 910),
+                (2300, 48.0, 1000))  # fmt: skip
     run = make_run(tmp_path, [], hosts=["a", "a"], steps=10_100)
     writer = AnomalyWriter(run)
-    for step in steps:
-        writer.write(record(step, 3.0, traced=False, culprit=True))
+    for step, ratio in sorted((s, r) for p, r, f in cadences for s in range(f, 10_001, p)):
+        writer.write(record(step, ratio, traced=False, culprit=True))
     writer.close()
     report = build_report(load_run(str(run.path)))
     found = report_json(report)["recurrences"]
-    assert len(found) > 3
+    assert [r["period_steps"] for r in found] == [300, 770, 1130, 1900, 2300]
     lines = [line for line in render_text(report).splitlines() if "      every ~" in line]
     most = sorted((r["occurrences"] for r in found), reverse=True)[:3]
     assert [int(line.split(": ")[1].split(" times")[0]) for line in lines] == most

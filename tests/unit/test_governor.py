@@ -58,18 +58,47 @@ def test_budget_one_percent_with_thirteen_percent_overhead() -> None:
         assert len(set(sched[w * k : (w + 1) * k])) == 1
 
 
-def test_no_budget_traces_everything_but_the_probe_windows() -> None:
+def untraced_windows(seed: str, periods: int = 4) -> list[int]:
+    """The untraced windows of a run without a budget whose probes `seed` places."""
+    gov = OverheadGovernor(None)
+    gov.seed_probes(seed)
+    k, p = gov.params.window_steps, gov.params.probe_every_windows
+    first = gov.params.first_probe_window
+    per_window = windows(simulate(gov, k * (first + p * periods)), k)
+    return [w for w, on in enumerate(per_window) if not on]
+
+
+def test_no_budget_traces_everything_but_one_window_a_period() -> None:
     gov = OverheadGovernor(None)
     k, p = gov.params.window_steps, gov.params.probe_every_windows
-    sched = simulate(gov, k * p * 4)
-    per_window = windows(sched, k)
-    untraced = [w for w, on in enumerate(per_window) if not on]
     first = gov.params.first_probe_window
-    assert untraced == [w for w in range(len(per_window)) if w >= first and (w - first) % p == 0]
-    assert untraced[0] == first  # no probe while detection fills its baselines
+    per_window = windows(simulate(gov, k * (first + p * 4)), k)
+    untraced = [w for w, on in enumerate(per_window) if not on]
+    # one a period; the first after detection filled its baselines, in reach of a short run
+    assert [(w - first) // p for w in untraced] == [0, 1, 2, 3]
+    assert first <= untraced[0] < 2 * first
     rep = gov.report()
     assert rep["measured_overhead_pct"] == pytest.approx(13.0, abs=1.5)
     assert rep["traced_fraction"] > 0.97
+
+
+def test_the_probe_windows_move_by_period_and_run_and_ranks_agree() -> None:
+    # before, every run left windows 8, 72, 136, ... untraced: a fault in steps 129-144
+    # (window 8, counted from step 1) was never traced
+    runs = {run_id: untraced_windows(run_id) for run_id in (f"job-2026120{i}" for i in range(8))}
+    assert all(untraced_windows(run_id) == seen for run_id, seen in runs.items())  # any rank
+    offsets = {tuple((w - 8) % 64 for w in seen) for seen in runs.values()}
+    assert len(offsets) == len(runs)  # no two runs alike
+    assert all(len(set(o[1:])) > 1 for o in offsets)  # the place moves between periods
+    assert sum(8 not in seen for seen in runs.values()) >= 4  # window 8 traced in most runs
+    assert len({seen[0] for seen in runs.values()}) >= 4
+
+
+def test_probes_are_seeded_before_the_first_decision() -> None:
+    gov = OverheadGovernor(None)
+    gov.tracing_on(0)
+    with pytest.raises(ValueError, match="before the first decision"):
+        gov.seed_probes("job")
 
 
 def test_same_input_same_schedule() -> None:
@@ -540,3 +569,18 @@ def test_the_report_counts_every_tracing_switch_not_only_the_duty_cycles() -> No
     report = governor.report()
     assert report["tracing_starts"] == 2 and report["tracing_stops"] == 2
     assert report["switches_on"] == 1
+
+
+def test_the_duty_cycle_places_probes_by_the_run_id_unless_the_config_fixes_a_seed() -> None:
+    from distanom.config import config_from_mapping
+    from distanom.duty_cycle import DutyCycle
+
+    free = DutyCycle(config_from_mapping({"tracer": {"overhead_budget_pct": None}}))
+    free.seed_probes("job-20261204-101500")
+    assert free.governor is not None and free.governor.probe_seed == "job-20261204-101500"
+    fixed = DutyCycle(
+        config_from_mapping({"tracer": {"overhead_budget_pct": None, "probe_seed": 2}})
+    )
+    fixed.seed_probes("job-20261204-101500")  # ignored: the config's seed stands
+    assert fixed.governor is not None and fixed.governor.probe_seed == "2"
+    assert untraced_windows("2", periods=1)[0] == 8  # the e2e tests' pin: steps 129-144

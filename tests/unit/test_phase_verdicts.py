@@ -201,5 +201,19 @@ def test_a_gc_pause_during_distanoms_own_capture_work_is_named_distanom() -> Non
     phases = {1: table(slow_host=(2.0, 3.0, 4.0, 1.0, 101.0), own_ms=56.9)}
     verdict = verdict_of(record(cpu_ms=108.0, gc_ms=95.0), phases)
     assert (verdict.culprit_rank, verdict.cause) == (1, "distanom")
-    assert "distanom's own capture work took 56.9 ms" in verdict.evidence
+    assert "distanom's own work (capture, consensus rounds) took 56.9 ms" in verdict.evidence
     assert verdict.as_json()["distanom_ms"] == 56.9
+
+
+def test_a_stall_while_distanoms_round_work_held_the_step_is_named_distanom() -> None:
+    # no GC: the training thread was off the CPU for 100 ms while a heavy consensus
+    # round (charged to the step in `self_ms`, as capture work is) ran for 70 ms
+    phases = {1: table(slow_host=(2.0, 3.0, 4.0, 1.0, 101.0), own_ms=70.0)}
+    verdict = verdict_of(record(cpu_ms=8.0), phases)
+    assert (verdict.culprit_rank, verdict.cause) == (1, "distanom"), verdict.evidence
+    assert "distanom's own work (capture, consensus rounds) took 70.0 ms" in verdict.evidence
+    assert verdict.as_json()["distanom_ms"] == 70.0
+    # a little of its own work in a step the script stalled: the script's stall
+    phases = {1: table(slow_host=(2.0, 3.0, 4.0, 1.0, 101.0), own_ms=20.0)}
+    verdict = verdict_of(record(cpu_ms=8.0), phases)
+    assert (verdict.culprit_rank, verdict.cause) == (1, "host_stall")

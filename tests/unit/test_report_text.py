@@ -131,7 +131,37 @@ def test_no_overhead_line_before_any_untraced_window(tmp_path: Path) -> None:
         {"state": "finished", "world_size": 1, "tracer": {"duty_cycle": {"traced_fraction": 1.0}}},
     )
     text = render_text(run_report(load_run(str(run.path))))
-    assert "overhead not measured yet (no traced window compared with an untraced one" in text
+    # a status.json written before the window counts: no claim about why
+    assert "overhead not measured (no traced window compared with an untraced one)" in text
+
+
+def test_an_unmeasured_overhead_says_the_run_was_too_short_and_a_measured_one_its_basis(
+    tmp_path: Path,
+) -> None:
+    run = make_run(tmp_path, [], hosts=["a"])
+    duty = {"traced_fraction": 1.0, "window_steps": 16, "overhead_comparisons": 0}
+    duty |= {"complete_traced_windows": 7, "complete_untraced_windows": 0}
+    status = {"state": "finished", "world_size": 1, "tracer": {"duty_cycle": duty}}
+    write_json_atomic(run.status_json, status)
+    text = render_text(run_report(load_run(str(run.path))))
+    assert "overhead not measured yet" not in text  # said of finished runs that had it
+    assert (
+        "tracing: run too short to measure tracing overhead: 7 whole traced and 0 untraced "
+        "windows of 16 steps so far, needs an untraced window after a whole traced one" in text
+    )
+    duty |= {"measured_overhead_pct": 27.0, "overhead_comparisons": 1}
+    duty |= {"complete_traced_windows": 25, "complete_untraced_windows": 1}
+    write_json_atomic(run.status_json, status)
+    text = render_text(run_report(load_run(str(run.path))))
+    assert (
+        "measured overhead 27.0% of step time while tracing (from 1 comparison with an "
+        "untraced window: rough)" in text
+    )
+    assert "too short" not in text
+    duty["overhead_comparisons"] = 4
+    write_json_atomic(run.status_json, status)
+    text = render_text(run_report(load_run(str(run.path))))
+    assert "27.0% of step time while tracing (from 4 comparisons with untraced windows)" in text
 
 
 def test_no_tracing_line_when_no_tracer_started(tmp_path: Path) -> None:
@@ -273,3 +303,38 @@ def test_report_and_status_default_to_the_runs_folder_where_the_job_started(
     monkeypatch.chdir(tmp_path / "runs")  # no runs/ here: the error names the folder
     assert cli_main(["report"]) == 2
     assert capsys.readouterr().err.strip() == "distanom: runs: no such run directory"
+
+
+def test_the_live_status_says_what_the_tracing_overhead_rests_on(tmp_path: Path) -> None:
+    from distanom.live import render_status
+    from distanom.rundir import RunDir
+
+    # one traced run against one untraced window: on a busy host such a figure swung
+    # from -15% to 74% between two looks, with nothing to say it was one comparison
+    duty = {"traced_fraction": 0.96, "window_steps": 16, "overhead_comparisons": 1}
+    tracer = {"overhead_pct": 74.0, "duty_cycle": duty}
+    text = render_status(RunDir(tmp_path), {"state": "running", "tracer": tracer})
+    assert "measured tracing overhead: 74.00% of step time (from 1 comparison with an " in text
+    assert "untraced window: rough)" in text
+    tracer["overhead_pct"] = None
+    duty |= {"overhead_comparisons": 0, "complete_traced_windows": 5}
+    duty |= {"complete_untraced_windows": 0}
+    text = render_status(RunDir(tmp_path), {"state": "running", "tracer": tracer})
+    assert "run too short to measure tracing overhead: 5 whole traced and 0 untraced" in text
+
+
+def test_the_governor_counts_what_its_overhead_rests_on() -> None:
+    from distanom.governor import OverheadGovernor
+
+    gov = OverheadGovernor(None)
+    gov.seed_probes("2")  # the first untraced window: window 8
+    for step in range(8 * 16):
+        gov.record(step, 0.011 if gov.tracing_on(step) else 0.010, gov.tracing_on(step))
+    report = gov.report()
+    assert report["measured_overhead_pct"] is None
+    assert (report["complete_traced_windows"], report["complete_untraced_windows"]) == (8, 0)
+    for step in range(8 * 16, 10 * 16):
+        gov.record(step, 0.011 if gov.tracing_on(step) else 0.010, gov.tracing_on(step))
+    report = gov.report()
+    assert report["measured_overhead_pct"] == pytest.approx(10.0, abs=0.5)
+    assert report["overhead_comparisons"] == 1 and report["complete_untraced_windows"] == 1

@@ -163,8 +163,12 @@ def test_a_node_leader_makes_its_copy_node_file_and_latest(tmp_path: Path) -> No
     base = tmp_path / "node1" / "runs"
     world = WorldInfo(2, 4, 0, 2, 1, "hostb", None, None, "j", node_count=2)
     health = Health()
-    run = join_run(_group("job-20260101-000000"), world, base, None, health)
-    assert run is not None and run.path == base / "job-20260101-000000"
+    run_id, run = join_run(_group("job-20260101-000000"), world, base, None, health)
+    assert (
+        run_id == "job-20260101-000000"
+        and run is not None
+        and run.path == base / "job-20260101-000000"
+    )
     assert os.readlink(base / "latest") == "job-20260101-000000"
     nodes, problems = read_nodes(run)
     assert problems == [] and nodes == [NodeInfo("job-20260101-000000", 1, 2, "hostb", 4, (2, 3))]
@@ -178,7 +182,8 @@ def test_a_link_in_place_of_the_run_is_refused_not_followed(tmp_path: Path) -> N
     (base / "r1").symlink_to(elsewhere)
     health = Health()
     world = WorldInfo(1, 2, 0, 1, 1, "hostb", None, None, "j", node_count=2)
-    assert join_run(_group("r1"), world, base, None, health) is None
+    # no copy of its own, but the run id every rank shares (it places the probe windows)
+    assert join_run(_group("r1"), world, base, None, health) == ("r1", None)
     assert health.capture_off_reason is not None and "link" in health.capture_off_reason
     assert list(elsewhere.iterdir()) == []
 
@@ -188,8 +193,8 @@ def test_rank_zero_names_the_run_and_every_rank_its_place(tmp_path: Path) -> Non
         WorldInfo(0, 1, 0, 1, 0, "h0", None, None, "j"), setup_timeout_s=1, op_timeout_s=1
     )
     world = WorldInfo(0, 1, 0, 1, 0, "h0", None, None, "j")
-    run = join_run(group, world, tmp_path / "runs", "job", Health())
-    assert run is not None and group.lookup("run_id") == run.run_id
+    run_id, run = join_run(group, world, tmp_path / "runs", "job", Health())
+    assert run is not None and group.lookup("run_id") == run.run_id == run_id
     assert run.run_id.startswith("job-")
     places = read_places(group, 1)
     assert [(p.node_rank, p.host) for p in places] == [(0, "h0")]

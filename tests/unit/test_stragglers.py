@@ -121,3 +121,78 @@ def test_the_skew_of_a_jobs_first_steps_names_nobody() -> None:
     feed(scorer, range(1, 13), slow_rank=0, slow_from=1)
     feed(scorer, range(13, 200), slow_rank=0, slow_from=10_000)
     assert scorer.stragglers() == [] and scorer.to_json()["earlier"] == []
+
+
+def loaded_host(
+    scorer: StragglerScorer, steps: range, *, start_up: int = 0, stall_at: int = -1
+) -> list[int]:
+    """A fault-free job on a loaded host: step times jitter by -20%..+25% and rank 1 is a
+    little late (6% of the step) at two steps in three; its first `start_up` steps it is
+    very late (start-up), at `stall_at` it stalls for 0.5 s. The steps it was named at."""
+    rng = random.Random(11)
+    named = []
+    for step in steps:
+        step_ms = 30.0 * rng.uniform(0.8, 1.25)
+        arrive = [10.0] * scorer.world_size
+        if step % 3:
+            arrive[1] += 0.06 * step_ms
+        if step <= start_up:
+            arrive[1] += 0.4 * step_ms
+        if step == stall_at:
+            arrive[1] += 500.0
+            step_ms += 500.0
+        scorer.add(step, arrive, step_ms)
+        if scorer.stragglers():
+            named.append(step)
+    return named
+
+
+def test_one_stall_on_a_loaded_host_does_not_make_a_straggler() -> None:
+    # the 0.5 s stall was ~0.25 of the window's summed time: the rank's mean share rose
+    # over 5% for a window, and the rule named it from the stall on (steps 100-163)
+    scorer = StragglerScorer(2)
+    assert loaded_host(scorer, range(1, 300), stall_at=100) == []
+    assert scorer.to_json()["earlier"] == []
+    assert scorer.window_score(1) < 0.1  # the median share: the stall is one step of 64
+
+
+def test_a_fault_free_warm_up_on_a_loaded_host_names_nobody() -> None:
+    # 15 start-up steps late by 40%, then a little late at most steps: the mean share
+    # named it from step 32 to ~70; the median share over the window is the jitter's
+    scorer = StragglerScorer(4)
+    assert loaded_host(scorer, range(1, 300), start_up=15) == []
+    assert scorer.to_json()["earlier"] == []
+
+
+def test_a_straggler_is_named_through_the_same_jitter() -> None:
+    # the same loaded host, and rank 1 late by 30 ms at every step from step 60 on
+    rng = random.Random(5)
+    scorer = StragglerScorer(4)
+    for step in range(1, 200):
+        step_ms = 30.0 * rng.uniform(0.8, 1.25)
+        arrive = [10.0, 10.0 + (0.06 * step_ms if step % 3 else 0.0), 10.0, 10.0]
+        if step >= 60:
+            arrive[1] += 30.0
+            step_ms += 30.0
+        scorer.add(step, arrive, step_ms)
+    (first,) = scorer.stragglers()
+    assert first.rank == 1 and 58 <= first.since_step <= 62 and first.score > 0.4
+    assert 0.05 < scorer.step_spread() < 0.3  # the jitter it was judged against
+
+
+def test_a_stall_just_before_a_straggler_began_does_not_move_when_it_began() -> None:
+    # a 0.5 s stall at step 50, then 10 ms late at every step from 60: the stall weighed
+    # as 50 typical late steps and the streak was said to begin at 50
+    scorer = StragglerScorer(4)
+    for step in range(1, 200):
+        arrive = [10.0] * 4
+        step_ms = 30.0 + (step % 7) * 0.2
+        if step >= 60:
+            arrive[1] += 10.0
+            step_ms += 10.0
+        if step == 50:
+            arrive[1] += 500.0
+            step_ms += 500.0
+        scorer.add(step, arrive, step_ms)
+    (first,) = scorer.stragglers()
+    assert first.rank == 1 and first.since_step == 60
