@@ -47,6 +47,16 @@ from distanom.gc_pauses import GcPauses
 from distanom.health import Health
 from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
+from distanom.own_time import (
+    BOOKKEEPING,
+    CLOCK,
+    HANDOFF,
+    PHASES,
+    STAMP,
+    STARTUP_BOUNDARIES,
+    TRACER,
+    BoundaryMeters,
+)
 from distanom.phases import NO_PHASES, PhaseMarks, PhaseTimes
 from distanom.tracers import Tracer, create_tracer
 
@@ -58,6 +68,7 @@ STEP_SKIPPED = 8  # the step's optimizer step was skipped by a GradScaler (not s
 # steps, back to this many steps: past it, the clock gave up on them (their bookkeeping
 # would grow without bound)
 KEEP_UNRESOLVED = 2048
+_perf_ns = time.perf_counter_ns
 
 
 class StepRecord(NamedTuple):
@@ -96,6 +107,7 @@ class StepBoundaries:
         self.tracer_started = False
         self.closed = False  # set at the end of training: later boundaries are ignored
         self.own_ns = 0  # time spent in boundaries (this thread's cost of distanom)
+        self.meters = BoundaryMeters()  # the same, by kind and part (`distanom.own_time`)
         self.last_busy_ns = 0  # distanom's busy time (Health, capture) at the last boundary
         self.gc_pauses = GcPauses()
         self.evidence_marks = EvidenceMarks()
@@ -255,10 +267,8 @@ class StepBoundaries:
             return
         if not self._manual:
             self._optimizer_boundaries += 1
-        began = time.perf_counter_ns()
         try:
-            self._boundary_unguarded(began, inside_optimizer, skipped)
-            self.own_ns += time.perf_counter_ns() - began
+            self._boundary_unguarded(inside_optimizer, skipped)
         except Exception as err:  # the last line of defence: never raise into training
             self._warn_once("boundary", "distanom: step bookkeeping failed (%s); disabled", err)
             self._boundaries_off = True  # close() still stops the tracer and finishes
@@ -267,16 +277,18 @@ class StepBoundaries:
                 with contextlib.suppress(Exception):
                     tracer.set_tracing(False)  # unwatched: tracing would only cost
 
-    def _boundary_unguarded(
-        self, began_ns: int, inside_optimizer: bool, skipped: bool = False
-    ) -> None:
+    def _boundary_unguarded(self, inside_optimizer: bool, skipped: bool = False) -> None:
+        now = _perf_ns  # a fixed point between each part: `own_time.PARTS`
+        began = now()
         step = self.current_step
         self.current_step = step + 1
         host_ns = time.time_ns()
         self.evidence_marks.mark(step, host_ns)
+        one_off = step < STARTUP_BOUNDARIES
         if not self._first_boundary_done:
             self._first_boundary_done = True  # once: a later clock failure re-creates nothing
             self._first_boundary()
+        at_stamp = now()
         resolved: Sequence[tuple[int, float]] = ()
         clock = self.clock
         if clock is not None:
@@ -285,8 +297,11 @@ class StepBoundaries:
             except Exception as err:
                 self._warn_once("clock", "clock: step timing failed (%s); detection stops", err)
                 self.clock = clock = None
-        self.phases.step_ended(step, began_ns, clock.last_event if clock is not None else None)
+        at_clock = now()
+        self.phases.step_ended(step, began, clock.last_event if clock is not None else None)
+        at_phases = now()
         self_ms = self.self_ms_of_ended_step()
+        traced = self._tracing_during  # the step that ended
         flags = (
             self._flags_of_ended_step()
             | (STEP_DISTURBED if self_ms else 0)
@@ -299,7 +314,9 @@ class StepBoundaries:
         gc_ms, gc_generation = self.gc_pauses.take()
         if gc_ms > 0:
             self._gc[step] = (gc_ms, gc_generation)
+        at_bookkeeping = now()
         tracer = self.tracer
+        switched = False
         if tracer is not None and not inside_optimizer:
             if step < self._quiet_before and self.duty.schedule_version == self._quiet_version:
                 # inside a run the duty cycle decided untraced, with the tracer off: its
@@ -310,11 +327,36 @@ class StepBoundaries:
                     self._tracer_failed(err)
                 self._next_after_flush = False
             else:
+                one_off = one_off or not self.tracer_started
                 self._tracer_boundary(tracer, step, host_ns)
+                switched = self._next_after_flush or traced != self._tracing_during
+        at_tracer = now()
         for resolved_step, duration in resolved:
             self.inbox.put_step(self._resolved(resolved_step, duration), duration)
         if not step % KEEP_UNRESOLVED:
             self._forget_unresolved(step - KEEP_UNRESOLVED)
+        end = now()
+        self.own_ns += end - began
+        meters = self.meters  # one kind per boundary (docs in `distanom.own_time`)
+        if one_off:
+            meters.startup_ns += end - began
+            meters.startup_boundaries += 1
+        elif switched:
+            meters.switch_ns += end - began
+            meters.switches += 1
+        elif traced or self._tracing_during:
+            meters.traced_ns += end - began
+            meters.traced_boundaries += 1
+        else:
+            meters.steady_ns += end - began
+            meters.steady_boundaries += 1
+            parts = meters.part_ns
+            parts[STAMP] += at_stamp - began
+            parts[CLOCK] += at_clock - at_stamp
+            parts[PHASES] += at_phases - at_clock
+            parts[BOOKKEEPING] += at_bookkeeping - at_phases
+            parts[TRACER] += at_tracer - at_bookkeeping
+            parts[HANDOFF] += end - at_tracer
 
     def _tracer_boundary(self, tracer: Tracer, step: int, host_ns: int) -> None:
         """The tracer's part of boundary `step`: its mark, its start, the duty cycle's
@@ -452,6 +494,13 @@ class StepBoundaries:
         """Queue the last steps' times the GPU reaches within `timeout_s`, then stop the
         tracer; returns whether the GPU reached every boundary (else the tracer is left
         as it is: stopping it could wait on the GPU too)."""
+        began = _perf_ns()
+        try:
+            return self._drain(timeout_s)
+        finally:
+            self.meters.teardown_ns += _perf_ns() - began
+
+    def _drain(self, timeout_s: float) -> bool:
         gpu_done = True
         if self.clock is not None:
             # polled, never a synchronize: a hung GPU must not hang the exit
