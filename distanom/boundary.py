@@ -57,7 +57,7 @@ from distanom.own_time import (
     TRACER,
     BoundaryMeters,
 )
-from distanom.phases import NO_PHASES, PhaseMarks, PhaseTimes
+from distanom.phases import NO_RAW, PhaseMarks, RawPhases
 from distanom.tracers import Tracer, create_tracer
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,9 @@ STEP_SKIPPED = 8  # the step's optimizer step was skipped by a GradScaler (not s
 # would grow without bound)
 KEEP_UNRESOLVED = 2048
 _perf_ns = time.perf_counter_ns
+_thread_ns = time.thread_time_ns
+_new_tuple = tuple.__new__
+NO_GC = (0.0, -1)  # no collection during a step: (ms, generation)
 
 
 class StepRecord(NamedTuple):
@@ -80,7 +83,7 @@ class StepRecord(NamedTuple):
     self_ms: float  # distanom's capture work during the step
     gc_ms: float  # Python garbage collection during the step (host time)
     gc_generation: int  # the highest generation collected, -1 for none
-    phases: PhaseTimes = NO_PHASES  # host parts, batch fetch, GPU parts (distanom.phases)
+    phases: RawPhases = NO_RAW  # the step's phases, split on the control thread (distanom.phases)
 
 
 class StepBoundaries:
@@ -112,6 +115,8 @@ class StepBoundaries:
         self.gc_pauses = GcPauses()
         self.evidence_marks = EvidenceMarks()
         self.phases = PhaseMarks()
+        self._evidence_append = self.evidence_marks.marks.append  # bound once: every step
+        self._gc_finished = self.gc_pauses.finished  # a deque: empty on nearly every step
         self._phases_on = config.step.phases
         self._capture_is_off = health.capture_is_off  # bound once: called every step
         self._warn_once = health.warn_once
@@ -283,7 +288,7 @@ class StepBoundaries:
         step = self.current_step
         self.current_step = step + 1
         host_ns = time.time_ns()
-        self.evidence_marks.mark(step, host_ns)
+        self._evidence_append((step, host_ns, _thread_ns()))  # `EvidenceMarks.mark`, inline
         one_off = step < STARTUP_BOUNDARIES
         if not self._first_boundary_done:
             self._first_boundary_done = True  # once: a later clock failure re-creates nothing
@@ -302,18 +307,17 @@ class StepBoundaries:
         at_phases = now()
         self_ms = self.self_ms_of_ended_step()
         traced = self._tracing_during  # the step that ended
-        flags = (
-            self._flags_of_ended_step()
-            | (STEP_DISTURBED if self_ms else 0)
-            | (STEP_SKIPPED if skipped else 0)
-        )
+        # traced, after a flush, disturbed by distanom's own capture work (then it is never
+        # judged: no feedback loop), skipped by a GradScaler
+        flags = (STEP_TRACED if traced else 0) | (STEP_AFTER_FLUSH if self._next_after_flush else 0)
+        if self_ms or skipped:
+            flags |= (STEP_DISTURBED if self_ms else 0) | (STEP_SKIPPED if skipped else 0)
         if flags:  # most steps have none: `_resolved` reads a missing entry as 0
             self._step_flags[step] = flags
         if self_ms:
             self._self_ms[step] = self_ms
-        gc_ms, gc_generation = self.gc_pauses.take()
-        if gc_ms > 0:
-            self._gc[step] = (gc_ms, gc_generation)
+        if self._gc_finished:  # nearly every step has no collection: no call
+            self._gc[step] = self.gc_pauses.take()
         at_bookkeeping = now()
         tracer = self.tracer
         switched = False
@@ -331,8 +335,10 @@ class StepBoundaries:
                 self._tracer_boundary(tracer, step, host_ns)
                 switched = self._next_after_flush or traced != self._tracing_during
         at_tracer = now()
-        for resolved_step, duration in resolved:
-            self.inbox.put_step(self._resolved(resolved_step, duration), duration)
+        if resolved:
+            put, record = self.inbox.put_step, self._resolved
+            for resolved_step, duration in resolved:
+                put(record(resolved_step, duration), duration)
         if not step % KEEP_UNRESOLVED:
             self._forget_unresolved(step - KEEP_UNRESOLVED)
         end = now()
@@ -409,25 +415,21 @@ class StepBoundaries:
 
     def _resolved(self, step: int, duration: float) -> StepRecord:
         """What the control thread gets of a step whose time is known."""
-        gc_ms, gc_generation = self._gc.pop(step, (0.0, -1))
-        return StepRecord(
-            step, duration, self._step_flags.pop(step, 0), self._self_ms.pop(step, 0.0),
-            gc_ms, gc_generation, self.phases.take(step),
-        )  # fmt: skip
-
-    def _flags_of_ended_step(self) -> int:
-        """STEP_* bits of the step that just ended: traced, after a flush, disturbed by
-        distanom's own capture work (then it is never judged: no feedback loop)."""
-        flags = STEP_TRACED if self._tracing_during else 0
-        if self._next_after_flush:
-            flags |= STEP_AFTER_FLUSH
-        return flags
+        gc_ms, gc_generation = self._gc.pop(step, NO_GC) if self._gc else NO_GC
+        flags = self._step_flags.pop(step, 0) if self._step_flags else 0
+        self_ms = self._self_ms.pop(step, 0.0) if self._self_ms else 0.0
+        phases = self.phases.take_raw(step)
+        # tuple.__new__: no Python frame of the NamedTuple's own __new__
+        fields = (step, duration, flags, self_ms, gc_ms, gc_generation, phases)
+        return _new_tuple(StepRecord, fields)
 
     def self_ms_of_ended_step(self) -> float:
         """How long distanom's own heavy work (capture work, heavy consensus rounds) ran
         during the step that just ended (ms)."""
         capture = self.health.capture
         busy = self.health.control_busy_ns + (capture.busy_ns() if capture is not None else 0)
+        if busy <= self.last_busy_ns:  # nearly every step: nothing new
+            return 0.0
         # monotone: a reading that ran a little ahead of the worker (it read a lookup
         # as heavy just before the worker measured it under the threshold) is absorbed
         # by later work instead of giving a step a negative share
