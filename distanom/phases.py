@@ -30,9 +30,11 @@ and after it (tail and optimizer). A GPU part that grew while the host's time fo
 same span did not is device work that grew, also where the host then spin-waited for it
 in a synchronize (docs/evidence.md).
 
-The parts of a step are handed out by `take(step)` once the step clock has timed the
+The parts of a step are handed out by `take_raw(step)` once the step clock has timed the
 step (the boundary events have completed, so every earlier phase event has too: no
-synchronize). They go into the step's row of steps/rank<R>.csv; the report reads them.
+synchronize): the GPU parts read there, the host marks as they are, split into parts by
+`resolve` on the control thread (`take` does both, for tools). They go into the step's
+row of steps/rank<R>.csv; the report reads them.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def run_bench(tree: Path, argv: list[str], timeout_s: float) -> None:
     env = dict(os.environ, PYTHONPATH=str(tree))
     subprocess.run(
         [sys.executable, *argv], cwd=tree, env=env, check=True, timeout=timeout_s,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
 
 
@@ -103,7 +103,7 @@ def main() -> int:
                     "bench/probes/boundary_cost_probe.py", "--device", args.device,
                     "--no-parts", "--workloads", args.workload, "--warmup", str(args.warmup),
                     "--steps", str(args.steps), "--repeats", "1", "--define", "default",
-                    "default", "--out", str(boundary_out),
+                    "--out", str(boundary_out),
                 ]  # fmt: skip
                 if cpu:
                     argv.append("--fake-cupti")
