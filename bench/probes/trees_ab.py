@@ -34,7 +34,13 @@ OWN_KEYS = (
 
 
 def run_bench(tree: Path, argv: list[str], timeout_s: float) -> None:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    # the tree first; other entries kept (site packages), other distanom checkouts dropped
+    kept = [
+        entry
+        for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if entry and not (Path(entry) / "distanom" / "__init__.py").exists()
+    ]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), *kept]))
     subprocess.run(
         [sys.executable, *argv], cwd=tree, env=env, check=True, timeout=timeout_s,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
