@@ -99,6 +99,7 @@ class Agent:
         the garbage-collection timer."""
         global _ACTIVE
         _ACTIVE = self
+        began = time.perf_counter_ns()  # start-up, reported once (`own_time`)
         from distanom.analysis import trace_io
 
         trace_io.PAUSE_GC_DURING_LOAD = False  # never touch the GC of the training process
@@ -107,10 +108,11 @@ class Agent:
         self.hang.start()
         # last: nothing after it can fail and leave it installed
         self.boundaries.gc_pauses.install()
+        self.boundaries.meters.install_ns += time.perf_counter_ns() - began
 
     # -- public API (training thread) --------------------------------------------------
 
-    def own_cost(self) -> dict[str, float | int | str | None]:
+    def own_cost(self) -> dict[str, Any]:
         """distanom's own time per step on this rank, as status.json's `agent_cost`."""
         return self.control.own_cost()
 

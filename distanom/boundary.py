@@ -47,7 +47,17 @@ from distanom.gc_pauses import GcPauses
 from distanom.health import Health
 from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
-from distanom.phases import NO_PHASES, PhaseMarks, PhaseTimes
+from distanom.own_time import (
+    BOOKKEEPING,
+    CLOCK,
+    HANDOFF,
+    PHASES,
+    STAMP,
+    STARTUP_BOUNDARIES,
+    TRACER,
+    BoundaryMeters,
+)
+from distanom.phases import NO_RAW, PhaseMarks, RawPhases
 from distanom.tracers import Tracer, create_tracer
 
 log = logging.getLogger(__name__)
@@ -58,6 +68,10 @@ STEP_SKIPPED = 8  # the step's optimizer step was skipped by a GradScaler (not s
 # steps, back to this many steps: past it, the clock gave up on them (their bookkeeping
 # would grow without bound)
 KEEP_UNRESOLVED = 2048
+_perf_ns = time.perf_counter_ns
+_thread_ns = time.thread_time_ns
+_new_tuple = tuple.__new__
+NO_GC = (0.0, -1)  # no collection during a step: (ms, generation)
 
 
 class StepRecord(NamedTuple):
@@ -69,7 +83,7 @@ class StepRecord(NamedTuple):
     self_ms: float  # distanom's capture work during the step
     gc_ms: float  # Python garbage collection during the step (host time)
     gc_generation: int  # the highest generation collected, -1 for none
-    phases: PhaseTimes = NO_PHASES  # host parts, batch fetch, GPU parts (distanom.phases)
+    phases: RawPhases = NO_RAW  # the step's phases, split on the control thread (distanom.phases)
 
 
 class StepBoundaries:
@@ -96,10 +110,13 @@ class StepBoundaries:
         self.tracer_started = False
         self.closed = False  # set at the end of training: later boundaries are ignored
         self.own_ns = 0  # time spent in boundaries (this thread's cost of distanom)
+        self.meters = BoundaryMeters()  # the same, by kind and part (`distanom.own_time`)
         self.last_busy_ns = 0  # distanom's busy time (Health, capture) at the last boundary
         self.gc_pauses = GcPauses()
         self.evidence_marks = EvidenceMarks()
         self.phases = PhaseMarks()
+        self._evidence_append = self.evidence_marks.marks.append  # bound once: every step
+        self._gc_finished = self.gc_pauses.finished  # a deque: empty on nearly every step
         self._phases_on = config.step.phases
         self._capture_is_off = health.capture_is_off  # bound once: called every step
         self._warn_once = health.warn_once
@@ -255,10 +272,8 @@ class StepBoundaries:
             return
         if not self._manual:
             self._optimizer_boundaries += 1
-        began = time.perf_counter_ns()
         try:
-            self._boundary_unguarded(began, inside_optimizer, skipped)
-            self.own_ns += time.perf_counter_ns() - began
+            self._boundary_unguarded(inside_optimizer, skipped)
         except Exception as err:  # the last line of defence: never raise into training
             self._warn_once("boundary", "distanom: step bookkeeping failed (%s); disabled", err)
             self._boundaries_off = True  # close() still stops the tracer and finishes
@@ -267,16 +282,18 @@ class StepBoundaries:
                 with contextlib.suppress(Exception):
                     tracer.set_tracing(False)  # unwatched: tracing would only cost
 
-    def _boundary_unguarded(
-        self, began_ns: int, inside_optimizer: bool, skipped: bool = False
-    ) -> None:
+    def _boundary_unguarded(self, inside_optimizer: bool, skipped: bool = False) -> None:
+        now = _perf_ns  # a fixed point between each part: `own_time.PARTS`
+        began = now()
         step = self.current_step
         self.current_step = step + 1
         host_ns = time.time_ns()
-        self.evidence_marks.mark(step, host_ns)
+        self._evidence_append((step, host_ns, _thread_ns()))  # `EvidenceMarks.mark`, inline
+        one_off = step < STARTUP_BOUNDARIES
         if not self._first_boundary_done:
             self._first_boundary_done = True  # once: a later clock failure re-creates nothing
             self._first_boundary()
+        at_stamp = now()
         resolved: Sequence[tuple[int, float]] = ()
         clock = self.clock
         if clock is not None:
@@ -285,21 +302,25 @@ class StepBoundaries:
             except Exception as err:
                 self._warn_once("clock", "clock: step timing failed (%s); detection stops", err)
                 self.clock = clock = None
-        self.phases.step_ended(step, began_ns, clock.last_event if clock is not None else None)
+        at_clock = now()
+        self.phases.step_ended(step, began, clock.last_event if clock is not None else None)
+        at_phases = now()
         self_ms = self.self_ms_of_ended_step()
-        flags = (
-            self._flags_of_ended_step()
-            | (STEP_DISTURBED if self_ms else 0)
-            | (STEP_SKIPPED if skipped else 0)
-        )
+        traced = self._tracing_during  # the step that ended
+        # traced, after a flush, disturbed by distanom's own capture work (then it is never
+        # judged: no feedback loop), skipped by a GradScaler
+        flags = (STEP_TRACED if traced else 0) | (STEP_AFTER_FLUSH if self._next_after_flush else 0)
+        if self_ms or skipped:
+            flags |= (STEP_DISTURBED if self_ms else 0) | (STEP_SKIPPED if skipped else 0)
         if flags:  # most steps have none: `_resolved` reads a missing entry as 0
             self._step_flags[step] = flags
         if self_ms:
             self._self_ms[step] = self_ms
-        gc_ms, gc_generation = self.gc_pauses.take()
-        if gc_ms > 0:
-            self._gc[step] = (gc_ms, gc_generation)
+        if self._gc_finished:  # nearly every step has no collection: no call
+            self._gc[step] = self.gc_pauses.take()
+        at_bookkeeping = now()
         tracer = self.tracer
+        switched = False
         if tracer is not None and not inside_optimizer:
             if step < self._quiet_before and self.duty.schedule_version == self._quiet_version:
                 # inside a run the duty cycle decided untraced, with the tracer off: its
@@ -310,11 +331,38 @@ class StepBoundaries:
                     self._tracer_failed(err)
                 self._next_after_flush = False
             else:
+                one_off = one_off or not self.tracer_started
                 self._tracer_boundary(tracer, step, host_ns)
-        for resolved_step, duration in resolved:
-            self.inbox.put_step(self._resolved(resolved_step, duration), duration)
+                switched = self._next_after_flush or traced != self._tracing_during
+        at_tracer = now()
+        if resolved:
+            put, record = self.inbox.put_step, self._resolved
+            for resolved_step, duration in resolved:
+                put(record(resolved_step, duration), duration)
         if not step % KEEP_UNRESOLVED:
             self._forget_unresolved(step - KEEP_UNRESOLVED)
+        end = now()
+        self.own_ns += end - began
+        meters = self.meters  # one kind per boundary (docs in `distanom.own_time`)
+        if one_off:
+            meters.startup_ns += end - began
+            meters.startup_boundaries += 1
+        elif switched:
+            meters.switch_ns += end - began
+            meters.switches += 1
+        elif traced or self._tracing_during:
+            meters.traced_ns += end - began
+            meters.traced_boundaries += 1
+        else:
+            meters.steady_ns += end - began
+            meters.steady_boundaries += 1
+            parts = meters.part_ns
+            parts[STAMP] += at_stamp - began
+            parts[CLOCK] += at_clock - at_stamp
+            parts[PHASES] += at_phases - at_clock
+            parts[BOOKKEEPING] += at_bookkeeping - at_phases
+            parts[TRACER] += at_tracer - at_bookkeeping
+            parts[HANDOFF] += end - at_tracer
 
     def _tracer_boundary(self, tracer: Tracer, step: int, host_ns: int) -> None:
         """The tracer's part of boundary `step`: its mark, its start, the duty cycle's
@@ -367,25 +415,21 @@ class StepBoundaries:
 
     def _resolved(self, step: int, duration: float) -> StepRecord:
         """What the control thread gets of a step whose time is known."""
-        gc_ms, gc_generation = self._gc.pop(step, (0.0, -1))
-        return StepRecord(
-            step, duration, self._step_flags.pop(step, 0), self._self_ms.pop(step, 0.0),
-            gc_ms, gc_generation, self.phases.take(step),
-        )  # fmt: skip
-
-    def _flags_of_ended_step(self) -> int:
-        """STEP_* bits of the step that just ended: traced, after a flush, disturbed by
-        distanom's own capture work (then it is never judged: no feedback loop)."""
-        flags = STEP_TRACED if self._tracing_during else 0
-        if self._next_after_flush:
-            flags |= STEP_AFTER_FLUSH
-        return flags
+        gc_ms, gc_generation = self._gc.pop(step, NO_GC) if self._gc else NO_GC
+        flags = self._step_flags.pop(step, 0) if self._step_flags else 0
+        self_ms = self._self_ms.pop(step, 0.0) if self._self_ms else 0.0
+        phases = self.phases.take_raw(step)
+        # tuple.__new__: no Python frame of the NamedTuple's own __new__
+        fields = (step, duration, flags, self_ms, gc_ms, gc_generation, phases)
+        return _new_tuple(StepRecord, fields)
 
     def self_ms_of_ended_step(self) -> float:
         """How long distanom's own heavy work (capture work, heavy consensus rounds) ran
         during the step that just ended (ms)."""
         capture = self.health.capture
         busy = self.health.control_busy_ns + (capture.busy_ns() if capture is not None else 0)
+        if busy <= self.last_busy_ns:  # nearly every step: nothing new
+            return 0.0
         # monotone: a reading that ran a little ahead of the worker (it read a lookup
         # as heavy just before the worker measured it under the threshold) is absorbed
         # by later work instead of giving a step a negative share
@@ -452,6 +496,13 @@ class StepBoundaries:
         """Queue the last steps' times the GPU reaches within `timeout_s`, then stop the
         tracer; returns whether the GPU reached every boundary (else the tracer is left
         as it is: stopping it could wait on the GPU too)."""
+        began = _perf_ns()
+        try:
+            return self._drain(timeout_s)
+        finally:
+            self.meters.teardown_ns += _perf_ns() - began
+
+    def _drain(self, timeout_s: float) -> bool:
         gpu_done = True
         if self.clock is not None:
             # polled, never a synchronize: a hung GPU must not hang the exit

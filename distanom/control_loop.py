@@ -375,7 +375,7 @@ class ControlLoop:
             self._peers_last_step = None
             self.health.consensus_error = None
 
-    def own_cost(self) -> dict[str, float | int | str | None]:
+    def own_cost(self) -> dict[str, object]:
         """What distanom itself costs this rank per step, measured live (`agent_cost`)."""
         cpu_ns = max(0, self._cpu_ns - self._cpu_setup_ns)
         median = self.detector.median_ms

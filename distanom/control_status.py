@@ -16,6 +16,7 @@ from distanom.config import Config
 from distanom.detect import Detector, StepSample
 from distanom.duty_cycle import DutyCycle
 from distanom.health import Health
+from distanom.own_time import own_cost_body
 from distanom.pacing import RoundPacer
 from distanom.records.status import CaptureCounts, Status, TracerReport
 from distanom.rundir import RunDir, json_number
@@ -53,7 +54,7 @@ def status_body(
     recent_samples: Sequence[StepSample],
     gathered_step: int,
     exit_code: int,
-    own_cost: dict[str, float | int | str | None],
+    own_cost: dict[str, Any],
 ) -> Status:
     """The status file's body in `state` (running, finished, failed, interrupted)."""
     counts = detector.counts
@@ -116,30 +117,28 @@ def agent_cost(
     median_ms: float | None,
     pacer: RoundPacer,
     early_rounds: int,
-) -> dict[str, float | int | str | None]:
+) -> dict[str, Any]:
     """What distanom itself costs a rank per step, measured live: time in the step
-    boundaries on the training thread, CPU time of the control thread (rounds, evidence,
-    files; `control_cpu_ns` since its setup), and both as a percentage of the median step.
-    Capture work and the tracer's own cost are not in it (the duty cycle measures those)."""
+    boundaries on the training thread (steady ones per step, by part; start-up, the end
+    and tracer switches apart: `own_time`), CPU time of the control thread (rounds,
+    evidence, files; `control_cpu_ns` since its setup), and their sum as a percentage of
+    the median step. Capture work and the tracer's own cost are not in it (the duty
+    cycle measures those)."""
     steps = boundaries.current_step
     if steps <= 0:
         return {"steps": 0}
-    boundary_us = boundaries.own_ns / steps / 1e3
-    marks_us = boundaries.phases.own_ns / steps / 1e3  # phase marks between boundaries
-    control_us = control_cpu_ns / steps / 1e3
-    pct = None
-    if median_ms is not None and math.isfinite(median_ms) and median_ms > 0:
-        pct = round((boundary_us + marks_us + control_us) / 1e3 / median_ms * 100, 4)
+    body = own_cost_body(
+        boundaries.meters,
+        steps=steps,
+        boundary_ns=boundaries.own_ns,
+        phase_marks_ns=boundaries.phases.own_ns,
+        control_cpu_ns=control_cpu_ns,
+        median_ms=median_ms,
+    )
     clock = boundaries.clock
     work_ms = pacer.work_ms
     return {
-        "steps": steps,
-        "boundary_ns": boundaries.own_ns,
-        "control_cpu_ns": control_cpu_ns,
-        "boundary_us_per_step": round(boundary_us, 2),
-        "phase_marks_us_per_step": round(marks_us, 2),
-        "control_us_per_step": round(control_us, 2),
-        "pct_of_median_step": pct,
+        **body,
         "clock_mode": clock.mode if clock is not None else None,  # what each step pays
         # clock.mode adaptive: steps it timed with the host clock instead of events
         "host_timed_steps": clock.host_timed_steps if clock is not None else None,

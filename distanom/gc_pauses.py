@@ -35,7 +35,7 @@ class GcPauses:
         # (ns, generation) of finished collections: a deque's append and popleft are
         # atomic, so the callback (any thread) and `take` (the training thread) never
         # see a half-made update, whichever thread the interpreter switches to
-        self._finished: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)
+        self.finished: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)
         self._installed = False
 
     def install(self) -> None:
@@ -54,12 +54,12 @@ class GcPauses:
     def take(self) -> tuple[float, int]:
         """(ms the collections that ended since the last call ran, the highest generation
         among them or -1)."""
-        if not self._finished:  # nearly every step: no exception raised for nothing
+        if not self.finished:  # nearly every step: no exception raised for nothing
             return 0.0, -1
         total_ns, highest = 0, -1
         while True:
             try:
-                spent, generation = self._finished.popleft()
+                spent, generation = self.finished.popleft()
             except IndexError:
                 return total_ns / 1e6, highest
             total_ns += spent
@@ -75,6 +75,6 @@ class GcPauses:
             elif self._started is not None:
                 began, generation = self._started
                 self._started = None
-                self._finished.append((max(0, now - began), generation))
+                self.finished.append((max(0, now - began), generation))
         except Exception:  # escaping, it would be printed at every collection
             pass

@@ -30,9 +30,11 @@ and after it (tail and optimizer). A GPU part that grew while the host's time fo
 same span did not is device work that grew, also where the host then spin-waited for it
 in a synchronize (docs/evidence.md).
 
-The parts of a step are handed out by `take(step)` once the step clock has timed the
+The parts of a step are handed out by `take_raw(step)` once the step clock has timed the
 step (the boundary events have completed, so every earlier phase event has too: no
-synchronize). They go into the step's row of steps/rank<R>.csv; the report reads them.
+synchronize): the GPU parts read there, the host marks as they are, split into parts by
+`resolve` on the control thread (`take` does both, for tools). They go into the step's
+row of steps/rank<R>.csv; the report reads them.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ NAN_GPU: tuple[float, ...] = (math.nan,) * 3
 # (host parts, fetch_ms, gpu parts): what `take` returns per step
 PhaseTimes = tuple[tuple[float, ...], float, tuple[float, ...]]
 NO_PHASES: PhaseTimes = (NAN_PARTS, math.nan, NAN_GPU)
+# what `take_raw` hands on, for `resolve` to split on the control thread: (the step's
+# marks as (kind, perf ns, event), its start and end (perf ns), fetch ns, GPU parts);
+# marks None where nothing is known
+RawPhases = tuple[list[tuple[int, int, Any]] | None, int, int, int, tuple[float, ...]]
+NO_RAW: RawPhases = (None, 0, 0, 0, NAN_GPU)
 MAX_MARKS = 256  # marks kept per step (a loop of many micro-batches keeps its first ones)
 MAX_KEPT_STEPS = 2048  # steps whose parts wait for the clock (it gives up beyond)
 MAX_TOP_MODULES = 64  # outermost modules remembered while looking for the model
@@ -131,7 +138,7 @@ class PhaseMarks:
         self._fetch_ns = 0
         self._last_boundary_ns: int | None = None
         self._last_boundary_event: Any = None
-        self._kept: dict[int, tuple[tuple[float, ...], float, Any]] = {}
+        self._kept: dict[int, tuple[Any, ...]] = {}  # step -> what `take_raw` needs
         self._undo: list[Callable[[], None]] = []
         self._model_hooks: list[Any] = []
         self._top: dict[int, list[Any]] = {}  # id -> [module ref, total ns, depth-0 calls]
@@ -319,54 +326,44 @@ class PhaseMarks:
             self._switch_off(f"phase bookkeeping failed ({err}); phases are off")
 
     def _step_ended(self, step: int, boundary_ns: int, boundary_event: Any) -> None:
+        # as little as can be here: the host parts are split by `resolve`, on the
+        # control thread; the GPU parts are read at `take_raw`
         if self._global:
             self._find_model()
         marks, self._marks = self._marks, []
-        fetch_ms, self._fetch_ns = self._fetch_ns / 1e6, 0
+        fetch_ns, self._fetch_ns = self._fetch_ns, 0
         start, start_event = self._last_boundary_ns, self._last_boundary_event
         self._last_boundary_ns, self._last_boundary_event = boundary_ns, boundary_event
         if start is None:
             self._recycle(marks)
             return
-        told = any(kind == _FWD_START for kind, _ns, _ev in marks)
-        if told:
-            host = tuple(
-                value / 1e6
-                for value in split_parts([(k, ns) for k, ns, _e in marks], start, boundary_ns)
-            )
-        else:  # no forward seen: only the optimizer phase is known
-            optimizer_ns = next((ns for k, ns, _e in marks if k == _OPT_START), None)
-            opt = (boundary_ns - optimizer_ns) / 1e6 if optimizer_ns is not None else math.nan
-            host = (math.nan, math.nan, math.nan, math.nan, opt)
-            self._recycle(marks)
-            marks = []
-        gpu = None
-        if told and start_event is not None and boundary_event is not None:
-            gpu = (start_event, marks, boundary_event)
-        else:
-            self._recycle(marks)
         kept = self._kept
-        kept[step] = (host, fetch_ms, gpu)
+        kept[step] = (marks, start, boundary_ns, fetch_ns, start_event, boundary_event)
         if len(kept) > MAX_KEPT_STEPS:
-            old = next(iter(kept))
-            self._release(kept.pop(old)[2])
+            self._recycle(kept.pop(next(iter(kept)))[0])
 
     def take(self, step: int) -> PhaseTimes:
         """The step's (host parts, fetch ms, GPU parts), NaN where not known; call once
         its boundary event has completed (the clock timed it)."""
+        return resolve(self.take_raw(step))
+
+    def take_raw(self, step: int) -> RawPhases:
+        """`take`'s answer before the host parts are split (`resolve` does that, off the
+        training thread); the GPU parts are read here, the events then reused."""
         kept = self._kept.pop(step, None)
         if kept is None:
-            return NO_PHASES
-        host, fetch_ms, gpu = kept
+            return NO_RAW
+        marks, start, end, fetch_ns, start_event, end_event = kept
         gpu_parts = NAN_GPU
-        if gpu is not None and self._calls is not None:
-            try:
-                gpu_parts = self._gpu_parts(*gpu)
-            except Exception as err:  # an event of another device, a torch change
-                self._calls = None
-                self._say(f"phase events unreadable ({err}); phases are timed on the host only")
-        self._release(gpu)
-        return host, fetch_ms, gpu_parts
+        if self._calls is not None:
+            if start_event is not None and end_event is not None and _told(marks):
+                try:
+                    gpu_parts = self._gpu_parts(start_event, marks, end_event)
+                except Exception as err:  # an event of another device, a torch change
+                    self._calls = None
+                    self._say(f"phase events unreadable ({err}); phases are timed on the host only")
+            self._recycle(marks)
+        return marks, start, end, fetch_ns, gpu_parts
 
     def _gpu_parts(self, start_event: Any, marks: list[Any], end_event: Any) -> tuple[float, ...]:
         """The GPU's three parts (ms) between the step's boundary events, split at the
@@ -382,10 +379,6 @@ class PhaseMarks:
             at.append((kind, position))
             previous = event
         return split_gpu(at, position + float(elapsed(previous, end_event)))
-
-    def _release(self, gpu: Any) -> None:
-        if gpu is not None:
-            self._recycle(gpu[1])
 
     def _recycle(self, marks: list[tuple[int, int, Any]]) -> None:
         spare = self._spare
@@ -404,8 +397,29 @@ class PhaseMarks:
             log.warning("distanom: %s", what)
 
 
-def phase_values(times: PhaseTimes) -> tuple[float, ...]:
+def _told(marks: list[tuple[int, int, Any]]) -> bool:
+    """Whether a forward was seen: then the data, forward and backward parts are known."""
+    return any(kind == _FWD_START for kind, _ns, _ev in marks)
+
+
+def resolve(raw: RawPhases) -> PhaseTimes:
+    """A step's (host parts, fetch ms, GPU parts) from `take_raw`'s answer. Pure."""
+    marks, start, end, fetch_ns, gpu = raw
+    if marks is None:
+        return NO_PHASES
+    if _told(marks):
+        parts = split_parts([(k, ns) for k, ns, _e in marks], start, end)
+        host = tuple(value / 1e6 for value in parts)
+    else:  # no forward seen: only the optimizer phase is known
+        optimizer_ns = next((ns for k, ns, _e in marks if k == _OPT_START), None)
+        opt = (end - optimizer_ns) / 1e6 if optimizer_ns is not None else math.nan
+        host = (math.nan, math.nan, math.nan, math.nan, opt)
+    return host, fetch_ns / 1e6, gpu
+
+
+def phase_values(raw: RawPhases) -> tuple[float, ...]:
     """A step's phase times as the steps file's phase columns, in order: host parts,
-    batch fetch, GPU parts (`records.steps.PHASE_COLUMNS`)."""
-    host, fetch_ms, gpu = times
+    batch fetch, GPU parts (`records.steps.PHASE_COLUMNS`), from `take_raw`'s answer
+    (control thread)."""
+    host, fetch_ms, gpu = resolve(raw)
     return (*host, fetch_ms, *gpu)

@@ -150,14 +150,17 @@ def _agent_cost_lines(
     # CPU time: a launch-bound loop may pay more (GIL hand-overs, caches; docs/agent.md)
     marks = cost.get("phase_marks_us_per_step")
     within = f" + {marks:.1f} us of phase marks" if isinstance(marks, numbers) and marks else ""
+    startup = cost.get("startup_ms")
+    steady = isinstance(startup, numbers)  # steady steps apart from start-up (own_time)
+    where = "each untraced step end" if steady else "each step end"
     line = (
-        f"  distanom's own time (rank 0): {boundary:.1f} us at each step end{within} + "
+        f"  distanom's own time (rank 0): {boundary:.1f} us at {where}{within} + "
         f"{control:.1f} us of its threads' CPU per step = {pct:.2f}% of the median step"
     )
     tracing = (tracer.get("duty_cycle") or {}).get("effective_overhead_pct")
     if isinstance(tracing, numbers):
         line += f"; with tracing about {pct + tracing:.2f}% in all"
-    lines = [line]
+    lines = [line, *_one_off_lines(cost)] if steady else [line]
     short = isinstance(median_ms, numbers) and median_ms < ADAPTIVE_BELOW_MS
     if pct >= CLOCK_HINT_PCT and short and cost.get("clock_mode") == "cuda_event":
         # a launch-bound loop pays host time in full; a GPU-bound one hides it (README)
@@ -167,6 +170,26 @@ def _agent_cost_lines(
             "it gives up)"
         )
     return lines
+
+
+def _one_off_lines(cost: dict[str, Any]) -> list[str]:
+    """What the per-step figure leaves out, once: start-up, the end, tracer switches (the
+    duty cycle charges those to tracing); and the step end's parts."""
+    numbers = (int, float)
+    parts = cost.get("boundary_parts_us")
+    lines = []
+    if isinstance(parts, dict) and all(isinstance(v, numbers) for v in parts.values()):
+        lines.append(
+            "  a step end, by part: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
+        )
+    once = f"  once, not per step: start-up {cost['startup_ms']:.1f} ms"
+    teardown = cost.get("teardown_ms")
+    if isinstance(teardown, numbers):
+        once += f", the end {teardown:.1f} ms"
+    switches, switch_ms = cost.get("tracer_switches"), cost.get("tracer_switch_ms")
+    if isinstance(switches, int) and switches and isinstance(switch_ms, numbers):
+        once += f"; {switches} tracer switch(es) at step ends, {switch_ms:.1f} ms (tracing's cost)"
+    return [*lines, once]
 
 
 def _overhead_lines(tracer: dict[str, Any]) -> list[str]:

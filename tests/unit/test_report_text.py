@@ -117,6 +117,38 @@ def test_no_clock_hint_where_steps_are_too_long_for_the_adaptive_clock(tmp_path:
     assert "clock.mode: adaptive" not in text
 
 
+def test_start_up_is_said_once_in_ms_and_the_step_end_by_part(tmp_path: Path) -> None:
+    """A status with the steady figure (`own_time`): the per-step figure is the untraced
+    step end's; start-up, the end and tracer switches are said once, apart."""
+    run = make_run(tmp_path, [], hosts=["a"])
+    cost = {
+        "boundary_us_per_step": 21.5,
+        "phase_marks_us_per_step": 4.0,
+        "control_us_per_step": 30.0,
+        "pct_of_median_step": 0.37,
+        "boundary_parts_us": {"stamp": 2.0, "clock": 9.5, "phases": 3.0, "bookkeeping": 2.0,
+                              "tracer": 3.0, "handoff": 2.0},
+        "startup_ms": 412.25,
+        "teardown_ms": 3.1,
+        "tracer_switches": 14,
+        "tracer_switch_ms": 35.2,
+    }  # fmt: skip
+    write_json_atomic(run.status_json, {"state": "finished", "world_size": 1, "agent_cost": cost})
+    text = render_text(run_report(load_run(str(run.path))))
+    assert (
+        "distanom's own time (rank 0): 21.5 us at each untraced step end + 4.0 us of phase "
+        "marks + 30.0 us of its threads' CPU per step = 0.37% of the median step" in text
+    )
+    assert (
+        "a step end, by part: stamp 2.0, clock 9.5, phases 3.0, bookkeeping 2.0, tracer 3.0, "
+        "handoff 2.0" in text
+    )
+    assert (
+        "once, not per step: start-up 412.2 ms, the end 3.1 ms; 14 tracer switch(es) at step "
+        "ends, 35.2 ms (tracing's cost)" in text
+    )
+
+
 def test_the_reports_adaptive_threshold_is_the_clocks() -> None:
     from distanom.analysis.render_text import ADAPTIVE_BELOW_MS
     from distanom.clock import HOST_BELOW_MS

@@ -1,0 +1,134 @@
+"""distanom's own time as status.json's `agent_cost` gives it: one-off work (install, the
+first boundaries, the tracer's start, the end) reported once in ms, not spread over the
+steps; tracer switches apart; the steady boundary's mean split into named parts that add
+up to it (`distanom.own_time`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from distanom import boundary as boundary_module
+from distanom import clock as clock_module
+from distanom.agent import Agent
+from distanom.config import load_config
+from distanom.governor import GovernorParams
+from distanom.own_time import PARTS, STARTUP_BOUNDARIES
+from distanom.world import WorldInfo
+from tests.unit.test_quiet_boundaries import WINDOW, OffTracer, ScriptedGovernor, train
+
+CONFIG = ["tracer.backend=none", "detect.warmup_steps=0", "detect.min_steps=5"]
+
+
+def spin(seconds: float) -> None:
+    """Busy for `seconds` on this thread (a sleep would do too: the meters read wall time)."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+def run(tmp_path: Path, steps: int, overrides: list[str] | None = None) -> Agent:
+    config = load_config(None, [*CONFIG, *(overrides or [])])
+    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    agent.install()
+    model = torch.nn.Linear(8, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        train(agent, model, sgd, steps)
+    finally:
+        agent.close()
+    return agent
+
+
+def final_cost(agent: Agent) -> dict[str, Any]:
+    assert agent.run is not None
+    status = json.loads((agent.run.path / "status.json").read_text())
+    assert status["state"] == "finished"
+    cost: dict[str, Any] = status["agent_cost"]
+    return cost
+
+
+def test_start_up_and_the_end_are_reported_once_in_ms_not_per_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a slow install, a slow first boundary (the clock and tracer made, a CUPTI
+    # calibration) and a slow drain: 60 + 80 + 50 ms of one-off work over a 40-step run
+    for owner, name, seconds in (
+        (boundary_module.StepBoundaries, "install_hook", 0.06),
+        (boundary_module.StepBoundaries, "_first_boundary", 0.08),
+        (clock_module.StepClock, "drain", 0.05),
+    ):
+        original = getattr(owner, name)
+
+        def slowed(*args: Any, _original: Any = original, _s: float = seconds) -> Any:
+            spin(_s)
+            return _original(*args)
+
+        monkeypatch.setattr(owner, name, slowed)
+    agent = run(tmp_path, 40)
+    cost = final_cost(agent)
+    assert cost["steps"] == 40
+    assert cost["startup_ms"] >= 140
+    assert cost["startup_boundaries"] == STARTUP_BOUNDARIES
+    assert cost["teardown_ms"] >= 50
+    assert cost["steady_boundaries"] == 40 - STARTUP_BOUNDARIES
+    # spread over the steps, the one-off work would read 3.5 ms a step
+    assert 0 < cost["boundary_us_per_step"] < 1000
+    # every boundary's time is still there in all
+    assert cost["boundary_ns"] >= 80e6
+
+
+def test_tracer_switches_are_tracing_s_cost_not_the_step_end_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class SlowSwitch(OffTracer):
+        def set_tracing(self, on: bool) -> None:
+            spin(0.02)  # a CUPTI attach or detach: milliseconds
+            super().set_tracing(on)
+
+    config = load_config(None, [*CONFIG, "detect.multiplier=50", "capture.reference_every_steps=0"])
+    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    agent.install()
+    agent.duty.governor = ScriptedGovernor(5.0, GovernorParams(window_steps=WINDOW), first_step=1)
+    tracer = SlowSwitch()
+    model = torch.nn.Linear(8, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        train(agent, model, sgd, 1)
+        agent.tracer = tracer  # type: ignore[assignment]
+        agent.boundaries.tracer_started = True
+        train(agent, model, sgd, 119)
+    finally:
+        agent.close()
+    cost = final_cost(agent)
+    later = [step for step, _on in tracer.switches if step >= STARTUP_BOUNDARIES]
+    assert len(later) >= 5
+    assert cost["tracer_switches"] == len(later)
+    assert cost["tracer_switch_ms"] >= 20 * len(later)
+    assert cost["traced_boundaries"] >= 3 * (WINDOW - 1)  # both switches of a window apart
+    # spread over 120 steps the switches would read over 1 ms a step
+    assert 0 < cost["boundary_us_per_step"] < 1000
+
+
+def test_the_step_end_s_parts_are_named_and_add_up_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mark = clock_module.StepClock.mark
+
+    def slow_mark(clock: Any, step: int) -> Any:
+        spin(0.002)
+        return mark(clock, step)
+
+    monkeypatch.setattr(clock_module.StepClock, "mark", slow_mark)
+    agent = run(tmp_path, 60)
+    cost = final_cost(agent)
+    parts = cost["boundary_parts_us"]
+    assert list(parts) == list(PARTS)
+    assert parts["clock"] >= 2000
+    assert all(parts[name] < 1000 for name in PARTS if name != "clock")
+    assert sum(parts.values()) == pytest.approx(cost["boundary_us_per_step"], rel=0.01)
