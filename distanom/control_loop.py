@@ -284,7 +284,9 @@ class ControlLoop:
                 self.evidence.add_gc_many(zip(steps, gc_ms, strict=True))
             self._log_steps(records)
             self.pacer.pause()
+            cpu_ns = time.thread_time_ns()  # a Flight Recorder read holds the GIL
             builder.add_evidence(self.evidence.poll(final))
+            self._charge(time.thread_time_ns() - cpu_ns)
             now = time.monotonic()
             if now >= next_flush or final:  # a write per second, not per round
                 next_flush = now + STEPS_FLUSH_S
@@ -318,7 +320,9 @@ class ControlLoop:
             self._cpu_ns = time.thread_time_ns()
             if self.world.rank == 0 and (now >= next_status or final):
                 next_status = now + control.status_interval_s
+                cpu_ns = time.thread_time_ns()
                 self._write_status("running")
+                self._charge(time.thread_time_ns() - cpu_ns)
             self.pacer.end(steps=self._gathered_step - gathered_before)
         return True
 
@@ -440,8 +444,9 @@ class ControlLoop:
         return result
 
     def _charge(self, spent_ns: int) -> None:
-        """Charge a heavy round to the steps it overlapped, like capture work: holding the
-        GIL, it may have slowed the training thread, and such a step must not be judged.
+        """Charge heavy control work (a round, a Flight Recorder read and its folding, a
+        status write) to the steps it overlapped, like capture work: holding the GIL, it
+        may have slowed the training thread, and such a step must not be judged on it.
         Heavy: a quarter of the median step (a step is anomalous from half of it over the
         median at the default multiplier), or 1 ms before a median exists."""
         median = self.detector.median_ms

@@ -140,6 +140,33 @@ def test_a_heavy_round_is_charged_to_the_steps_it_overlapped(
     assert sum(1 for ms in charged if ms >= 25.0) >= 3
 
 
+def test_a_heavy_evidence_read_is_charged_to_the_steps_it_overlapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Flight Recorder read (the evidence poll, outside any round) holding the GIL for
+    30 ms of CPU: the step it stalled carries it as distanom's own time, so it is not
+    judged as the user's (on the H200, reads and rounds made 4-8x steps in a healthy loop)."""
+    from distanom.evidence import EvidenceTier
+
+    polls = [0]
+
+    def slow_poll(self: EvidenceTier, final: bool) -> object:
+        polls[0] += 1
+        if polls[0] % 3 == 0:
+            spin_until = time.thread_time() + 0.03
+            while time.thread_time() < spin_until:
+                pass
+        return original(self, final)
+
+    original = EvidenceTier.poll
+    monkeypatch.setattr(EvidenceTier, "poll", slow_poll)
+    agent = run_agent(tmp_path, 120, 0.002)
+    assert agent.run is not None
+    with open(agent.run.steps_csv(0)) as handle:
+        charged = [float(row["self_ms"]) for row in csv.DictReader(handle)]
+    assert polls[0] >= 10 and sum(1 for ms in charged if ms >= 25.0) >= 2, (polls, charged)
+
+
 def test_the_agent_measures_its_own_time_per_step(tmp_path: Path) -> None:
     agent = run_agent(tmp_path, 120, 0.002)
     own = agent.own_cost()
