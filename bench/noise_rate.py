@@ -28,11 +28,14 @@ SCRIPT = REPO / "tests" / "e2e" / "scripts" / "phases_train.py"
 
 def own_times(prefix: Path, nproc: int) -> dict:
     """Steps over 1.5x and 3x their rank's median in the script's own step times (the
-    first 20 steps, warm-up, left out), per 1,000 steps over all ranks."""
-    over_1_5, over_3, count, spikes = 0, 0, 0, []
+    first 20 steps, warm-up, left out), per 1,000 steps over all ranks, and the Python
+    collections of generation 1 or 2 or over 1 ms ([rank, step, generation, ms])."""
+    over_1_5, over_3, count, spikes, collections = 0, 0, 0, [], []
     for rank in range(nproc):
         path = Path(f"{prefix}.rank{rank}.json")
-        times = json.loads(path.read_text())[20:] if path.exists() else []
+        found = json.loads(path.read_text()) if path.exists() else {}
+        times = found.get("times", [])[20:]
+        collections += [[rank, *c] for c in found.get("gc", []) if c[1] >= 1 or c[2] >= 1.0]
         if not times:
             continue
         median = statistics.median(times)
@@ -44,10 +47,14 @@ def own_times(prefix: Path, nproc: int) -> dict:
         ]
     per = 1000 / max(count, 1)
     return {"steps": count, "over_1.5x_per_1000": round(over_1_5 * per, 2),
-            "over_3x_per_1000": round(over_3 * per, 2), "over_3x": spikes[:200]}  # fmt: skip
+            "over_3x_per_1000": round(over_3 * per, 2), "over_3x": spikes[:200],
+            "gc_gen1_or_2_or_over_1ms": collections[:500]}  # fmt: skip
 
 
-def one_job(nproc: int, steps: int, cuda: bool, sets: list[str] | None, scratch: Path) -> dict:
+def one_job(
+    nproc: int, steps: int, cuda: bool, sets: list[str] | None, scratch: Path,
+    extra_env: dict[str, str] | None = None,
+) -> dict:  # fmt: skip
     """One run: under distanom with `sets`, or under plain torchrun when `sets` is None."""
     run_dir = scratch / f"runs-{time.monotonic_ns()}"
     prefix = scratch / f"times-{time.monotonic_ns()}"
@@ -64,6 +71,7 @@ def one_job(nproc: int, steps: int, cuda: bool, sets: list[str] | None, scratch:
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
+    env.update(extra_env or {})
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     own = own_times(prefix, nproc)
     if sets is None:
@@ -79,7 +87,16 @@ def one_job(nproc: int, steps: int, cuda: bool, sets: list[str] | None, scratch:
         "steps": found.get("steps", {}).get("count"),
         "median_ms": found.get("steps", {}).get("median_ms"),
         "threshold_ms": found.get("steps", {}).get("threshold_ms"),
-        "anomalies": [[a["step"], a["ratio"], a["traced"]] for a in anomalies],
+        "anomalies": [
+            [
+                a["step"],
+                a["ratio"],
+                a["traced"],
+                a["verdict"].get("cause"),
+                a["verdict"].get("phase"),
+            ]
+            for a in anomalies
+        ],
         "own": own,
     }
 
@@ -91,12 +108,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--plain", action="store_true", help="also under plain torchrun")
+    parser.add_argument(
+        "--variants", default="",
+        help='JSON {"name": {"sets": ["key=value", ...], "env": {"VAR": "value"}}} run '
+        "instead of fence/multiplier_only (an ablation: which part of distanom a slow step needs)",
+    )  # fmt: skip
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     variants: dict[str, list[str] | None] = {
         "fence": [],
         "multiplier_only": ["detect.spread_sigmas=0"],
     }
+    envs: dict[str, dict[str, str]] = {}
+    if args.variants:
+        chosen = json.loads(args.variants)
+        variants = {name: list(v.get("sets", [])) for name, v in chosen.items()}
+        envs = {name: dict(v.get("env", {})) for name, v in chosen.items()}
     if args.plain:
         variants["plain_torchrun"] = None
     runs: dict[str, list[dict]] = {name: [] for name in variants}
@@ -104,7 +131,10 @@ def main() -> None:
         for pair in range(args.pairs):
             order = list(variants) if pair % 2 == 0 else list(reversed(variants))
             for name in order:
-                result = one_job(args.nproc, args.steps, args.cuda, variants[name], Path(scratch))
+                result = one_job(
+                    args.nproc, args.steps, args.cuda, variants[name], Path(scratch),
+                    envs.get(name),
+                )  # fmt: skip
                 runs[name].append(result)
                 shown = {k: v for k, v in result.items() if k != "anomalies"}
                 shown["own"] = {k: v for k, v in result["own"].items() if k != "over_3x"}

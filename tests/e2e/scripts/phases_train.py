@@ -11,7 +11,8 @@ and step: `--faults KIND:RANK:STEP,...`, KIND one of
 `--scaler` runs fp16 autocast with a GradScaler (it synchronizes every step); `--no-sync`
 drops the per-step `loss.item()`, so (without a scaler) the host never waits.
 `--step-times PREFIX` writes each step's own wall time (ms, from one batch's arrival to the
-next) to PREFIX.rank<R>.json, the same with or without distanom (bench/noise_rate.py)."""
+next) and every Python garbage collection ([step, generation, ms]) to PREFIX.rank<R>.json,
+the same with or without distanom (bench/noise_rate.py)."""
 
 from __future__ import annotations
 
@@ -141,6 +142,18 @@ def main() -> None:
     scaler = torch.amp.GradScaler("cuda") if args.scaler else None
     garbage: list[Any] = []
     stamps: list[float] = []
+    collections: list[list[float]] = []  # [step, generation, ms] of each Python GC
+    if args.step_times:
+        started: list[float] = [0.0]
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                spent = round((time.perf_counter() - started[0]) * 1e3, 3)
+                collections.append([len(stamps), info["generation"], spent])
+
+        gc.callbacks.append(on_gc)
     for step, batch in enumerate(loader):
         if args.step_times:
             stamps.append(time.perf_counter())
@@ -170,7 +183,7 @@ def main() -> None:
     if args.step_times:
         times = [round((b - a) * 1e3, 4) for a, b in itertools.pairwise(stamps)]
         with open(f"{args.step_times}.rank{rank}.json", "w") as handle:
-            json.dump(times, handle)
+            json.dump({"times": times, "gc": collections}, handle)
     print(f"phases_train: {args.steps} steps", flush=True)
     dist.destroy_process_group()
 
