@@ -152,7 +152,7 @@ def test_a_heavy_evidence_read_is_charged_to_the_steps_it_overlapped(
 
     def slow_poll(self: EvidenceTier, final: bool) -> object:
         polls[0] += 1
-        if polls[0] % 3 == 0:
+        if polls[0] >= 2:  # every poll after the first
             spin_until = time.thread_time() + 0.03
             while time.thread_time() < spin_until:
                 pass
@@ -164,7 +164,7 @@ def test_a_heavy_evidence_read_is_charged_to_the_steps_it_overlapped(
     assert agent.run is not None
     with open(agent.run.steps_csv(0)) as handle:
         charged = [float(row["self_ms"]) for row in csv.DictReader(handle)]
-    assert polls[0] >= 10 and sum(1 for ms in charged if ms >= 25.0) >= 2, (polls, charged)
+    assert polls[0] >= 4 and sum(1 for ms in charged if ms >= 25.0) >= 2, (polls, charged)
 
 
 def test_the_agent_measures_its_own_time_per_step(tmp_path: Path) -> None:
