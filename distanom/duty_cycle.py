@@ -88,7 +88,10 @@ class DutyCycle:
         governor = self._governor
         if governor is not None and self._probe_seed is None:
             with self._lock:
-                governor.seed_probes(run_id)
+                try:
+                    governor.seed_probes(run_id)
+                except ValueError as err:  # a setup slower than 8 windows: keep the default
+                    log.warning("tracer: probe windows not moved (%s)", err)
 
     # -- training thread ---------------------------------------------------------------
 

@@ -447,9 +447,11 @@ class OverheadGovernor:
 
     def seed_probes(self, seed: str) -> None:
         """Place the untraced probe windows (no budget) by `seed`, which every rank must
-        share; before the first decision, or ranks could disagree on one already made."""
-        if self._n_decided:
-            raise ValueError("probe windows are seeded before the first decision")
+        share; before a window that may be a probe is decided (the training thread decides
+        window 0 without gathered data, possibly before the control thread's setup has
+        the seed: windows under `first_probe_window` are never probes, so that is safe)."""
+        if self._n_decided > self.params.first_probe_window:
+            raise ValueError("probe windows are seeded before the first probe window is decided")
         self.probe_seed = seed
         self._probes.clear()
 

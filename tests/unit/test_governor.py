@@ -94,10 +94,16 @@ def test_the_probe_windows_move_by_period_and_run_and_ranks_agree() -> None:
     assert len({seen[0] for seen in runs.values()}) >= 4
 
 
-def test_probes_are_seeded_before_the_first_decision() -> None:
+def test_probes_can_be_seeded_after_window_0_but_not_after_a_probe_window() -> None:
+    """The training thread decides window 0 at its second boundary, before the control
+    thread's setup has the run id: seeding then must not raise (it killed the control
+    thread); once a window that may be a probe is decided, it must."""
     gov = OverheadGovernor(None)
     gov.tracing_on(0)
-    with pytest.raises(ValueError, match="before the first decision"):
+    gov.seed_probes("job")  # window 0 is never a probe
+    first = gov.params.first_probe_window
+    simulate(gov, (first + 2) * gov.params.window_steps)  # past the first probe window
+    with pytest.raises(ValueError, match="first probe window"):
         gov.seed_probes("job")
 
 
