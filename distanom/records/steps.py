@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -198,7 +199,7 @@ def read_step_columns(path: Path) -> StepColumns:
                 reader.end()
                 break
             reader.feed(block)
-    return _columns(reader.parsed, reader.bad)
+    return _joined(reader.parsed, reader.bad)
 
 
 BLOCK_CHARS = 1 << 20  # read at a time: a line with no end costs at most this much more
@@ -209,7 +210,7 @@ class _BlockReader:
     at a time, within the file's bounds (row length, damaged-row skip, row count)."""
 
     def __init__(self) -> None:
-        self.parsed: list[np.ndarray] = []
+        self.parsed: list[StepColumns] = []  # a block's rows each, already checked
         self.bad = 0
         self.done = False
         self._lines = 0  # lines met so far, the header included
@@ -266,18 +267,16 @@ class _BlockReader:
             return
         commas = list(map(str.count, lines, itertools.repeat(",")))
         if commas.count(commas[0]) == len(commas):  # one width: the usual file
-            self._parse(lines, commas[0] + 1)
+            self.parsed.append(_columns(_parse_rows(lines, commas[0] + 1)))
             return
-        first = 0
-        for at in range(1, len(lines) + 1):  # runs of rows as wide as each other
-            if at == len(lines) or commas[at] != commas[first]:
-                self._parse(lines[first:at], commas[first] + 1)
-                first = at
-
-    def _parse(self, lines: list[str], width: int) -> None:
-        values, unreadable = _parse_rows(lines, width)
-        self.parsed.append(values)
-        self.bad += unreadable
+        # rows of several widths: one parse per width, put back in file order (the later
+        # row of a repeated step wins); one array per block, never one per row
+        widths = np.array(commas)
+        block = np.empty((len(lines), WIDTH))
+        for count in np.unique(widths).tolist():
+            at = np.flatnonzero(widths == count)
+            block[at] = _parse_rows([lines[i] for i in at.tolist()], count + 1)
+        self.parsed.append(_columns(block))
 
 
 def _widened(values: np.ndarray) -> np.ndarray:
@@ -291,11 +290,16 @@ def _widened(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _parse_rows(lines: list[str], width: int) -> tuple[np.ndarray, int]:
-    """Rows (no newlines) of `width` cells as a (rows, WIDTH) float array, missing
-    columns at their defaults, and how many rows were unreadable: one vectorised parse;
-    where a cell is not a number, each half again, down to a row at a time."""
-    if width >= 3 and lines:
+# a cell of nothing or only blanks: np.fromstring reads it as -1 without a warning
+_BLANK_CELL = re.compile(r"(?:^|,)[ \t\r\f\v]*(?:,|$)", re.MULTILINE)
+
+
+def _parse_rows(lines: list[str], width: int) -> np.ndarray:
+    """Rows (no newlines) of `width` cells as a (rows, WIDTH) float array, one row per
+    line, missing columns at their defaults and an unreadable row's step NaN (damage
+    `_columns` counts): one vectorised parse; where a cell is not a number, each half
+    again, down to a row at a time."""
+    if width >= 3 and lines and not _BLANK_CELL.search("\n".join(lines)):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", DeprecationWarning)  # a cell it cannot read
@@ -303,37 +307,34 @@ def _parse_rows(lines: list[str], width: int) -> tuple[np.ndarray, int]:
         except (ValueError, DeprecationWarning):
             flat = None
         if flat is not None and flat.size == width * len(lines):
-            return _widened(flat.reshape(len(lines), width)), 0
+            return _widened(flat.reshape(len(lines), width))
     if len(lines) > 64:
         half = len(lines) // 2
-        head, head_bad = _parse_rows(lines[:half], width)
-        tail, tail_bad = _parse_rows(lines[half:], width)
-        return np.concatenate([head, tail]), head_bad + tail_bad
-    rows = [_parse_row(line) for line in lines]
-    good = [row for row in rows if row is not None]
-    return np.array(good, dtype=np.float64).reshape(len(good), WIDTH), len(rows) - len(good)
+        return np.concatenate([_parse_rows(lines[:half], width), _parse_rows(lines[half:], width)])
+    return np.array([_parse_row(line) for line in lines], dtype=np.float64).reshape(-1, WIDTH)
 
 
-def _parse_row(line: str) -> list[float] | None:
+def _parse_row(line: str) -> list[float]:
     """One row's cells as WIDTH floats (defaults where missing, NaN where unreadable);
-    None when a required cell is missing or unreadable."""
+    the step NaN (damage) when a required cell is missing or unreadable."""
     cells = line.rstrip("\r").split(",")[:WIDTH]
-    if len(cells) < 3:  # step, duration and traced at least
-        return None
     out = list(_DEFAULTS)
+    if len(cells) < 3:  # step, duration and traced at least
+        return out  # the step is NaN
     for at, cell in enumerate(cells):
         try:
             out[at] = float(cell)
         except ValueError:
             if at in _REQUIRED:
-                return None
+                out[0] = math.nan
+                return out
             out[at] = math.nan
     return out
 
 
-def _columns(parsed: list[np.ndarray], bad: int) -> StepColumns:
-    """The parsed rows checked: damaged ones counted and dropped, the rest in columns."""
-    values = np.concatenate(parsed) if parsed else np.empty((0, WIDTH))
+def _columns(values: np.ndarray) -> StepColumns:
+    """A block's parsed rows checked: damaged ones counted and dropped, the rest in
+    columns (about half the bytes of the parsed rows: kept per block, joined at the end)."""
     step, duration, spent = values[:, 0], values[:, 1], values[:, 4]
     with np.errstate(invalid="ignore"):
         good = (
@@ -359,5 +360,17 @@ def _columns(parsed: list[np.ndarray], bad: int) -> StepColumns:
         gc_generation=np.where(collected, generation, -1).astype(np.int8),
         skipped=values[:, 7] == 1,
         phases=phases.astype(np.float32),
-        bad=bad + int(np.count_nonzero(~good)),
+        bad=int(np.count_nonzero(~good)),
     )
+
+
+def _joined(parts: list[StepColumns], bad: int) -> StepColumns:
+    """The blocks' columns end to end, with the damage counted while reading (`bad`)."""
+    if not parts:
+        parts = [_columns(np.empty((0, WIDTH)))]
+    fields = {
+        name: np.concatenate([getattr(part, name) for part in parts])
+        for name in ("step", "duration_ms", "traced", "after_flush", "self_ms", "gc_ms",
+                     "gc_generation", "skipped", "phases")
+    }  # fmt: skip
+    return StepColumns(**fields, bad=bad + sum(part.bad for part in parts))
