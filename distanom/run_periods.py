@@ -120,8 +120,10 @@ def beyond_chance(
     span = max(events) - min(events) + 1 if events else 1
     window = 2 * (2 * params.tolerance_steps + 1) + 1
     # the rate's estimate with half an event more (Jeffreys' for a Poisson count): a
-    # run with no other event as strong is not certain to have none
-    p = min(1.0, (alike + 0.5) * window / max(span, 1))
+    # run with other events as strong may have more than it shows. With none at all the
+    # series is the run's only pattern: 4 evenly spaced stalls are periodic at any period
+    # (with the half event, 4 starts under ~150 steps apart read as chance)
+    p = min(1.0, (alike + 0.5) * window / max(span, 1)) if alike else 0.0
     return _tail(trials, hits, p) <= limit
 
 

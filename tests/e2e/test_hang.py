@@ -55,21 +55,25 @@ def _wait_for(predicate: object, deadline: float, job: subprocess.Popen[str]) ->
     raise AssertionError("timed out")
 
 
+def hang_job(tmp_path: Path, where: str, *sets: str) -> list[str]:
+    """The 2-rank hanging job's command (the script written into tmp_path)."""
+    script = tmp_path / "hang_train.py"
+    script.write_text(SCRIPT)
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "distanom.launch", "--run-dir", "runs",
+        "--set", f"hang.after_s={AFTER_S}", "--set", f"hang.poll_s={POLL_S}",
+        "--set", "tracer.backend=none", *sets, str(script), where,
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("where", ["before_backward", "after_backward"])
 def test_a_rank_blocked_in_user_code_is_named_while_the_job_hangs(
     where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """after_backward: rank 0 ends one more step than rank 1, so its control thread
     waits in a consensus round for rank 1 meanwhile; the watch does not need it."""
-    script = tmp_path / "hang_train.py"
-    script.write_text(SCRIPT)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "distanom.launch", "--run-dir", "runs",
-        "--set", f"hang.after_s={AFTER_S}", "--set", f"hang.poll_s={POLL_S}",
-        "--set", "tracer.backend=none", "--set", "control.status_interval_s=0.5",
-        str(script), where,
-    ]  # fmt: skip
+    command = hang_job(tmp_path, where, "--set", "control.status_interval_s=0.5")
     env = job_env(TORCH_FR_BUFFER_SIZE="2000")
     stderr = tmp_path / "stderr.txt"
     with stderr.open("w") as err_file:
@@ -131,14 +135,7 @@ def test_a_rank_blocked_in_user_code_is_named_while_the_job_hangs(
 def test_a_planted_record_does_not_stop_the_live_verdict(tmp_path: Path) -> None:
     """A co-user plants hangs/hang_1/rank5.json (a rank outside the 2-rank world, with a
     frame line of 1e999) before the job hangs: rank 0's watch still logs its verdict."""
-    script = tmp_path / "hang_train.py"
-    script.write_text(SCRIPT)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "distanom.launch", "--run-dir", "runs",
-        "--set", f"hang.after_s={AFTER_S}", "--set", f"hang.poll_s={POLL_S}",
-        "--set", "tracer.backend=none", str(script), "before_backward",
-    ]  # fmt: skip
+    command = hang_job(tmp_path, "before_backward")
     stderr = tmp_path / "stderr.txt"
     with stderr.open("w") as err_file:
         job = subprocess.Popen(

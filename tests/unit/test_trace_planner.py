@@ -312,6 +312,9 @@ def test_a_runs_recurrences_name_their_period_and_starts() -> None:
     (found,) = recurrences(anomalies.items(), merge_gap_steps=5)
     assert found.period == pytest.approx(400) and found.starts == (150, 550, 950, 1350, 1750)
     assert recurrences({s: 4.0 for s in (300, 400, 500)}.items(), 5) == []  # never came again
+    for period in (10, 20, 50, 100, 200):  # 4 evenly spaced stalls and nothing else
+        (alone,) = recurrences({100 + k * period: 5.0 for k in range(4)}.items(), 5)
+        assert alone.period == pytest.approx(period, abs=1), period
 
 
 def loaded_host_jitter(seed: int, steps: int = 1000, rate: float = 0.05) -> dict[int, float]:
