@@ -376,6 +376,10 @@ def main() -> int:
     report: dict[str, Any] = {"facts": device_facts(), "args": dict(vars(args)), "jobs": []}
     report["args"]["out"] = str(args.out)
     report["facts"]["distanom_commit"] = os.environ.get("DISTANOM_COMMIT") or git_commit()
+    # the machine's load (other work shares a CPU VM) and the jobs' CPU threads
+    report["facts"]["cpu_count"] = os.cpu_count()
+    report["facts"]["loadavg_start"] = list(os.getloadavg())
+    report["facts"]["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
     with tempfile.TemporaryDirectory() as scratch_name:
         for workload in workloads:
             for variant in variants:
@@ -391,6 +395,7 @@ def main() -> int:
                       f"{json.dumps(job.get('summary'))}", flush=True)  # fmt: skip
                 (args.out / "whole_job_ab.json").write_text(json.dumps(report, indent=1))
     report["elapsed_s"] = round(time.monotonic() - started, 1)
+    report["facts"]["loadavg_end"] = list(os.getloadavg())
     (args.out / "whole_job_ab.json").write_text(json.dumps(report, indent=1))
     return 0
 
