@@ -3,8 +3,8 @@ workload and variant under `torchrun -m distanom.launch`, its agent switched bet
 watching and inert every ~0.5 s (bench/workloads/ab_switch.py), in the job's own loop.
 
     python3 bench/whole_job_ab.py --out $OUT [--workloads resnet18,amp,hf,lightning]
-        [--variants none,default,none+nopause] [--segments 80] [--budget-s 540]
-        [--warmup-s 0]
+        [--variants none,default,none+nopause] [--segments 80] [--segment-steps N]
+        [--budget-s 540] [--warmup-s 0]
 
 bench/whole_job.py compares whole processes (plain `torchrun` against
 `-m distanom.launch`), which is what users pay but spreads by +-15-25% on the H200
@@ -24,14 +24,30 @@ and each job's segments. A variant may carry bench-only tweaks after a `+`:
 `none+nopause` is detection with its rounds unpaced (`TWEAKS`). Unpaced, a round holds
 the GIL in one piece: fewer hand-overs, but one longer step per round; read its ratio
 with both in mind.
+
+The ABBA estimate (`abba_*`, the figure to read): every four segments (on, off, off, on)
+are one unit, whose log ratio (the on segments' ms per step over the off segments',
+each half weighted by its steps) cancels a linear drift inside the unit; the ratio is
+exp of the units' mean log ratio weighted by their on steps, with a Student-t 95%
+interval (`abba_ci95`, `abba_halfwidth_pct`). `abba_trimmed_*`: the 10%-trimmed mean of
+the units with Yuen's interval, narrower under the spikes of a loaded machine, unbiased
+only where the cost is spread evenly over the units (it trims a traced window's unit as
+readily as a noisy one). `abba_cpu_*`: the same over the process's CPU time per step
+(no preemption by other processes in it; no GPU time either). `measured_min`: the
+segments' own time. Tweaks for a known truth: `+sham` keeps the agent inert in both
+halves (an A/A), `+spin<N>us` and `+spin<P>pct` busy-wait N us or P% of the step's time
+at each step of an on segment; a sham job's `truth_ratio` is the spin measured, and
+`covered` says whether each interval holds it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -63,7 +79,22 @@ NOMINAL_MS = {"resnet18": 8.7, "resnet18_b64": 12.0, "amp": 17.6, "compile": 10.
 # variant suffixes: a variant of VARIANTS with bench-only changes inside the job, through
 # the environment (bench/workloads/ab_switch.py applies them): "none+nopause" is
 # detection with its rounds unpaced (each pacer pause is a GIL hand-over)
-TWEAKS: dict[str, dict[str, str]] = {"nopause": {"WHOLE_JOB_AB_NO_PAUSES": "1"}}
+TWEAKS: dict[str, dict[str, str]] = {
+    "nopause": {"WHOLE_JOB_AB_NO_PAUSES": "1"},
+    # the agent inert in both halves: an A/A, "on" only a label (with a spin: the truth)
+    "sham": {"WHOLE_JOB_AB_SHAM": "1"},
+}
+# a known cost in the on half only: "spin200us" (200 us a step), "spin1pct" (1% a step)
+SPIN = re.compile(r"spin(\d+(?:\.\d+)?)(us|pct)")
+SPIN_KEYS = {"us": "WHOLE_JOB_AB_SPIN_US", "pct": "WHOLE_JOB_AB_SPIN_PCT"}
+
+
+def tweak_env(tweak: str) -> dict[str, str] | None:
+    """The environment a tweak sets in the job, or None for an unknown tweak."""
+    if tweak in TWEAKS:
+        return TWEAKS[tweak]
+    spin = SPIN.fullmatch(tweak)
+    return {SPIN_KEYS[spin.group(2)]: spin.group(1)} if spin else None
 
 
 def split_variant(variant: str) -> tuple[str, list[str]]:
@@ -76,15 +107,22 @@ def known_variant(variant: str) -> bool:
     """A variant of VARIANTS other than "plain" (the A/B needs the agent), with known
     tweaks."""
     base, tweaks = split_variant(variant)
-    return base != "plain" and base in VARIANTS and all(t in TWEAKS for t in tweaks)
+    return base != "plain" and base in VARIANTS and all(tweak_env(t) is not None for t in tweaks)
 
 
 def run_job(
-    workload: str, variant: str, segments: int, scratch: Path, warmup_s: float = 0.0
+    workload: str,
+    variant: str,
+    segments: int,
+    scratch: Path,
+    warmup_s: float = 0.0,
+    segment_steps: int | None = None,
 ) -> dict[str, Any]:
     """One job with the A/B switch (`warmup_s`: at least this long at the workload's
-    nominal step time before the first segment); its segments, wall time, exit status."""
+    nominal step time before the first segment; `segment_steps`: steps per segment
+    instead of the workload's); its segments, wall time, exit status."""
     segment, warmup = SEGMENT[workload]
+    segment = segment_steps or segment
     warmup = max(warmup, int(warmup_s * 1000 / NOMINAL_MS[workload]))
     steps = warmup + segments * segment
     result_path = scratch / f"{workload}-{variant}-{time.monotonic_ns()}.json"
@@ -93,11 +131,11 @@ def run_job(
     env["WHOLE_JOB_AB_WARMUP"] = str(warmup)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     base, tweaks = split_variant(variant)
-    for keys in TWEAKS.values():  # only the variant's own tweaks, never the shell's
+    for keys in [*TWEAKS.values(), SPIN_KEYS.values()]:  # the variant's own, never the shell's
         for key in keys:
             env.pop(key, None)
     for tweak in tweaks:
-        env.update(TWEAKS[tweak])
+        env.update(tweak_env(tweak) or {})
     started = time.monotonic()
     done = subprocess.run(
         command(workload, base, steps, scratch / "runs"),
@@ -110,6 +148,8 @@ def run_job(
         return record
     record.update(json.loads(result_path.read_text()))
     record["summary"] = summarize(record.get("ab_segments", []))
+    if "sham" in tweaks:  # the agent inert in both halves: the spin is all there is
+        record["summary"].update(check_truth(record["summary"]))
     return record
 
 
@@ -169,7 +209,133 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
         # GIL hand-overs, roughly: the training thread's blocks per step (None off Linux)
         "on_training_blocks_per_step": _mean_of(on_segments, "training_blocks_per_step"),
         "off_training_blocks_per_step": _mean_of(off_segments, "training_blocks_per_step"),
+        **summarize_abba(segments),
     }
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Student's t quantile (Cornish-Fisher expansion about the normal's; within 0.2% of
+    the exact value for df >= 5 at p = 0.975)."""
+    z = statistics.NormalDist().inv_cdf(p)
+    return (
+        z
+        + (z**3 + z) / (4 * df)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
+    )
+
+
+def abba_units(
+    segments: list[dict[str, Any]], key: str = "ms_per_step"
+) -> list[tuple[float, float]]:
+    """(log ratio, on steps) of every complete on, off, off, on unit (segments 4k to
+    4k+3, in the order ab_switch.SegmentedAB runs them): each half's time per step over
+    its steps, so a linear drift inside the unit cancels. Units with a segment lacking
+    `key` (older results) are left out."""
+    units = []
+    for first in range(0, len(segments) - 3, 4):
+        unit = segments[first : first + 4]
+        if [s["on"] for s in unit] != [True, False, False, True]:
+            continue
+        if any(not s.get(key) or s[key] <= 0 for s in unit):
+            continue
+        on, off = (unit[0], unit[3]), (unit[1], unit[2])
+        on_steps = sum(float(s.get("steps", 1)) for s in on)
+        off_steps = sum(float(s.get("steps", 1)) for s in off)
+        on_ms = sum(s[key] * float(s.get("steps", 1)) for s in on) / on_steps
+        off_ms = sum(s[key] * float(s.get("steps", 1)) for s in off) / off_steps
+        units.append((math.log(on_ms / off_ms), on_steps))
+    return units
+
+
+def weighted_t_interval(units: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """The weighted mean of the units' log ratios and its Student-t 95% interval (the
+    weighted mean's sandwich standard error, n - 1 degrees of freedom)."""
+    n = len(units)
+    total = sum(w for _, w in units)
+    mean = sum(x * w for x, w in units) / total
+    if n < 2:
+        return mean, -math.inf, math.inf
+    var = n / (n - 1) * sum((w * (x - mean)) ** 2 for x, w in units) / total**2
+    half = t_quantile(0.975, n - 1) * math.sqrt(var)
+    return mean, mean - half, mean + half
+
+
+def trimmed_interval(values: list[float], trim: float = 0.1) -> tuple[float, float, float]:
+    """The `trim`-trimmed mean of `values` and Yuen's 95% interval (winsorized variance,
+    h - 1 degrees of freedom, h the values kept)."""
+    xs = sorted(values)
+    n = len(xs)
+    g = int(trim * n)
+    h = n - 2 * g
+    kept = xs[g : n - g]
+    mean = statistics.fmean(kept)
+    if h < 2:
+        return mean, -math.inf, math.inf
+    winsorized = [xs[g]] * g + kept + [xs[n - g - 1]] * g
+    var = statistics.variance(winsorized) * (n - 1) / (h * (h - 1))
+    half = t_quantile(0.975, h - 1) * math.sqrt(var)
+    return mean, mean - half, mean + half
+
+
+def _as_ratio(prefix: str, interval: tuple[float, float, float]) -> dict[str, Any]:
+    """A log-scale interval as ratio fields: `<prefix>ratio`, `<prefix>ci95`,
+    `<prefix>halfwidth_pct` (half the interval's width, in % of 1)."""
+    mean, low, high = (math.exp(v) if math.isfinite(v) else None for v in interval)
+    fields: dict[str, Any] = {f"{prefix}ratio": round(mean or 0.0, 5)}
+    fields[f"{prefix}ci95"] = [None if v is None else round(v, 5) for v in (low, high)]
+    fields[f"{prefix}halfwidth_pct"] = (
+        None if low is None or high is None else round((high - low) / 2 * 100, 3)
+    )
+    return fields
+
+
+def summarize_abba(segments: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ABBA estimate (module docstring): units, weighted mean with its t interval,
+    trimmed mean with Yuen's, the same over CPU time, the injected spin's ratio where the
+    segments paid one, and the minutes the segments took."""
+    units = abba_units(segments)
+    out: dict[str, Any] = {"abba_units": len(units)}
+    out["measured_min"] = round(
+        sum(s["ms_per_step"] * s.get("steps", 1) for s in segments) / 60e3, 3
+    )
+    if not units:
+        return out
+    out.update(_as_ratio("abba_", weighted_t_interval(units)))
+    out.update(_as_ratio("abba_trimmed_", trimmed_interval([x for x, _ in units])))
+    out["abba_unit_log_stdev"] = (
+        round(statistics.stdev(x for x, _ in units), 5) if len(units) > 1 else None
+    )
+    cpu = abba_units(segments, "cpu_ms_per_step")
+    if cpu:
+        out.update(_as_ratio("abba_cpu_", weighted_t_interval(cpu)))
+    if any(s.get("spin_us_per_step") for s in segments):
+        # what the spin alone made of the on half: on time over on time less the spin
+        spun = [
+            {**s, "ms_per_step": s["ms_per_step"] - s.get("spin_us_per_step", 0.0) / 1e3}
+            for s in segments
+        ]
+        injected = [
+            (x_with - x_without, w)
+            for (x_with, w), (x_without, _) in zip(units, abba_units(spun), strict=True)
+        ]
+        out["injected_ratio"] = round(math.exp(weighted_t_interval(injected)[0]), 5)
+    return out
+
+
+def check_truth(summary: dict[str, Any]) -> dict[str, Any]:
+    """For a sham job (the agent inert in both halves): the truth is the injected spin
+    (1.0 without one); whether each interval holds it."""
+    truth = summary.get("injected_ratio", 1.0)
+    covered = {}
+    for prefix in ("abba_", "abba_trimmed_", "abba_cpu_"):
+        low, high = summary.get(f"{prefix}ci95") or (None, None)
+        if low is not None and high is not None:
+            covered[prefix.rstrip("_")] = bool(low <= truth <= high)
+    low, high = summary.get("ci95") or (None, None)
+    if low is not None and high is not None:
+        covered["pairs"] = bool(low <= truth <= high)
+    return {"truth_ratio": truth, "covered": covered}
 
 
 def _mean_of(segments: list[dict[str, Any]], key: str) -> float | None:
@@ -184,6 +350,11 @@ def main() -> int:
     parser.add_argument("--workloads", default="resnet18,amp,hf,lightning")
     parser.add_argument("--variants", default="none,default")
     parser.add_argument("--segments", type=int, default=80)
+    parser.add_argument(
+        "--segment-steps", type=int, default=None,
+        help="steps per segment for every workload (default: the workload's, ~0.2-0.5 s on "
+        "the H200)",
+    )  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=540.0)
     parser.add_argument(
         "--warmup-s", type=float, default=0.0,
@@ -205,18 +376,26 @@ def main() -> int:
     report: dict[str, Any] = {"facts": device_facts(), "args": dict(vars(args)), "jobs": []}
     report["args"]["out"] = str(args.out)
     report["facts"]["distanom_commit"] = os.environ.get("DISTANOM_COMMIT") or git_commit()
+    # the machine's load (other work shares a CPU VM) and the jobs' CPU threads
+    report["facts"]["cpu_count"] = os.cpu_count()
+    report["facts"]["loadavg_start"] = list(os.getloadavg())
+    report["facts"]["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
     with tempfile.TemporaryDirectory() as scratch_name:
         for workload in workloads:
             for variant in variants:
                 if time.monotonic() - started > args.budget_s:
                     break
-                job = run_job(workload, variant, args.segments, Path(scratch_name), args.warmup_s)
+                job = run_job(
+                    workload, variant, args.segments, Path(scratch_name), args.warmup_s,
+                    args.segment_steps,
+                )  # fmt: skip
                 job["workload"] = workload
                 report["jobs"].append(job)
                 print(f"[{workload} {variant}] rc {job['rc']} {job.get('wall_s')} s "
                       f"{json.dumps(job.get('summary'))}", flush=True)  # fmt: skip
                 (args.out / "whole_job_ab.json").write_text(json.dumps(report, indent=1))
     report["elapsed_s"] = round(time.monotonic() - started, 1)
+    report["facts"]["loadavg_end"] = list(os.getloadavg())
     (args.out / "whole_job_ab.json").write_text(json.dumps(report, indent=1))
     return 0
 

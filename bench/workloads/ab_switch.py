@@ -31,10 +31,19 @@ added back (bench/whole_job_ab.py does); and how often the training thread block
 wall clock's noise). WHOLE_JOB_AB_NO_PAUSES=1 (whole_job_ab.py's `+nopause` variants)
 runs the agent's rounds unpaced. Reaches into the agent's internals: a bench tool, not
 an API.
+
+A known cost, to check the estimator against the truth (whole_job_ab.py's `+sham`,
+`+spin<N>us`, `+spin<P>pct` tweaks): WHOLE_JOB_AB_SHAM=1 keeps the agent inert in both
+halves (an A/A: "on" is only a label), WHOLE_JOB_AB_SPIN_US=N busy-waits N us at every
+step boundary of an on segment, WHOLE_JOB_AB_SPIN_PCT=P busy-waits P% of the step's own
+time there (a cost of exactly P%, whatever the load does to the step). Each segment also
+records the spin it paid, the process's and the training thread's CPU time per step, and
+the garbage collections in it.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -93,6 +102,26 @@ def unpace_rounds() -> Callable[[], None]:
     return undo
 
 
+def _collections() -> int:
+    """Garbage collections so far, all generations."""
+    return sum(int(stats.get("collections", 0)) for stats in gc.get_stats())
+
+
+def _env_float(name: str) -> float:
+    """A non-negative number from the environment (0 when unset or empty)."""
+    value = float(os.environ.get(name, "") or 0.0)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def spin_until(deadline: float) -> None:
+    """Busy-wait (holding the GIL, as a boundary's own work would) until perf_counter()
+    reaches `deadline`."""
+    while time.perf_counter() < deadline:
+        pass
+
+
 def _sync() -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -124,6 +153,15 @@ class SegmentedAB:
         self._inert = False  # the A/B made the boundaries inert (and may undo only that)
         self._in_segment = 0  # steps of the segment in progress
         self.extended = 0  # steps on segments ran past their length, waiting for tracing off
+        # a known cost in the on half only (bench tweaks: the estimator's truth)
+        self.sham = os.environ.get("WHOLE_JOB_AB_SHAM") == "1"
+        self.spin_us = _env_float("WHOLE_JOB_AB_SPIN_US")
+        self.spin_pct = _env_float("WHOLE_JOB_AB_SPIN_PCT")
+        self._returned = time.perf_counter()  # when the last step_end returned
+        self._spun_s = 0.0  # spin paid in the segment in progress
+        self._cpu_s = 0.0  # process CPU time at segment start
+        self._thread_cpu_s = 0.0  # training thread's CPU time at segment start
+        self._collected = 0  # garbage collections at segment start
 
     @staticmethod
     def _tracing(boundaries: Any) -> bool:
@@ -141,7 +179,19 @@ class SegmentedAB:
         return index % 4 in (0, 3)
 
     def step_end(self) -> None:
-        """One optimizer step ended (the StepTimer's callback)."""
+        """One optimizer step ended (the StepTimer's callback). In an on segment, first
+        the injected spin (if any), so it lands in that segment's time."""
+        if self.on and self.index >= 0 and (self.spin_us or self.spin_pct):
+            started = time.perf_counter()
+            spin = self.spin_us / 1e6 + (started - self._returned) * self.spin_pct / 100
+            spin_until(started + spin)
+            self._spun_s += time.perf_counter() - started
+        try:
+            self._step_end()
+        finally:
+            self._returned = time.perf_counter()
+
+    def _step_end(self) -> None:
         self.steps += 1
         if self.steps < self.warmup:
             return
@@ -157,6 +207,7 @@ class SegmentedAB:
             return
         blocks = thread_blocks()  # before the synchronize, which may block
         now = _sync()
+        cpu, thread_cpu, collected = time.process_time(), time.thread_time(), _collections()
         if self.index >= 0:
             steps = self._in_segment
             self.segments.append({
@@ -171,6 +222,12 @@ class SegmentedAB:
                     None if blocks is None or self._blocks is None
                     else round((blocks - self._blocks) / steps, 4)
                 ),
+                "spin_us_per_step": round(self._spun_s / steps * 1e6, 3),
+                "cpu_ms_per_step": round((cpu - self._cpu_s) * 1000 / steps, 5),
+                "training_cpu_ms_per_step": round(
+                    (thread_cpu - self._thread_cpu_s) * 1000 / steps, 5
+                ),
+                "gc_collections": collected - self._collected,
             })  # fmt: skip
         self.index += 1
         self._in_segment = 0
@@ -179,7 +236,10 @@ class SegmentedAB:
         self._threads_ns = _distanom_threads_cpu_ns()
         self._began = _sync()
         self._blocks = thread_blocks()  # after the synchronize: the steps' own
-        if self.on:
+        self._spun_s = 0.0
+        self._cpu_s, self._thread_cpu_s = time.process_time(), time.thread_time()
+        self._collected = _collections()
+        if self.on and not self.sham:
             self._forget_last_boundary(boundaries)
 
     @staticmethod
@@ -203,19 +263,21 @@ class SegmentedAB:
         state (`_boundaries_off`: boundaries return at once, while `Agent.close` still
         drains and finishes, so a job that fails in an off segment ends as it would),
         never `closed` (which `close` reads as "already closed"). A state the A/B did not
-        set (bookkeeping that really failed) is never cleared."""
+        set (bookkeeping that really failed) is never cleared. A sham A/B (`+sham`) keeps
+        the agent inert in both halves."""
         boundaries = self.agent.boundaries
-        if not on and not self._inert:
+        if (not on or self.sham) and not self._inert:
             if not boundaries._boundaries_off:  # never while tracing (see step_end)
                 boundaries._boundaries_off = True
                 self._inert = True
-        elif on and self._inert:  # the next step's time is dropped (_forget_last_boundary)
+        elif on and self._inert and not self.sham:  # next step dropped: _forget_last_boundary
             boundaries._boundaries_off = False
             self._inert = False
         self.on = on
 
     def finish(self) -> dict[str, Any]:
         """Leave the agent watching (its exit path expects it) and return the segments."""
+        sham, self.sham = self.sham, False
         self._switch(True)
         try:
             duty = self.agent.duty.report()  # traced share, measured overhead, switches
@@ -242,4 +304,5 @@ class SegmentedAB:
             "ab_segments": self.segments,
             "ab_steps_extended": self.extended,
             "ab_unpaced": self.unpaced,
+            "ab_injected": {"sham": sham, "spin_us": self.spin_us, "spin_pct": self.spin_pct},
         }
