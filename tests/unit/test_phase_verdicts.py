@@ -203,6 +203,11 @@ def test_a_gc_pause_during_distanoms_own_capture_work_is_named_distanom() -> Non
     assert (verdict.culprit_rank, verdict.cause) == (1, "distanom")
     assert "distanom's own work (capture, consensus rounds) took 56.9 ms" in verdict.evidence
     assert verdict.as_json()["distanom_ms"] == 56.9
+    # the script's own long collection beside a few ms of distanom's work (a status write
+    # charged to the step): the script's (the e2e gc fault read distanom this way)
+    phases = {1: table(slow_host=(2.0, 3.0, 4.0, 1.0, 101.0), own_ms=7.3)}
+    verdict = verdict_of(record(cpu_ms=108.0, gc_ms=95.0), phases)
+    assert (verdict.culprit_rank, verdict.cause) == (1, "python_gc"), verdict.evidence
 
 
 def test_a_stall_while_distanoms_round_work_held_the_step_is_named_distanom() -> None:
