@@ -9,6 +9,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,12 +26,13 @@ from ab_switch import SegmentedAB
 WARMUP, SEGMENT, SEGMENTS = 30, 10, 8
 
 
-def test_segments_switch_the_agent_and_drop_each_on_segments_first_step(tmp_path: Path) -> None:
+def segmented_run(runs: Path) -> tuple[Agent, dict[str, Any], bool]:
+    """A tiny loop under an agent switched by `SegmentedAB`: the (closed) agent, the A/B's
+    result, and whether the A/B left the agent watching."""
     layer = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
     inputs = torch.randn(2, 4)
-    config = load_config(None, ["tracer.backend=none"])
-    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    agent = Agent(load_config(None, ["tracer.backend=none"]), WorldInfo.from_env({}), runs)
     agent.install()
     try:
         ab = SegmentedAB(WARMUP, SEGMENT)
@@ -40,9 +42,15 @@ def test_segments_switch_the_agent_and_drop_each_on_segments_first_step(tmp_path
             optimizer.step()
             ab.step_end()
         result = ab.finish()
-        run = agent.run
+        watching = not agent.boundaries._boundaries_off
     finally:
         agent.close()
+    return agent, result, watching
+
+
+def test_segments_switch_the_agent_and_drop_each_on_segments_first_step(tmp_path: Path) -> None:
+    agent, result, _ = segmented_run(tmp_path / "runs")
+    run = agent.run
     segments = result["ab_segments"]
     cost = result["agent_cost_at_end"]
     assert cost["rounds"] >= 1 and "round_pauses" in cost and "round_work_ms" in cost
@@ -188,11 +196,9 @@ def test_variants_and_their_tweaks_are_checked_before_any_job(
     assert not ran
 
 
-def test_a_shells_tweak_never_reaches_a_variant_without_it(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    script = load_bench_script("whole_job_ab")
-    monkeypatch.setenv("WHOLE_JOB_AB_NO_PAUSES", "1")  # left over in the shell
+def job_envs(monkeypatch: pytest.MonkeyPatch, script: Any) -> list[dict[str, str]]:
+    """The environment of every job `script` starts from now on (none runs: each stops
+    at once)."""
     seen: list[dict[str, str]] = []
 
     class Done:
@@ -203,6 +209,15 @@ def test_a_shells_tweak_never_reaches_a_variant_without_it(
         return Done()
 
     monkeypatch.setattr(script.subprocess, "run", run)
+    return seen
+
+
+def test_a_shells_tweak_never_reaches_a_variant_without_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    script = load_bench_script("whole_job_ab")
+    monkeypatch.setenv("WHOLE_JOB_AB_NO_PAUSES", "1")  # left over in the shell
+    seen = job_envs(monkeypatch, script)
     script.run_job("amp", "none", 2, tmp_path)
     script.run_job("amp", "none+nopause", 2, tmp_path)
     assert "WHOLE_JOB_AB_NO_PAUSES" not in seen[0]
@@ -284,22 +299,8 @@ def test_a_sham_spin_costs_only_the_on_half_and_the_summary_finds_it(
     an on segment only; the summary's injected ratio is the spin measured."""
     monkeypatch.setenv("WHOLE_JOB_AB_SHAM", "1")
     monkeypatch.setenv("WHOLE_JOB_AB_SPIN_US", "2000")
-    layer = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
-    inputs = torch.randn(2, 4)
-    agent = Agent(load_config(None, ["tracer.backend=none"]), WorldInfo.from_env({}), tmp_path)
-    agent.install()
-    try:
-        ab = SegmentedAB(WARMUP, SEGMENT)
-        for _ in range(WARMUP + SEGMENTS * SEGMENT):
-            optimizer.zero_grad()
-            layer(inputs).sum().backward()
-            optimizer.step()
-            ab.step_end()
-        result = ab.finish()
-        assert not agent.boundaries._boundaries_off  # left watching
-    finally:
-        agent.close()
+    _, result, watching = segmented_run(tmp_path)
+    assert watching  # the A/B left the agent watching
     segments = result["ab_segments"]
     assert result["ab_injected"] == {"sham": True, "spin_us": 2000.0, "spin_pct": 0.0}
     assert all(s["boundary_us_per_step"] == 0 for s in segments)  # inert in both halves
@@ -322,16 +323,7 @@ def test_spin_tweaks_are_parsed_and_reach_the_job(
     assert script.known_variant("none+sham+spin1pct")
     assert not script.known_variant("none+spin1")
     monkeypatch.setenv("WHOLE_JOB_AB_SPIN_US", "7")  # left over in the shell
-    seen: list[dict[str, str]] = []
-
-    class Done:
-        returncode, stderr = 1, "stopped here"
-
-    def run(*_args: object, env: dict[str, str], **_kwargs: object) -> Done:
-        seen.append(env)
-        return Done()
-
-    monkeypatch.setattr(script.subprocess, "run", run)
+    seen = job_envs(monkeypatch, script)
     script.run_job("amp", "none", 2, tmp_path)
     script.run_job("amp", "none+sham+spin2pct", 2, tmp_path, segment_steps=3)
     assert "WHOLE_JOB_AB_SPIN_US" not in seen[0] and "WHOLE_JOB_AB_SHAM" not in seen[0]
