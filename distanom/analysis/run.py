@@ -142,7 +142,7 @@ class StepSeries:
         out = np.full(len(self.steps), np.nan)
         for values in self.per_rank.values():
             out = np.fmax(out, values)
-        return [float(v) for v in out.tolist()]
+        return list(out.tolist())
 
     def median_ms(self) -> float | None:
         """The median of `step_ms`, None without any finite step."""

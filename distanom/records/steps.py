@@ -20,7 +20,7 @@ import os
 import re
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import IO, Any
 
@@ -368,9 +368,9 @@ def _joined(parts: list[StepColumns], bad: int) -> StepColumns:
     """The blocks' columns end to end, with the damage counted while reading (`bad`)."""
     if not parts:
         parts = [_columns(np.empty((0, WIDTH)))]
-    fields = {
+    columns = {
         name: np.concatenate([getattr(part, name) for part in parts])
-        for name in ("step", "duration_ms", "traced", "after_flush", "self_ms", "gc_ms",
-                     "gc_generation", "skipped", "phases")
-    }  # fmt: skip
-    return StepColumns(**fields, bad=bad + sum(part.bad for part in parts))
+        for name in (field.name for field in fields(StepColumns))
+        if name != "bad"
+    }
+    return StepColumns(**columns, bad=bad + sum(part.bad for part in parts))
