@@ -198,7 +198,7 @@ class EvidenceCollector:
 
     def _read(self, now: float) -> None:
         began, began_cpu = time.perf_counter(), time.thread_time()
-        entries = read_entries()
+        entries = read_entries(after=self._last_record)
         cpu_ms = (time.thread_time() - began_cpu) * 1e3
         self.reads += 1
         self.read_ms += (time.perf_counter() - began) * 1e3
@@ -303,7 +303,9 @@ class EvidenceTier:
     detection go on."""
 
     def __init__(self, marks: EvidenceMarks, world_size: int, health: Health) -> None:
-        self.collector = EvidenceCollector(marks)
+        # one rank has no other to arrive before it: arrival is never compared, and a
+        # read would only hold the GIL (milliseconds, docs/measurements.md)
+        self.collector = EvidenceCollector(marks, read_fr=False if world_size < 2 else None)
         self.journal: AnomalyJournal | None = None
         self._world_size = world_size
         self._warn_once = health.warn_once

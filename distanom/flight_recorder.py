@@ -25,7 +25,6 @@ Imports torch only inside `read_dump` (agent side; the report never calls it).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import pickle
@@ -124,13 +123,18 @@ def buffer_size(environ: Mapping[str, str] | None = None) -> int:
     return 0
 
 
-def read_entries(limit: int = MAX_ENTRIES) -> tuple[FrEntry, ...]:
+def read_entries(
+    limit: int = MAX_ENTRIES, after: Mapping[str, int] | None = None
+) -> tuple[FrEntry, ...]:
     """This process's Flight Recorder entries, oldest first, at most `limit` of the newest
-    of each recorder (() where torch has none or the read fails)."""
-    return read_dump(limit).entries
+    of each recorder (() where torch has none or the read fails); with `after` (the last
+    record id seen, per recorder) only the newer ones are converted."""
+    return read_dump(limit, after=after).entries
 
 
-def read_dump(limit: int = MAX_ENTRIES, *, sizes: bool = False) -> FrDump:
+def read_dump(
+    limit: int = MAX_ENTRIES, *, sizes: bool = False, after: Mapping[str, int] | None = None
+) -> FrDump:
     """This process's Flight Recorder entries (as `read_entries`; input sizes only with
     `sizes`) and, when there are none, why (not in this torch, the dump failed or was
     too large, recording is off).
@@ -148,7 +152,7 @@ def read_dump(limit: int = MAX_ENTRIES, *, sizes: bool = False) -> FrDump:
         dump = getattr(c10d, name, None)  # private, absent on some builds and versions
         if dump is None:
             continue
-        got, problem = _read_one(dump, source, limit, sizes)
+        got, problem = _read_one(dump, source, limit, sizes, (after or {}).get(source, -1))
         entries += got
         if problem:
             problems.append(problem)
@@ -166,7 +170,9 @@ def read_dump(limit: int = MAX_ENTRIES, *, sizes: bool = False) -> FrDump:
     )
 
 
-def _read_one(dump: Any, source: str, limit: int, sizes: bool) -> tuple[list[FrEntry], str]:
+def _read_one(
+    dump: Any, source: str, limit: int, sizes: bool, after: int = -1
+) -> tuple[list[FrEntry], str]:
     """One recorder's entries, tagged with `source`, and what went wrong ("" if nothing)."""
     try:
         raw = dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
@@ -179,8 +185,7 @@ def _read_one(dump: Any, source: str, limit: int, sizes: bool) -> tuple[list[FrE
         return [], _failed(err)
     if isinstance(raw, (bytes, bytearray)) and len(raw) > MAX_DUMP_BYTES:
         return [], f"Flight Recorder dump of {len(raw)} bytes not read (over {MAX_DUMP_BYTES})"
-    parsed = parse_dump(raw, limit, sizes=sizes)
-    return [dataclasses.replace(e, source=source) for e in parsed], ""
+    return list(parse_dump(raw, limit, sizes=sizes, source=source, after=after)), ""
 
 
 def _failed(err: BaseException) -> str:
@@ -188,11 +193,18 @@ def _failed(err: BaseException) -> str:
 
 
 def parse_dump(
-    raw: bytes | Mapping[str, Any], limit: int = MAX_ENTRIES, *, sizes: bool = False
+    raw: bytes | Mapping[str, Any],
+    limit: int = MAX_ENTRIES,
+    *,
+    sizes: bool = False,
+    source: str = "",
+    after: int = -1,
 ) -> tuple[FrEntry, ...]:
-    """Entries of one dump (pickled bytes or the unpickled dict); () where unreadable.
-    Input sizes are read only with `sizes` (they cost about as much as the rest of an
-    entry, and the per-round read has no use for them)."""
+    """Entries of one dump (pickled bytes or the unpickled dict), tagged with `source`;
+    () where unreadable. Input sizes are read only with `sizes` (they cost about as much
+    as the rest of an entry, and the per-round read has no use for them). Entries whose
+    record id is at most `after` (seen at an earlier read) are not converted: the dump
+    repeats the whole buffer, and the per-round read holds the GIL while it converts."""
     try:
         data = pickle.loads(raw) if isinstance(raw, (bytes, bytearray)) else raw
     except Exception:
@@ -200,8 +212,16 @@ def parse_dump(
     entries = data.get("entries") if isinstance(data, Mapping) else None
     if not isinstance(entries, list):
         return ()
-    out = [e for e in (_entry(item, sizes) for item in entries[-limit:]) if e is not None]
+    chosen = entries[-limit:]
+    if after >= 0:
+        chosen = [item for item in chosen if _record_id(item) > after]
+    out = [e for e in (_entry(item, sizes, source) for item in chosen) if e is not None]
     return tuple(out)
+
+
+def _record_id(item: Any) -> int:
+    """An entry's record id (-1 where it has none), read before the rest of it."""
+    return _int(item.get("record_id", -1)) if isinstance(item, Mapping) else -1
 
 
 def _shapes(sizes: Any) -> tuple[Any, ...]:
@@ -217,7 +237,7 @@ def _int(value: Any) -> int:
         return 0
 
 
-def _entry(item: Any, with_sizes: bool) -> FrEntry | None:
+def _entry(item: Any, with_sizes: bool, source: str = "") -> FrEntry | None:
     if not isinstance(item, Mapping):
         return None
     get = item.get
@@ -244,6 +264,7 @@ def _entry(item: Any, with_sizes: bool) -> FrEntry | None:
         bool(get("retired")),
         pg_desc,
         _shapes(sizes) if sizes else (),
+        source,
     )
 
 

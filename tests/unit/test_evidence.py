@@ -33,8 +33,9 @@ class FakeFr:
     def __init__(self) -> None:
         self.entries: list[FrEntry] = []
 
-    def __call__(self, limit: int = 0) -> tuple[FrEntry, ...]:
-        return tuple(self.entries)
+    def __call__(self, limit: int = 0, after: dict[str, int] | None = None) -> tuple[FrEntry, ...]:
+        seen = after or {}  # as the real read: only entries newer than those seen
+        return tuple(e for e in self.entries if e.record_id > seen.get(e.source, -1))
 
 
 @pytest.fixture
@@ -244,7 +245,7 @@ class CostlyReads(FakeFr):
         super().__init__()
         self.costs = costs
 
-    def __call__(self, limit: int = 0) -> tuple[FrEntry, ...]:
+    def __call__(self, limit: int = 0, after: dict[str, int] | None = None) -> tuple[FrEntry, ...]:
         cost = self.costs.pop(0) if self.costs else "fast"
         if cost == "wait":  # preempted, or waiting for the GIL: costs training nothing
             time.sleep(0.03)
@@ -479,3 +480,23 @@ def test_stragglers_json_is_rewritten_when_the_scores_change_not_per_round(
     assert len(written) == 1
     tier.write_stragglers(run, final=True)  # type: ignore[arg-type]
     assert len(written) == 2 and written[-1]["scored_steps"] == 39
+
+
+def test_one_rank_never_reads_flight_recorder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arrival is only compared between ranks: with one rank the tier never dumps Flight
+    Recorder (a read holds the GIL for milliseconds), while two ranks do."""
+    from distanom.evidence import EvidenceMarks, EvidenceTier
+    from distanom.health import Health
+
+    monkeypatch.setattr(evidence_module, "buffer_size", lambda: 256)
+    reads: list[int] = []
+    monkeypatch.setattr(evidence_module, "read_entries", lambda *a, **k: reads.append(1) or ())
+    for world_size, expected in ((1, False), (2, True)):
+        marks = EvidenceMarks()
+        tier = EvidenceTier(marks, world_size, Health())
+        assert tier.collector.reading_flight_recorder is expected
+        for step in range(4):
+            marks.mark(step, 1_000_000 * (step + 1))
+        done = tier.poll(final=True)
+        assert [step for step, _ in done] == [1, 2, 3]
+    assert len(reads) == 1  # the two-rank tier's forced read only

@@ -107,3 +107,18 @@ def test_both_recorders_are_read_and_tagged(monkeypatch: pytest.MonkeyPatch) -> 
     assert [(e.source, e.pg_name) for e in got.entries] == [("nccl", "1"), ("generic", "0")]
     monkeypatch.setattr(c10d, "_dump_nccl_trace", dump_of(), raising=False)
     assert [e.source for e in flight_recorder.read_entries()] == ["generic"]
+
+
+def test_parse_converts_only_entries_newer_than_those_seen() -> None:
+    """A read repeats the whole buffer: entries at or before `after` are not converted,
+    and the ones kept carry their recorder's name."""
+    items = [
+        {"record_id": i, "process_group": ["0", "default_pg"], "collective_seq_id": i,
+         "profiling_name": "nccl:all_reduce", "state": "completed", "time_created_ns": i}
+        for i in range(6)
+    ]  # fmt: skip
+    kept = parse_dump({"entries": items}, source="nccl", after=3)
+    assert [e.record_id for e in kept] == [4, 5]
+    assert {e.source for e in kept} == {"nccl"}
+    assert [e.record_id for e in parse_dump({"entries": items})] == list(range(6))
+    assert parse_dump({"entries": [*items, "junk"]}, after=4)[-1].record_id == 5

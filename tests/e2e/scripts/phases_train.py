@@ -183,7 +183,10 @@ def main() -> None:
     if args.step_times:
         times = [round((b - a) * 1e3, 4) for a, b in itertools.pairwise(stamps)]
         with open(f"{args.step_times}.rank{rank}.json", "w") as handle:
-            json.dump({"times": times, "gc": collections}, handle)
+            json.dump(
+                {"times": times, "gc": collections, "starts_ns": [int(s * 1e9) for s in stamps]},
+                handle,
+            )
     print(f"phases_train: {args.steps} steps", flush=True)
     dist.destroy_process_group()
 
