@@ -119,7 +119,9 @@ class ControlLoop:
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
         self.hang_watch: HangWatch | None = None  # told when a round fails
         self.rounds = 0  # rounds run
-        self.pacer = RoundPacer()  # pauses between a round's phases, where they are needed
+        # pauses between a round's phases, where they are needed; each phase's CPU time
+        # is charged to the step it overlapped
+        self.pacer = RoundPacer(charge=self._charge)
         self._cpu_ns = 0  # this (control) thread's CPU time, as last read on it
         self._cpu_setup_ns = 0  # of which forming the group and the run directory
         self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
@@ -284,9 +286,8 @@ class ControlLoop:
                 self.evidence.add_gc_many(zip(steps, gc_ms, strict=True))
             self._log_steps(records)
             self.pacer.pause()
-            cpu_ns = time.thread_time_ns()  # a Flight Recorder read holds the GIL
-            builder.add_evidence(self.evidence.poll(final))
-            self._charge(time.thread_time_ns() - cpu_ns)
+            builder.add_evidence(self.evidence.poll(final))  # a Flight Recorder read: a phase
+            self.pacer.pause()
             now = time.monotonic()
             if now >= next_flush or final:  # a write per second, not per round
                 next_flush = now + STEPS_FLUSH_S
@@ -320,9 +321,8 @@ class ControlLoop:
             self._cpu_ns = time.thread_time_ns()
             if self.world.rank == 0 and (now >= next_status or final):
                 next_status = now + control.status_interval_s
-                cpu_ns = time.thread_time_ns()
+                self.pacer.pause()  # the status write is a phase of its own
                 self._write_status("running")
-                self._charge(time.thread_time_ns() - cpu_ns)
             self.pacer.end(steps=self._gathered_step - gathered_before)
         return True
 
@@ -395,7 +395,6 @@ class ControlLoop:
     ) -> RoundResult:
         """One round, gathered from every rank and acted on."""
         assert self.group is not None
-        began_cpu = time.thread_time_ns()
         self.rounds += 1
         flags = (FLAG_FINAL if final else 0) | local.flags  # FLAG_EARLY from `take`
         if final and builder is not None and builder.evidence_backlog():
@@ -437,18 +436,17 @@ class ControlLoop:
             builder.settle(local, len(result.samples), bool(result.ranks_with(FLAG_FINAL)))
         if result.cut_early:
             self.early_rounds += 1
-        self._after_round(result)
-        # CPU time, not wall time: waiting for the gather or for the GIL takes nothing
-        # from the training thread
-        self._charge(time.thread_time_ns() - began_cpu)
+        self._after_round(result)  # its phases are charged by the pacer
         return result
 
     def _charge(self, spent_ns: int) -> None:
-        """Charge heavy control work (a round, a Flight Recorder read and its folding, a
-        status write) to the steps it overlapped, like capture work: holding the GIL, it
-        may have slowed the training thread, and such a step must not be judged on it.
-        Heavy: a quarter of the median step (a step is anomalous from half of it over the
-        median at the default multiplier), or 1 ms before a median exists."""
+        """Charge a heavy phase of control work (the steps file's rows, a Flight Recorder
+        read, a round's gather and decisions, the evidence fold, a status write; its CPU
+        time, not wall time: waiting for the gather or for the GIL takes nothing from the
+        training thread) to the step it overlapped, like capture work: holding the GIL,
+        it slowed the training thread about as long, and such a step must not be judged
+        on it. Heavy: a quarter of the median step (a step is anomalous from half of it
+        over the median at the default multiplier), or 1 ms before a median exists."""
         median = self.detector.median_ms
         heavy_ms = median / 4 if median is not None and math.isfinite(median) else 1.0
         if spent_ns >= heavy_ms * 1e6:

@@ -16,6 +16,8 @@ pass, pauses left out, from passes whose rounds were at least half as long as th
 one (rounds start at one step each, before a median is known; until a round about as
 long has been measured, it is paced). Work measured while paced reads a little heavier
 (the cold start after each wake-up), so near the limit a paced job tends to stay paced.
+Each pause also ends a phase: its CPU time goes to the control loop's charge, which puts
+heavy phases on the step they stalled (docs/agent.md).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Callable
 
 PACE_MAX_S = 0.01
 # A round's pauses (three) take at most this share of the time its steps take, so the
@@ -54,9 +57,16 @@ def pace_s(median_ms: float | None, round_steps: int, work_ms: float | None = No
 class RoundPacer:
     """The pauses of one control thread: `begin` at the top of each loop pass decides
     the pass's pause from the work measured in earlier ones, `pause` between phases,
-    `end` records the pass's work (its CPU time, the pauses' own left out)."""
+    `end` records the pass's work (its CPU time, the pauses' own left out).
 
-    def __init__(self) -> None:
+    Each phase's CPU time (from `begin` or the last pause to the next pause or `end`) is
+    handed to `charge` as the phase ends, while the control thread still holds the GIL:
+    the training step it stalled has not ended yet, so the charge lands on that step,
+    not on a later one (a pass's phases fall in different steps when it is paced)."""
+
+    def __init__(self, charge: Callable[[int], None] | None = None) -> None:
+        self._charge = charge
+        self._phase_ns = -1  # thread CPU time at the start of the current phase (-1: none)
         self.pause_s = 0.0  # the pause between phases in this pass; 0: none
         self.pauses = 0  # pauses slept so far
         # (CPU ms, steps its rounds covered) of the latest passes that ran a round
@@ -80,7 +90,7 @@ class RoundPacer:
 
     def begin(self, median_ms: float | None, round_steps: int, *, final: bool) -> None:
         """Start a pass: no pause at the end of training (nothing to pace for)."""
-        self._began_ns = time.thread_time_ns()
+        self._began_ns = self._phase_ns = time.thread_time_ns()
         self._paused_ns = 0
         self._final = final
         if final:
@@ -93,17 +103,27 @@ class RoundPacer:
         self.pause_s = 0.0
 
     def pause(self) -> None:
-        """Drop the GIL for the pass's pause, if it has one."""
+        """End a phase (its CPU time charged) and drop the GIL for the pass's pause, if
+        it has one."""
+        before = time.thread_time_ns()
+        self._end_phase(before)
         if self.pause_s <= 0:
             return
-        before = time.thread_time_ns()
         time.sleep(self.pause_s)
-        self._paused_ns += time.thread_time_ns() - before
+        self._phase_ns = time.thread_time_ns()
+        self._paused_ns += self._phase_ns - before
         self.pauses += 1
+
+    def _end_phase(self, now_ns: int) -> None:
+        if self._charge is not None and self._phase_ns >= 0:
+            self._charge(now_ns - self._phase_ns)
+        self._phase_ns = now_ns
 
     def end(self, *, steps: int) -> None:
         """End a pass whose rounds covered `steps` steps; only a pass that ran a round
         (and not the last ones, at the end of training) says what a round costs."""
+        now = time.thread_time_ns()
+        self._end_phase(now)
         if steps > 0 and not self._final:
-            spent = time.thread_time_ns() - self._began_ns - self._paused_ns
+            spent = now - self._began_ns - self._paused_ns
             self._works.append((max(0, spent) / 1e6, steps))

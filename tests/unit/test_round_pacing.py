@@ -501,6 +501,28 @@ def test_the_pacer_pauses_until_the_heaviest_recent_pass_is_small(
     assert pacer.work_ms == pytest.approx(2.0)
 
 
+def test_each_phase_is_charged_as_it_ends_without_its_pause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pacer hands each phase's CPU time to `charge` at the pause that ends it (the
+    step it stalled has not ended yet), and at `end`; a pause's own time is never
+    charged, and an unpaced pass still ends its phases at each pause."""
+    fake_thread_clock(monkeypatch)  # each thread-time read 1 ms after the last
+    charged: list[int] = []
+    pacer = pacing.RoundPacer(charge=charged.append)
+    pacer.begin(4.0, 128, final=False)  # read at 0: paced
+    pacer.pause()  # reads 1 (the phase's end), sleeps, reads 2 (the next phase's start)
+    pacer.pause()  # reads 3: 1 ms since the pause before, then 4
+    pacer.end(steps=25)  # reads 5
+    assert charged == [1_000_000, 1_000_000, 1_000_000]
+    charged.clear()
+    pacer.begin(400.0, 1, final=False)  # 6: 3 ms of work beside 400 ms steps: unpaced
+    assert pacer.pause_s == 0.0
+    pacer.pause()  # 7: a phase of 1 ms, and no sleep
+    pacer.end(steps=1)  # 8
+    assert charged == [1_000_000, 1_000_000]
+
+
 def test_small_rounds_work_does_not_unpace_a_round_many_times_longer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
