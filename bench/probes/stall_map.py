@@ -13,7 +13,10 @@ For each activity, the report gives how often a slow step (over 1.5x / 3x the me
 overlaps it against how often any step does (the lift), and the sampler's late
 wake-ups inside slow steps against all steps, per run.
 
-The judged anomalies of each distanom run (`distanom report --json`) get the same view.
+`STALL_MAP_WIDE=1` in a variant's env wraps every method of the control side's classes
+as well (the control loop, evidence tier, detector, duty cycle, journal, request desk,
+metrics, consensus group). The judged anomalies of each distanom run (`distanom report
+--json`) get the same view.
 
     python3 bench/probes/stall_map.py [--steps 2500] [--runs 1] [--variants JSON] --out FILE
 """
@@ -83,6 +86,26 @@ def _install(out: str) -> None:
         wrap(cupti_tracer.CuptiTracer, "_detach", "cupti_detach")
         wrap(cupti_tracer.CuptiTracer, "step_trace", "cupti_step_trace")
         wrap(hang.HangWatch, "_judge", "hang_judge")
+        if os.environ.get("STALL_MAP_WIDE") == "1":  # every method of the control side
+            import inspect
+
+            import distanom.anomaly_journal as journal
+            import distanom.detect as detect
+            import distanom.duty_cycle as duty_cycle
+            import distanom.metrics as metrics
+            import distanom.request_desk as request_desk
+            import distanom.world as world
+
+            skip = {"_main", "_round_loop", "_run_round", "_flush_steps", "_write_status",
+                    "_log_steps", "poll"}  # fmt: skip
+            for owner in (
+                control_loop.ControlLoop, evidence.EvidenceTier, detect.Detector,
+                duty_cycle.DutyCycle, journal.AnomalyJournal, request_desk.RequestDesk,
+                metrics.NodeMetrics, world.AgentGroup,
+            ):  # fmt: skip
+                for attr, value in list(vars(owner).items()):
+                    if inspect.isfunction(value) and attr not in skip and attr != "__init__":
+                        wrap(owner, attr, f"{owner.__name__}.{attr}")
     except ImportError:
         pass  # plain torchrun: the sampler alone
 
