@@ -112,6 +112,8 @@ class StepBoundaries:
         self.own_ns = 0  # time spent in boundaries (this thread's cost of distanom)
         self.meters = BoundaryMeters()  # the same, by kind and part (`distanom.own_time`)
         self.last_busy_ns = 0  # distanom's busy time (Health, capture) at the last boundary
+        # a tracer switch's time at the last boundary: it falls in the step after it
+        self._switch_ns = 0
         self.gc_pauses = GcPauses()
         self.evidence_marks = EvidenceMarks()
         self.phases = PhaseMarks()
@@ -306,6 +308,9 @@ class StepBoundaries:
         self.phases.step_ended(step, began, clock.last_event if clock is not None else None)
         at_phases = now()
         self_ms = self.self_ms_of_ended_step()
+        if self._switch_ns:
+            self_ms += self._switch_ns / 1e6
+            self._switch_ns = 0
         traced = self._tracing_during  # the step that ended
         # traced, after a flush, disturbed by distanom's own capture work (then it is never
         # judged: no feedback loop), skipped by a GradScaler
@@ -335,6 +340,8 @@ class StepBoundaries:
                 self._tracer_boundary(tracer, step, host_ns)
                 switched = self._next_after_flush or traced != self._tracing_during
         at_tracer = now()
+        if switched:  # CUPTI's attach or drain, kineto's flush: after the step's clock mark
+            self._switch_ns = at_tracer - at_bookkeeping
         if resolved:
             put, record = self.inbox.put_step, self._resolved
             for resolved_step, duration in resolved:

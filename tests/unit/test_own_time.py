@@ -5,6 +5,7 @@ up to it (`distanom.own_time`)."""
 
 from __future__ import annotations
 
+import csv
 import json
 import time
 from pathlib import Path
@@ -113,6 +114,13 @@ def test_tracer_switches_are_tracing_s_cost_not_the_step_end_s(
     assert cost["traced_boundaries"] >= 3 * (WINDOW - 1)  # both switches of a window apart
     # spread over 120 steps the switches would read over 1 ms a step
     assert 0 < cost["boundary_us_per_step"] < 1000
+    # a switch at step N's end runs after N's clock mark: it is distanom's own time in
+    # step N + 1 (its self_ms, discounted when judged), never the script's
+    assert agent.run is not None
+    with open(agent.run.steps_csv(0)) as handle:
+        self_ms = {int(row["step"]): float(row["self_ms"]) for row in csv.DictReader(handle)}
+    assert all(self_ms[step + 1] >= 20 for step in later if step + 1 in self_ms)
+    assert sum(1 for step in later if step + 1 in self_ms) >= 4
 
 
 def test_the_step_end_s_parts_are_named_and_add_up_to_it(
