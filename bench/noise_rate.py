@@ -51,6 +51,15 @@ def own_times(prefix: Path, nproc: int) -> dict:
             "gc_gen1_or_2_or_over_1ms": collections[:500]}  # fmt: skip
 
 
+def report_json(run_dir: Path, env: dict[str, str]) -> dict:
+    """`distanom report --json` of a run, in a child process ({} where it failed)."""
+    report = subprocess.run(
+        [sys.executable, "-m", "distanom", "report", str(run_dir), "--json"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    return json.loads(report.stdout) if report.returncode == 0 else {}
+
+
 def one_job(
     nproc: int, steps: int, cuda: bool, sets: list[str] | None, scratch: Path,
     extra_env: dict[str, str] | None = None,
@@ -76,11 +85,7 @@ def one_job(
     own = own_times(prefix, nproc)
     if sets is None:
         return {"rc": done.returncode, "steps": own["steps"], "anomalies": [], "own": own}
-    report = subprocess.run(
-        [sys.executable, "-m", "distanom", "report", str(run_dir), "--json"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    found = json.loads(report.stdout) if report.returncode == 0 else {}
+    found = report_json(run_dir, env)
     anomalies = found.get("anomalies", [])
     return {
         "rc": done.returncode,

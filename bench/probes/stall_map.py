@@ -68,24 +68,26 @@ def _install(out: str) -> None:
         import distanom.capture as capture
         import distanom.control_loop as control_loop
         import distanom.evidence as evidence
-        import distanom.hang as hang
         import distanom.tracers.cupti.buffers as buffers
         import distanom.tracers.cupti.tracer as cupti_tracer
 
-        wrap(evidence, "read_entries", "fr_read")
-        wrap(evidence.EvidenceCollector, "poll", "evidence_poll")
-        wrap(control_loop.ControlLoop, "_run_round", "round")
-        wrap(control_loop.ControlLoop, "_flush_steps", "steps_flush")
-        wrap(control_loop.ControlLoop, "_write_status", "status_write")
-        wrap(control_loop.ControlLoop, "_log_steps", "log_steps")
-        wrap(capture.CaptureWorker, "_handle", "capture_handle")
-        wrap(capture.CaptureWorker, "_analyze", "capture_analyze")
-        wrap(buffers.BufferPool, "complete", "cupti_complete")
-        wrap(buffers.BufferPool, "request", "cupti_request")
-        wrap(cupti_tracer.CuptiTracer, "_toggle", "cupti_toggle")
-        wrap(cupti_tracer.CuptiTracer, "_detach", "cupti_detach")
-        wrap(cupti_tracer.CuptiTracer, "step_trace", "cupti_step_trace")
-        wrap(hang.HangWatch, "_judge", "hang_judge")
+        loop, tracer = control_loop.ControlLoop, cupti_tracer.CuptiTracer
+        for owner, attr, name in (
+            (evidence, "read_entries", "fr_read"),
+            (evidence.EvidenceCollector, "poll", "evidence_poll"),
+            (loop, "_run_round", "round"),
+            (loop, "_flush_steps", "steps_flush"),
+            (loop, "_write_status", "status_write"),
+            (loop, "_log_steps", "log_steps"),
+            (capture.CaptureWorker, "_handle", "capture_handle"),
+            (capture.CaptureWorker, "_analyze", "capture_analyze"),
+            (buffers.BufferPool, "complete", "cupti_complete"),
+            (buffers.BufferPool, "request", "cupti_request"),
+            (tracer, "_toggle", "cupti_toggle"),
+            (tracer, "_detach", "cupti_detach"),
+            (tracer, "step_trace", "cupti_step_trace"),
+        ):
+            wrap(owner, attr, name)
         if os.environ.get("STALL_MAP_WIDE") == "1":  # every method of the control side
             import inspect
 
@@ -255,12 +257,11 @@ def one_job(
         return result
     anomalies: list[dict] = []
     if mode != "plain":
-        report = subprocess.run(
-            [sys.executable, "-m", "distanom", "report", str(run_dir), "--json"],
-            capture_output=True, text=True, env=env, timeout=300,
-        )  # fmt: skip
-        found = json.loads(report.stdout) if report.returncode == 0 else {}
-        anomalies = found.get("anomalies", [])
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))  # run as a file: the repository is not on the path
+        from bench.noise_rate import report_json
+
+        anomalies = report_json(run_dir, env).get("anomalies", [])
     result.update(analyse(prefix, [a["step"] for a in anomalies]))
     result["anomalies"] = [
         [a["step"], a["ratio"], a["verdict"].get("cause"), a["verdict"].get("phase")]
