@@ -28,6 +28,7 @@ and `DutyCycle`; nothing here blocks or raises into training.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -72,6 +73,11 @@ _perf_ns = time.perf_counter_ns
 _thread_ns = time.thread_time_ns
 _new_tuple = tuple.__new__
 NO_GC = (0.0, -1)  # no collection during a step: (ms, generation)
+# A tracer switch this many times slower than the median of the latest SWITCHES_KEPT is
+# the next step's own time (the first after start-up always is): ordinary switches are
+# what the after-flush steps' baseline is made of (docs/agent.md)
+SLOW_SWITCH_FACTOR = 2.0
+SWITCHES_KEPT = 16
 
 
 class StepRecord(NamedTuple):
@@ -112,8 +118,9 @@ class StepBoundaries:
         self.own_ns = 0  # time spent in boundaries (this thread's cost of distanom)
         self.meters = BoundaryMeters()  # the same, by kind and part (`distanom.own_time`)
         self.last_busy_ns = 0  # distanom's busy time (Health, capture) at the last boundary
-        # a tracer switch's time at the last boundary: it falls in the step after it
+        # a slow tracer switch's time at the last boundary: it falls in the step after it
         self._switch_ns = 0
+        self._switches_ns: collections.deque[int] = collections.deque(maxlen=SWITCHES_KEPT)
         self.gc_pauses = GcPauses()
         self.evidence_marks = EvidenceMarks()
         self.phases = PhaseMarks()
@@ -340,8 +347,8 @@ class StepBoundaries:
                 self._tracer_boundary(tracer, step, host_ns)
                 switched = self._next_after_flush or traced != self._tracing_during
         at_tracer = now()
-        if switched:  # CUPTI's attach or drain, kineto's flush: after the step's clock mark
-            self._switch_ns = at_tracer - at_bookkeeping
+        if switched and not one_off:  # CUPTI's attach or drain, kineto's flush
+            self._carry_slow_switch(at_tracer - at_bookkeeping)
         if resolved:
             put, record = self.inbox.put_step, self._resolved
             for resolved_step, duration in resolved:
@@ -443,6 +450,16 @@ class StepBoundaries:
         busy = max(busy, self.last_busy_ns)
         spent, self.last_busy_ns = busy - self.last_busy_ns, busy
         return spent / 1e6
+
+    def _carry_slow_switch(self, took_ns: int) -> None:
+        """A switch runs after the step's clock mark, so its time is in the next step.
+        One far slower than the latest ones (the run's first CUPTI attach took 11-13 ms
+        against ~2.5 ms for later switches on the H200) is carried into that step's
+        `self_ms`, which the detector discounts."""
+        usual = self._switches_ns
+        if not usual or took_ns > SLOW_SWITCH_FACTOR * sorted(usual)[len(usual) // 2]:
+            self._switch_ns = took_ns
+        usual.append(took_ns)
 
     def _apply_duty_cycle(self, tracer: Tracer, next_step: int) -> None:
         """Switch tracing on or off for the next step as the duty cycle decided."""

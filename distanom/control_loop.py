@@ -124,7 +124,7 @@ class ControlLoop:
         self.pacer = RoundPacer(charge=self._charge)
         self._cpu_ns = 0  # this (control) thread's CPU time, as last read on it
         self._cpu_setup_ns = 0  # of which forming the group and the run directory
-        self.rounds_charged = 0  # rounds heavy enough to be charged to the training steps
+        self.phases_charged = 0  # control work heavy enough to be charged to a training step
         # rounds some rank ended early (its steps slowed down): counted from the gathered
         # flags, so every rank's count is the job's, whichever rank's slowdown woke first
         self.early_rounds = 0
@@ -287,7 +287,7 @@ class ControlLoop:
             self._log_steps(records)
             self.pacer.pause()
             builder.add_evidence(self.evidence.poll(final))  # a Flight Recorder read: a phase
-            self.pacer.pause()
+            self.pacer.mark()
             now = time.monotonic()
             if now >= next_flush or final:  # a write per second, not per round
                 next_flush = now + STEPS_FLUSH_S
@@ -308,6 +308,7 @@ class ControlLoop:
                     self._last_rounds(builder, result)
                     last = max(result.host_steps[r] for r in ended)
                     self._peers_ended(ended, max(result.last_step, self._gathered_step), last)
+                    self.pacer.end(steps=0)  # charges the pass's last work
                     return False
             if final:
                 # every rank runs one final round, so the others learn this one is done;
@@ -321,7 +322,7 @@ class ControlLoop:
             self._cpu_ns = time.thread_time_ns()
             if self.world.rank == 0 and (now >= next_status or final):
                 next_status = now + control.status_interval_s
-                self.pacer.pause()  # the status write is a phase of its own
+                self.pacer.mark()  # the status write is a phase of its own
                 self._write_status("running")
             self.pacer.end(steps=self._gathered_step - gathered_before)
         return True
@@ -451,7 +452,7 @@ class ControlLoop:
         heavy_ms = median / 4 if median is not None and math.isfinite(median) else 1.0
         if spent_ns >= heavy_ms * 1e6:
             self.health.control_busy_ns += spent_ns
-            self.rounds_charged += 1
+            self.phases_charged += 1
 
     def _after_round(self, result: RoundResult) -> None:
         self._recent.extend(result.samples)

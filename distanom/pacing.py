@@ -16,8 +16,9 @@ pass, pauses left out, from passes whose rounds were at least half as long as th
 one (rounds start at one step each, before a median is known; until a round about as
 long has been measured, it is paced). Work measured while paced reads a little heavier
 (the cold start after each wake-up), so near the limit a paced job tends to stay paced.
-Each pause also ends a phase: its CPU time goes to the control loop's charge, which puts
-heavy phases on the step they stalled (docs/agent.md).
+Each pause (and `mark`) ends a phase; the phases' CPU time since the last sleep goes to
+the control loop's charge at the next sleep, which puts heavy work on the step it
+stalled (docs/agent.md).
 """
 
 from __future__ import annotations
@@ -59,14 +60,16 @@ class RoundPacer:
     the pass's pause from the work measured in earlier ones, `pause` between phases,
     `end` records the pass's work (its CPU time, the pauses' own left out).
 
-    Each phase's CPU time (from `begin` or the last pause to the next pause or `end`) is
-    handed to `charge` as the phase ends, while the control thread still holds the GIL:
-    the training step it stalled has not ended yet, so the charge lands on that step,
-    not on a later one (a pass's phases fall in different steps when it is paced)."""
+    The CPU time of the work since the last sleep (phases ended by `mark` or an unpaced
+    `pause` add up: nothing let the training thread run between them) is handed to
+    `charge` at the next sleep, or at `end`, while the control thread still holds the
+    GIL: the training step it stalled has not ended yet, so the charge lands on that
+    step, not on a later one (a paced pass's work falls in different steps)."""
 
     def __init__(self, charge: Callable[[int], None] | None = None) -> None:
         self._charge = charge
         self._phase_ns = -1  # thread CPU time at the start of the current phase (-1: none)
+        self._unslept_ns = 0  # the phases' CPU time since the last sleep, not charged yet
         self.pause_s = 0.0  # the pause between phases in this pass; 0: none
         self.pauses = 0  # pauses slept so far
         # (CPU ms, steps its rounds covered) of the latest passes that ran a round
@@ -103,27 +106,39 @@ class RoundPacer:
         self.pause_s = 0.0
 
     def pause(self) -> None:
-        """End a phase (its CPU time charged) and drop the GIL for the pass's pause, if
-        it has one."""
+        """Drop the GIL for the pass's pause, if it has one, charging the work since the
+        last sleep first."""
         before = time.thread_time_ns()
         self._end_phase(before)
         if self.pause_s <= 0:
             return
+        self._charge_unslept()
         time.sleep(self.pause_s)
         self._phase_ns = time.thread_time_ns()
         self._paused_ns += self._phase_ns - before
         self.pauses += 1
 
+    def mark(self) -> None:
+        """End a phase without a pause (it is charged with the work after it, at the
+        next sleep or `end`)."""
+        self._end_phase(time.thread_time_ns())
+
     def _end_phase(self, now_ns: int) -> None:
-        if self._charge is not None and self._phase_ns >= 0:
-            self._charge(now_ns - self._phase_ns)
+        if self._phase_ns >= 0:
+            self._unslept_ns += now_ns - self._phase_ns
         self._phase_ns = now_ns
+
+    def _charge_unslept(self) -> None:
+        spent, self._unslept_ns = self._unslept_ns, 0
+        if self._charge is not None and spent > 0:
+            self._charge(spent)
 
     def end(self, *, steps: int) -> None:
         """End a pass whose rounds covered `steps` steps; only a pass that ran a round
         (and not the last ones, at the end of training) says what a round costs."""
         now = time.thread_time_ns()
         self._end_phase(now)
+        self._charge_unslept()
         if steps > 0 and not self._final:
             spent = now - self._began_ns - self._paused_ns
             self._works.append((max(0, spent) / 1e6, steps))

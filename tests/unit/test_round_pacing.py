@@ -133,7 +133,7 @@ def test_a_heavy_round_is_charged_to_the_steps_it_overlapped(
     monkeypatch.setattr(control_loop, "decode_rows", slowed(control_loop.decode_rows))
     monkeypatch.setattr(control_loop, "decode_round", slowed(control_loop.decode_round))
     agent = run_agent(tmp_path, 120, 0.002)
-    assert agent.control.rounds_charged >= 3
+    assert agent.control.phases_charged >= 3
     assert agent.run is not None
     with open(agent.run.steps_csv(0)) as handle:
         charged = [float(row["self_ms"]) for row in csv.DictReader(handle)]
@@ -501,26 +501,30 @@ def test_the_pacer_pauses_until_the_heaviest_recent_pass_is_small(
     assert pacer.work_ms == pytest.approx(2.0)
 
 
-def test_each_phase_is_charged_as_it_ends_without_its_pause(
+def test_the_work_since_the_last_sleep_is_charged_before_the_next_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The pacer hands each phase's CPU time to `charge` at the pause that ends it (the
-    step it stalled has not ended yet), and at `end`; a pause's own time is never
-    charged, and an unpaced pass still ends its phases at each pause."""
+    """The pacer hands the CPU time since its last sleep to `charge` just before it
+    sleeps (the step that work stalled has not ended yet), and at `end`; a pause's own
+    time is never charged. Phases with no sleep between them (`mark`, an unpaced pass)
+    add up: nothing let the training thread run between them."""
     fake_thread_clock(monkeypatch)  # each thread-time read 1 ms after the last
     charged: list[int] = []
     pacer = pacing.RoundPacer(charge=charged.append)
     pacer.begin(4.0, 128, final=False)  # read at 0: paced
-    pacer.pause()  # reads 1 (the phase's end), sleeps, reads 2 (the next phase's start)
-    pacer.pause()  # reads 3: 1 ms since the pause before, then 4
-    pacer.end(steps=25)  # reads 5
-    assert charged == [1_000_000, 1_000_000, 1_000_000]
+    pacer.pause()  # reads 1 (the work's end), charges 1 ms, sleeps, reads 2
+    pacer.mark()  # reads 3: a phase ends, nothing slept
+    pacer.pause()  # reads 4: 2 ms since the sleep, charged; sleeps, reads 5
+    pacer.end(steps=25)  # reads 6
+    assert charged == [1_000_000, 2_000_000, 1_000_000]
+    assert pacer.pauses == 2
     charged.clear()
-    pacer.begin(400.0, 1, final=False)  # 6: 3 ms of work beside 400 ms steps: unpaced
+    pacer.begin(400.0, 1, final=False)  # 7: 3 ms of work beside 400 ms steps: unpaced
     assert pacer.pause_s == 0.0
-    pacer.pause()  # 7: a phase of 1 ms, and no sleep
-    pacer.end(steps=1)  # 8
-    assert charged == [1_000_000, 1_000_000]
+    pacer.pause()  # 8: no sleep, so nothing charged yet
+    assert charged == []
+    pacer.end(steps=1)  # 9: the whole pass in one piece
+    assert charged == [2_000_000]
 
 
 def test_small_rounds_work_does_not_unpace_a_round_many_times_longer(
