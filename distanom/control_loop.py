@@ -119,8 +119,8 @@ class ControlLoop:
         self._thread = threading.Thread(target=self._main, name="distanom-control", daemon=True)
         self.hang_watch: HangWatch | None = None  # told when a round fails
         self.rounds = 0  # rounds run
-        # pauses between a round's phases, where they are needed; each phase's CPU time
-        # is charged to the step it overlapped
+        # pauses between a round's phases, where they are needed; the work since the
+        # last pause is charged to the step it stalled, as the next pause begins
         self.pacer = RoundPacer(charge=self._charge)
         self._cpu_ns = 0  # this (control) thread's CPU time, as last read on it
         self._cpu_setup_ns = 0  # of which forming the group and the run directory
@@ -441,13 +441,14 @@ class ControlLoop:
         return result
 
     def _charge(self, spent_ns: int) -> None:
-        """Charge a heavy phase of control work (the steps file's rows, a Flight Recorder
-        read, a round's gather and decisions, the evidence fold, a status write; its CPU
-        time, not wall time: waiting for the gather or for the GIL takes nothing from the
-        training thread) to the step it overlapped, like capture work: holding the GIL,
-        it slowed the training thread about as long, and such a step must not be judged
-        on it. Heavy: a quarter of the median step (a step is anomalous from half of it
-        over the median at the default multiplier), or 1 ms before a median exists."""
+        """Charge heavy control work done since the pacer's last pause (the steps file's
+        rows, a Flight Recorder read, a round's gather and decisions, the evidence fold, a
+        status write; its CPU time, not wall time: waiting for the gather or for the GIL
+        takes nothing from the training thread) to the step it overlapped, like capture
+        work: holding the GIL, it slowed the training thread about as long, and such a
+        step must not be judged on it. Heavy: a quarter of the median step (a step is
+        anomalous from half of it over the median at the default multiplier), or 1 ms
+        before a median exists."""
         median = self.detector.median_ms
         heavy_ms = median / 4 if median is not None and math.isfinite(median) else 1.0
         if spent_ns >= heavy_ms * 1e6:
