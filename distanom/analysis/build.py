@@ -185,8 +185,11 @@ def _anomalies(
 
 def _explained_ms(details: dict[str, Any], culprit: int | None) -> float:
     """How much of its step a trace verdict found on its culprit: its own extra time, or
-    the wait it caused as the last to arrive at a collective; NaN where not said."""
+    the wait it caused as the last to arrive at a collective; for a verdict on every
+    rank (no culprit), the ranks' median growth; NaN where not said."""
     found = [details.get("extra_own_ms")]
+    if culprit is None:
+        found.append(details.get("slowdown_ms"))
     arrival = details.get("arrival")
     if isinstance(arrival, dict) and arrival.get("latest_rank") == culprit:
         found.append(arrival.get("wait_ms"))

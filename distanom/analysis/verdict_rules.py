@@ -420,6 +420,19 @@ def everyone_verdict(
             "step's extra time is not in the traces (see 'outside ops' in docs/glossary.md)"
         )
         return Verdict(None, None, "unknown", text, details)
+    if base is not None and with_reference and slowdown < GLOBAL_SHARE * base.slowdown_ms:
+        # the ranks' common growth is a small part of the step's slowdown: the rest is
+        # one rank's time that nobody waited for in this step (e.g. after its last
+        # collective), which the traces cannot pin; "every rank slowed" would be wrong
+        text = (
+            f"no rank stands out: the traced steps grew by a median of {_ms(slowdown)} ms "
+            f"over {where}, a small part of the step's slowdown of "
+            f"{_ms(base.slowdown_ms)} ms ({base.what})"
+        )
+        note = details.get("standout")
+        if isinstance(note, str) and "waited only" in note:
+            text += f"; {note}"
+        return Verdict(None, None, "unknown", text, details)
     comm = grown(lambda b: b.exposed_comm_ms)
     own = grown(lambda b: b.own_ms)
     comm_all = min(comm.values()) >= GLOBAL_SHARE * slowdown

@@ -143,6 +143,19 @@ def test_a_trace_blaming_another_rank_for_a_small_part_gives_way_to_the_evidence
     assert verdict_of(record(cpu_ms=8.0), phases, large).culprit_rank == 0
 
 
+def test_a_trace_calling_a_small_common_growth_global_gives_way_to_the_evidence() -> None:
+    # CI, loaded 2-core host: rank 1 slept after its last collective; every traced
+    # rank's idle grew a few ms, and a trace verdict read that as "every rank slowed"
+    phases = {1: table(slow_host=(2.0, 3.0, 4.0, 101.0, 1.0))}
+    small = TraceVerdict(None, "global", "all ranks: idle grew by 3-100 ms", 5.0)
+    verdict = verdict_of(record(cpu_ms=8.0), phases, small)
+    assert (verdict.culprit_rank, verdict.cause, verdict.phase) == (1, "host_stall", "backward")
+    assert verdict.details["trace_verdict"]["cause"] == "global"
+    # a global slowdown the traces find on every rank stands
+    large = TraceVerdict(None, "global", "all ranks: idle grew by 95-100 ms", 97.0)
+    assert verdict_of(record(cpu_ms=8.0), phases, large).cause == "global"
+
+
 def test_a_knock_on_step_names_the_rank_whose_step_before_ran_long_on_four_ranks() -> None:
     """Rank 3 slept after step 110's collective; in step 111 ranks 0-2 waited in the
     collective for it (their steps long, its own not). Before, on more than two ranks,

@@ -167,6 +167,21 @@ def test_extra_work_that_nobody_waited_for_is_not_the_culprit() -> None:
     assert "waited only" in verdict.details["standout"]
 
 
+def test_one_ranks_unwaited_stall_over_a_small_common_growth_is_not_global() -> None:
+    # rank 3 slept 400 ms after its last collective (nobody waited in this step); on a
+    # loaded host every rank's idle also grew 3-10 ms. Before: "global", which overrode
+    # the arrival evidence naming rank 3 (CI, every step traced)
+    now = [ev(r, 5.2, 1.0, idle=3.5 + 3.0 * r) for r in range(3)] + [ev(3, 5.2, 1.0, idle=412.0)]
+    verdict = decide(now, reference=healthy(4), reference_step=45, step_ms=434.9, expected_ms=39.0)
+    assert (verdict.culprit_rank, verdict.cause) == (None, "unknown")
+    assert "a small part of the step's slowdown of 395.9 ms" in verdict.evidence
+    assert "rank 3 had 405.5 ms extra own time but the others waited only" in verdict.evidence
+    # the same growth on every rank, as large as the slowdown, is still global
+    now = [ev(r, 5.2, 1.0, idle=400.0 + r) for r in range(4)]
+    verdict = decide(now, reference=healthy(4), reference_step=45, step_ms=408.0, expected_ms=7.0)
+    assert (verdict.culprit_rank, verdict.cause) == (None, "global")
+
+
 def test_extra_time_spread_over_parts_names_the_rank_but_not_a_cause() -> None:
     now = [ev(r, 5.0, 15.0) for r in (0, 1, 3)] + [ev(2, 10.0, 0.2, idle=5.5, memcpy=5.0)]
     verdict = decide(now, step_ms=21.0, expected_ms=7.0)
