@@ -31,6 +31,7 @@ from typing import Any
 
 from distanom.config import Config
 from distanom.detect import CaptureDecision
+from distanom.pacing import UNKNOWN_STEP_PAUSE_S, slice_pause_s
 from distanom.records.index import IndexDropped, IndexWritten, append_record
 from distanom.rundir import CaptureFolderContendedError, RunDir, json_bytes, json_number
 from distanom.tracers.base import Availability, StepTrace, Tracer
@@ -42,15 +43,33 @@ POLL_S = 0.05
 # A tracer lookup this long is work to charge to the steps it overlapped (the cupti
 # tracer indexing its buffers); a shorter one is a poll.
 HEAVY_LOOKUP_NS = 1_000_000
+# A trace is encoded this many events at a time, the GIL dropped between (see
+# encode_document): ~0.4-1 ms of orjson a slice on the hosts measured.
+ENCODE_SLICE_EVENTS = 1024
 
 
-def encode_document(document: dict[str, Any]) -> bytes:
+def encode_document(document: dict[str, Any], pause: Callable[[], None] | None = None) -> bytes:
     """A trace document as JSON bytes (`rundir.json_bytes`: orjson first, which holds the
     GIL far shorter than json.dumps, time the training thread would wait, docs/agent.md;
     NaN and infinities as null, so a trace with one is still written).
 
     `distributedInfo` comes first, written `"rank": N` with a space: HolisticTraceAnalysis
-    takes a file's rank from the first match of that pattern in it."""
+    takes a file's rank from the first match of that pattern in it. With `pause`,
+    `traceEvents` is encoded ENCODE_SLICE_EVENTS events at a time, with `pause()` between
+    slices, and written last: one orjson call holds the GIL throughout (~1 us an event),
+    and a step's trace in one piece stalled a launch-bound training step by milliseconds."""
+    events = document.get("traceEvents")
+    if pause is not None and isinstance(events, list) and len(events) > ENCODE_SLICE_EVENTS:
+        rest = {key: value for key, value in document.items() if key != "traceEvents"}
+        head = encode_document(rest)[:-1]
+        parts = [head, b',"traceEvents":[' if len(head) > 1 else b'"traceEvents":[']
+        for begin in range(0, len(events), ENCODE_SLICE_EVENTS):
+            if begin:
+                pause()
+                parts.append(b",")
+            parts.append(json_bytes(events[begin : begin + ENCODE_SLICE_EVENTS])[1:-1])
+        parts.append(b"]}")
+        return b"".join(parts)
     info = document.get("distributedInfo")
     if isinstance(info, dict) and len(document) > 1:
         rest = {key: value for key, value in document.items() if key != "distributedInfo"}
@@ -121,6 +140,8 @@ class CaptureWorker:
         self._busy_lookup = False  # the current work is a tracer lookup (see busy_ns)
         # (step, kind) -> time spent asking the tracer for it so far (ns), and how often
         self._lookups: dict[tuple[int, str], tuple[int, int]] = {}
+        self._slice_pause_s = UNKNOWN_STEP_PAUSE_S  # set per decision (`_pause`)
+        self.paused_ns = 0  # slept in `_pause` so far
         self._thread = threading.Thread(target=self._loop, name="distanom-capture", daemon=True)
         self._thread.start()
 
@@ -142,16 +163,32 @@ class CaptureWorker:
         return started
 
     def _end_busy(self, started: int, lookup: bool = False) -> int:
-        """Close the work begun at `started` (a lookup is charged only if it was heavy);
-        returns its length (ns). The start is cleared before the total grows, so a
-        reader in between sees a little less; the agent keeps its total monotone, so a
-        reader that saw a little more (a lookup just over the threshold on its clock)
-        cannot make a step's share negative."""
+        """Close the work begun at `started` (or at the end of its latest `_pause`; a
+        lookup is charged only if it was heavy); returns its length (ns). The start is
+        cleared before the total grows, so a reader in between sees a little less; the
+        agent keeps its total monotone, so a reader that saw a little more (a lookup just
+        over the threshold on its clock) cannot make a step's share negative."""
+        if self._busy_since is not None:
+            started = self._busy_since
         spent = time.monotonic_ns() - started
         self._busy_since, self._busy_lookup = None, False
         if not lookup or spent >= HEAVY_LOOKUP_NS:
             self._busy_ns += spent
         return spent
+
+    def _pause(self) -> None:
+        """Let the training thread have the GIL for a while in the middle of a capture's
+        work (`pacing.slice_pause_s`); the pause is not busy time, so each slice is
+        charged to the step it overlapped, not the pause to the steps in between."""
+        if self._closing:  # training is over: nothing to give the GIL to
+            return
+        started = self._busy_since
+        if started is not None:
+            self._end_busy(started)
+        time.sleep(self._slice_pause_s)
+        self.paused_ns += int(self._slice_pause_s * 1e9)
+        if started is not None:
+            self._begin_busy()
 
     @property
     def active(self) -> bool:
@@ -276,6 +313,7 @@ class CaptureWorker:
         if availability is not Availability.READY:
             self._missed(decision.step)
             return True
+        self._slice_pause_s = slice_pause_s(decision.median_ms)
         built = self._begin_busy()
         try:
             try:
@@ -332,10 +370,14 @@ class CaptureWorker:
 
     def _write(self, decision: CaptureDecision, trace: StepTrace, cost: dict[str, float]) -> None:
         rank = self._world.rank
-        started = time.monotonic_ns()
-        payload = encode_document(self._document(decision, trace))
+        before_pauses = self.paused_ns
+        self._pause()  # between the tracer's decode and the encode
+        started, paused = time.monotonic_ns(), self.paused_ns
+        payload = encode_document(self._document(decision, trace), self._pause)
+        # zlib drops the GIL while it compresses
         data = gzip.compress(payload, compresslevel=self._config.capture.gzip_level, mtime=0)
-        cost["encode_ms"] = (time.monotonic_ns() - started) / 1e6
+        cost["encode_ms"] = (time.monotonic_ns() - started - (self.paused_ns - paused)) / 1e6
+        cost["paused_ms"] = (self.paused_ns - before_pauses) / 1e6
         if self.stats.bytes_written + len(data) > self._max_bytes:
             self.stats.skipped_disk += 1
             if self.stats.skipped_disk == 1:

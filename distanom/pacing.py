@@ -1,5 +1,6 @@
-"""How the control thread shares the GIL with the training thread between a round's
-phases (used by `distanom.control_loop`; nothing else here).
+"""How distanom's threads share the GIL with the training thread: the control thread
+between a round's phases (`RoundPacer`, used by `distanom.control_loop`), the capture
+worker between slices of a trace's encoding (`slice_pause_s`, `distanom.capture`).
 
 A round of up to 128 steps is a few ms of Python on the control thread. In one piece it
 stretches one training step by all of it: the step then looks like an anomaly (1.5x on
@@ -38,6 +39,17 @@ UNPACED_SHARE = 0.1
 # the pause decision looks at the heaviest of this many latest passes that ran a round
 # (a status write or a steps-file flush makes some passes heavier than others)
 WORK_MEMORY = 8
+# a slice pause without a known median step: about one step of a launch-bound loop
+UNKNOWN_STEP_PAUSE_S = 0.002
+
+
+def slice_pause_s(median_ms: float) -> float:
+    """The pause between slices of other work that shares the GIL with training (the
+    capture worker's encode): one median step, so each slice falls in a step of its
+    own, at most PACE_MAX_S; UNKNOWN_STEP_PAUSE_S without a median."""
+    if not math.isfinite(median_ms) or median_ms <= 0:
+        return UNKNOWN_STEP_PAUSE_S
+    return min(PACE_MAX_S, median_ms / 1e3)
 
 
 def pace_s(median_ms: float | None, round_steps: int, work_ms: float | None = None) -> float:

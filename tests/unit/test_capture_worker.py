@@ -329,7 +329,9 @@ def test_a_heavy_lookup_is_charged_to_the_steps_a_quick_poll_is_not(tmp_path: Pa
     written = [r for r in read_index(run)[0] if r.event == "written"]
     assert [r.step for r in written] == [7]
     cost = written[0].raw["cost_ms"]
-    assert set(cost) == {"locate_ms", "lookups", "build_ms", "encode_ms", "write_ms"}
+    assert set(cost) == {
+        "locate_ms", "lookups", "build_ms", "encode_ms", "write_ms", "paused_ms"
+    }  # fmt: skip
     assert cost["lookups"] == 1
     assert cost["locate_ms"] >= 30.0
 
@@ -343,6 +345,56 @@ def test_documents_encode_with_orjson_and_fall_back_for_what_it_refuses() -> Non
     assert json.loads(encode_document(document)) == document
     wide = {"traceEvents": [], "id": 1 << 70}  # past orjson's 64 bits: json.dumps writes it
     assert json.loads(encode_document(wide)) == wide
+
+
+def test_a_sliced_encode_is_the_same_json_with_the_gil_dropped_between_slices() -> None:
+    import json
+
+    from distanom.capture import ENCODE_SLICE_EVENTS, encode_document
+
+    events = [{"name": f"k{i}", "ph": "X", "ts": i + 0.5, "dur": 1} for i in range(2500)]
+    info = {"rank": 1, "world_size": 2}
+    document = {"distributedInfo": info, "schemaVersion": 1, "traceEvents": events}
+    pauses: list[int] = []
+    sliced = encode_document(document, lambda: pauses.append(1))
+    assert json.loads(sliced) == document
+    assert sliced.startswith(b'{"distributedInfo": {"rank": 1')  # HTA's rank pattern first
+    assert len(pauses) == -(-len(events) // ENCODE_SLICE_EVENTS) - 1 == 2
+    # a small trace, or no pause given: one piece, as before
+    assert encode_document(document) == encode_document(document, None)
+    few = {"traceEvents": events[:10]}
+    assert encode_document(few, lambda: pauses.append(1)) == encode_document(few)
+    assert len(pauses) == 2
+    # nothing but the events: no stray comma
+    only = {"traceEvents": events}
+    assert json.loads(encode_document(only, lambda: None)) == only
+
+
+class ManyEventsTracer(ReadyTracer):
+    def step_trace(self, step: int) -> StepTrace:
+        events = [{"name": f"k{i}", "ph": "X", "ts": i, "dur": 1} for i in range(5000)]
+        return StepTrace(step=step, events=events, base_time_ns=0, metadata={}, stats={})
+
+
+def test_a_large_capture_pauses_between_slices_and_the_pauses_are_not_busy_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distanom import capture
+
+    monkeypatch.setattr(capture, "slice_pause_s", lambda median_ms: 0.2)
+    run = RunDir(create_run(tmp_path, "paced"))
+    worker = rank_worker(run, 0, 1, ManyEventsTracer())
+    began = time.monotonic_ns()
+    worker.submit([decision(7)])
+    wait_for(lambda: bool(read_index(run)[0]))
+    took = time.monotonic_ns() - began
+    worker.close(1.0)
+    # one pause before the encode, one between each of 5 slices
+    assert worker.paused_ns == 5 * 200_000_000
+    assert worker.busy_ns() <= took - worker.paused_ns
+    [written] = read_index(run)[0]
+    assert written.raw["cost_ms"]["paused_ms"] == 1000.0
+    assert written.raw["cost_ms"]["encode_ms"] < 1000.0
 
 
 def test_a_long_lookup_counts_while_it_runs(tmp_path: Path) -> None:

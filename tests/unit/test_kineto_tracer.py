@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import time
 from pathlib import Path
 
@@ -145,3 +146,19 @@ def test_a_wall_clock_step_is_flagged_not_fatal(monkeypatch) -> None:  # type: i
     assert trace.stats.get("clock_jump") == 1
     assert "clock_jump" not in tracer.step_trace(2).stats
     tracer.close()
+
+
+def test_a_window_export_is_parsed_by_orjson_and_json_reads_what_it_refuses(
+    tmp_path: Path,
+) -> None:
+    from distanom.tracers.kineto import _load, _Window
+
+    plain = tmp_path / "plain.json"
+    plain.write_text('{"traceEvents": [{"name": "k", "ts": 1.5, "dur": 2}]}')
+    window = _Window(0, 0, None, saved=str(plain))
+    assert _load(window, str(tmp_path)) == {"traceEvents": [{"name": "k", "ts": 1.5, "dur": 2}]}
+    odd = tmp_path / "odd.json"
+    odd.write_text('{"traceEvents": [{"name": "k", "ts": NaN}]}')  # orjson refuses NaN
+    loaded = _load(_Window(0, 0, None, saved=str(odd)), str(tmp_path))
+    assert loaded["traceEvents"][0]["name"] == "k"
+    assert math.isnan(loaded["traceEvents"][0]["ts"])
