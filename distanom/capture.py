@@ -43,9 +43,12 @@ POLL_S = 0.05
 # A tracer lookup this long is work to charge to the steps it overlapped (the cupti
 # tracer indexing its buffers); a shorter one is a poll.
 HEAVY_LOOKUP_NS = 1_000_000
-# A trace is encoded this many events at a time, the GIL dropped between (see
-# encode_document): ~0.4-1 ms of orjson a slice on the hosts measured.
-ENCODE_SLICE_EVENTS = 1024
+# A trace is encoded at least this many events at a time, in at most MAX_ENCODE_SLICES
+# slices, the GIL dropped between (see encode_document): ~0.25 ms of orjson a slice of
+# 256 on the 2-core VM (bench/probes/capture_gil_hold.py); the bound keeps a large
+# trace's pauses (one step each) from delaying the next capture by more than ~31 steps.
+ENCODE_SLICE_EVENTS = 256
+MAX_ENCODE_SLICES = 32
 
 
 def encode_document(document: dict[str, Any], pause: Callable[[], None] | None = None) -> bytes:
@@ -55,19 +58,21 @@ def encode_document(document: dict[str, Any], pause: Callable[[], None] | None =
 
     `distributedInfo` comes first, written `"rank": N` with a space: HolisticTraceAnalysis
     takes a file's rank from the first match of that pattern in it. With `pause`,
-    `traceEvents` is encoded ENCODE_SLICE_EVENTS events at a time, with `pause()` between
-    slices, and written last: one orjson call holds the GIL throughout (~1 us an event),
-    and a step's trace in one piece stalled a launch-bound training step by milliseconds."""
+    `traceEvents` is encoded in slices (ENCODE_SLICE_EVENTS events or more, at most
+    MAX_ENCODE_SLICES slices), with `pause()` between them, and written last: one orjson
+    call holds the GIL throughout (~1 us an event), and a step's trace in one piece
+    stalled a launch-bound training step by milliseconds."""
     events = document.get("traceEvents")
     if pause is not None and isinstance(events, list) and len(events) > ENCODE_SLICE_EVENTS:
         rest = {key: value for key, value in document.items() if key != "traceEvents"}
         head = encode_document(rest)[:-1]
         parts = [head, b',"traceEvents":[' if len(head) > 1 else b'"traceEvents":[']
-        for begin in range(0, len(events), ENCODE_SLICE_EVENTS):
+        size = max(ENCODE_SLICE_EVENTS, -(-len(events) // MAX_ENCODE_SLICES))
+        for begin in range(0, len(events), size):
             if begin:
                 pause()
                 parts.append(b",")
-            parts.append(json_bytes(events[begin : begin + ENCODE_SLICE_EVENTS])[1:-1])
+            parts.append(json_bytes(events[begin : begin + size])[1:-1])
         parts.append(b"]}")
         return b"".join(parts)
     info = document.get("distributedInfo")
@@ -79,6 +84,14 @@ def encode_document(document: dict[str, Any], pause: Callable[[], None] | None =
             return json_bytes(document)
         return head[:-1] + b"," + json_bytes(rest)[1:]
     return json_bytes(document)
+
+
+@dataclass(frozen=True)
+class _Fetched:
+    """A step's events taken from the tracer, and what finding them cost (ms)."""
+
+    trace: StepTrace
+    cost: dict[str, float]
 
 
 @dataclass
@@ -185,8 +198,10 @@ class CaptureWorker:
         started = self._busy_since
         if started is not None:
             self._end_busy(started)
+        slept = time.monotonic_ns()
         time.sleep(self._slice_pause_s)
-        self.paused_ns += int(self._slice_pause_s * 1e9)
+        # with the wait to take the GIL back: the training thread ran meanwhile
+        self.paused_ns += time.monotonic_ns() - slept
         if started is not None:
             self._begin_busy()
 
@@ -258,6 +273,11 @@ class CaptureWorker:
             if d.replaces is not None and d.replaces != d.step and self._applies(d)
         }
         still: list[CaptureDecision] = []
+        # Every READY step's events are taken from the tracer first, the (paced, slower)
+        # encoding and writing after: a step the tracer holds now may have left its
+        # history by the time an earlier capture is written.
+        built: list[tuple[CaptureDecision, _Fetched]] = []
+        again: list[CaptureDecision] = []  # about a step built in this pass
         for decision in self._pending:
             if not self.active:
                 continue
@@ -266,9 +286,30 @@ class CaptureWorker:
                     self._lookups.pop((decision.step, decision.kind), None)
                     self._drop_replaced(decision)  # what it replaced goes all the same
                     continue
-                if not self._handle(decision):
+                if any(b.step in (decision.step, decision.replaces) for b, _ in built):
+                    # after that write: one file, one more label; or the file it replaces
+                    # exists to be replaced
+                    again.append(decision)
+                    continue
+                fetched = self._fetch(decision)
+                if fetched is False:
                     still.append(decision)
+                elif isinstance(fetched, _Fetched):
+                    built.append((decision, fetched))
             except Exception as err:  # one capture's failure never stops the next
+                self._lookups.pop((decision.step, decision.kind), None)
+                self._error(f"capture of step {decision.step} failed: {err}")
+        for decision, fetched in built:
+            try:
+                if self.active:
+                    self._written(decision, fetched)
+            except Exception as err:
+                self._error(f"capture of step {decision.step} failed: {err}")
+        for decision in again:
+            try:
+                if self.active and not self._handle(decision):
+                    still.append(decision)
+            except Exception as err:
                 self._lookups.pop((decision.step, decision.kind), None)
                 self._error(f"capture of step {decision.step} failed: {err}")
         self._pending = still
@@ -282,6 +323,16 @@ class CaptureWorker:
 
     def _handle(self, decision: CaptureDecision) -> bool:
         """Process one decision; False while the tracer does not hold the step yet."""
+        fetched = self._fetch(decision)
+        if isinstance(fetched, _Fetched):
+            self._written(decision, fetched)
+            return True
+        return fetched
+
+    def _fetch(self, decision: CaptureDecision) -> _Fetched | bool:
+        """The step's events and what finding them cost, to write; False while the
+        tracer does not hold the step yet; True when there is nothing to write (another
+        rank's, already written under another kind, missed)."""
         rank = self._world.rank
         if not self._applies(decision):
             self.stats.skipped_other_ranks += 1
@@ -313,25 +364,31 @@ class CaptureWorker:
         if availability is not Availability.READY:
             self._missed(decision.step)
             return True
-        self._slice_pause_s = slice_pause_s(decision.median_ms)
         built = self._begin_busy()
         try:
-            try:
-                trace = self._tracer.step_trace(decision.step)
-            except KeyError:
-                # READY a moment ago, gone now (a step aged out of the history, a ring
-                # buffer recycled while reading): this capture is missed, not the worker
-                self._missed(decision.step)
-                return True
-            cost = {
-                "locate_ms": spent / 1e6,  # every lookup while it was pending, and the last
-                "lookups": polls,
-                "build_ms": (time.monotonic_ns() - built) / 1e6,
-            }
-            self._write(decision, trace, cost)
+            trace = self._tracer.step_trace(decision.step)
+        except KeyError:
+            # READY a moment ago, gone now (a step aged out of the history, a ring
+            # buffer recycled while reading): this capture is missed, not the worker
+            self._missed(decision.step)
+            return True
         finally:
             self._end_busy(built)
-        return True
+        cost = {
+            "locate_ms": spent / 1e6,  # every lookup while it was pending, and the last
+            "lookups": polls,
+            "build_ms": (time.monotonic_ns() - built) / 1e6,
+        }
+        return _Fetched(trace, cost)
+
+    def _written(self, decision: CaptureDecision, fetched: _Fetched) -> None:
+        """Write a fetched step's trace, pausing as `decision`'s median step says."""
+        self._slice_pause_s = slice_pause_s(decision.median_ms)
+        began = self._begin_busy()
+        try:
+            self._write(decision, fetched.trace, fetched.cost)
+        finally:
+            self._end_busy(began)
 
     def _never_ran(self, step: int) -> bool:
         """Whether training ended before `step` did (known only once it is over)."""

@@ -350,7 +350,7 @@ def test_documents_encode_with_orjson_and_fall_back_for_what_it_refuses() -> Non
 def test_a_sliced_encode_is_the_same_json_with_the_gil_dropped_between_slices() -> None:
     import json
 
-    from distanom.capture import ENCODE_SLICE_EVENTS, encode_document
+    from distanom.capture import ENCODE_SLICE_EVENTS, MAX_ENCODE_SLICES, encode_document
 
     events = [{"name": f"k{i}", "ph": "X", "ts": i + 0.5, "dur": 1} for i in range(2500)]
     info = {"rank": 1, "world_size": 2}
@@ -359,12 +359,17 @@ def test_a_sliced_encode_is_the_same_json_with_the_gil_dropped_between_slices() 
     sliced = encode_document(document, lambda: pauses.append(1))
     assert json.loads(sliced) == document
     assert sliced.startswith(b'{"distributedInfo": {"rank": 1')  # HTA's rank pattern first
-    assert len(pauses) == -(-len(events) // ENCODE_SLICE_EVENTS) - 1 == 2
+    assert len(pauses) == -(-len(events) // ENCODE_SLICE_EVENTS) - 1 == 9
+    # a large trace: at most MAX_ENCODE_SLICES slices
+    many = {"traceEvents": events * 8}
+    counted: list[int] = []
+    assert json.loads(encode_document(many, lambda: counted.append(1))) == many
+    assert len(counted) == MAX_ENCODE_SLICES - 1
     # a small trace, or no pause given: one piece, as before
     assert encode_document(document) == encode_document(document, None)
     few = {"traceEvents": events[:10]}
     assert encode_document(few, lambda: pauses.append(1)) == encode_document(few)
-    assert len(pauses) == 2
+    assert len(pauses) == 9
     # nothing but the events: no stray comma
     only = {"traceEvents": events}
     assert json.loads(encode_document(only, lambda: None)) == only
@@ -381,20 +386,45 @@ def test_a_large_capture_pauses_between_slices_and_the_pauses_are_not_busy_time(
 ) -> None:
     from distanom import capture
 
-    monkeypatch.setattr(capture, "slice_pause_s", lambda median_ms: 0.2)
+    monkeypatch.setattr(capture, "slice_pause_s", lambda median_ms: 0.05)
     run = RunDir(create_run(tmp_path, "paced"))
     worker = rank_worker(run, 0, 1, ManyEventsTracer())
     began = time.monotonic_ns()
     worker.submit([decision(7)])
     wait_for(lambda: bool(read_index(run)[0]))
-    took = time.monotonic_ns() - began
     worker.close(1.0)
-    # one pause before the encode, one between each of 5 slices
-    assert worker.paused_ns == 5 * 200_000_000
+    took = time.monotonic_ns() - began  # busy time and pauses are disjoint parts of it
+    # one pause before the encode, one between each two of its 20 slices
+    assert worker.paused_ns >= 20 * 50_000_000
     assert worker.busy_ns() <= took - worker.paused_ns
     [written] = read_index(run)[0]
-    assert written.raw["cost_ms"]["paused_ms"] == 1000.0
+    assert written.raw["cost_ms"]["paused_ms"] >= 1000.0
     assert written.raw["cost_ms"]["encode_ms"] < 1000.0
+
+
+def test_every_ready_step_is_taken_from_the_tracer_before_any_is_written(
+    tmp_path: Path,
+) -> None:
+    """A paced write takes many steps; a second step of the same batch may leave the
+    tracer's history meanwhile, so its events are taken first."""
+    run = RunDir(create_run(tmp_path, "prefetch"))
+    written_before: dict[int, int] = {}
+
+    class CountingTracer(ManyEventsTracer):
+        def step_trace(self, step: int) -> StepTrace:
+            written_before[step] = len(read_index(run)[0])
+            return super().step_trace(step)
+
+    worker = rank_worker(run, 0, 1, CountingTracer())
+    worker.submit([decision(7), decision(9), reference(7)])
+    wait_for(lambda: len(read_index(run)[0]) >= 3)
+    worker.close(1.0)
+    assert written_before == {7: 0, 9: 0}  # step 7's second kind: no second read
+    records = read_index(run)[0]
+    assert sorted((r.step, r.kind) for r in records) == [
+        (7, "anomaly"), (7, "reference"), (9, "anomaly")
+    ]  # fmt: skip
+    assert run.trace_path(7, 0).exists() and run.trace_path(9, 0).exists()
 
 
 def test_a_long_lookup_counts_while_it_runs(tmp_path: Path) -> None:
