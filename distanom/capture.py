@@ -31,7 +31,12 @@ from typing import Any
 
 from distanom.config import Config
 from distanom.detect import CaptureDecision
-from distanom.pacing import UNKNOWN_STEP_PAUSE_S, slice_pause_s
+from distanom.pacing import (
+    MIN_SLICE_EVENTS,
+    UNKNOWN_STEP_PAUSE_S,
+    slice_events,
+    slice_pause_s,
+)
 from distanom.records.index import IndexDropped, IndexWritten, append_record
 from distanom.rundir import CaptureFolderContendedError, RunDir, json_bytes, json_number
 from distanom.tracers.base import Availability, StepTrace, Tracer
@@ -43,31 +48,29 @@ POLL_S = 0.05
 # A tracer lookup this long is work to charge to the steps it overlapped (the cupti
 # tracer indexing its buffers); a shorter one is a poll.
 HEAVY_LOOKUP_NS = 1_000_000
-# A trace is encoded at least this many events at a time, in at most MAX_ENCODE_SLICES
-# slices, the GIL dropped between (see encode_document): ~0.25 ms of orjson a slice of
-# 256 on the 2-core VM (bench/probes/capture_gil_hold.py); the bound keeps a large
-# trace's pauses (one step each) from delaying the next capture by more than ~31 steps.
-ENCODE_SLICE_EVENTS = 256
-MAX_ENCODE_SLICES = 32
 
 
-def encode_document(document: dict[str, Any], pause: Callable[[], None] | None = None) -> bytes:
+def encode_document(
+    document: dict[str, Any],
+    pause: Callable[[], None] | None = None,
+    slice_events: int = MIN_SLICE_EVENTS,
+) -> bytes:
     """A trace document as JSON bytes (`rundir.json_bytes`: orjson first, which holds the
     GIL far shorter than json.dumps, time the training thread would wait, docs/agent.md;
     NaN and infinities as null, so a trace with one is still written).
 
     `distributedInfo` comes first, written `"rank": N` with a space: HolisticTraceAnalysis
     takes a file's rank from the first match of that pattern in it. With `pause`,
-    `traceEvents` is encoded in slices (ENCODE_SLICE_EVENTS events or more, at most
-    MAX_ENCODE_SLICES slices), with `pause()` between them, and written last: one orjson
+    `traceEvents` is encoded `slice_events` events at a time (`pacing.slice_events`),
+    with `pause()` between slices, and written last: one orjson
     call holds the GIL throughout (~1 us an event), and a step's trace in one piece
     stalled a launch-bound training step by milliseconds."""
     events = document.get("traceEvents")
-    if pause is not None and isinstance(events, list) and len(events) > ENCODE_SLICE_EVENTS:
+    size = max(1, slice_events)
+    if pause is not None and isinstance(events, list) and len(events) > size:
         rest = {key: value for key, value in document.items() if key != "traceEvents"}
         head = encode_document(rest)[:-1]
         parts = [head, b',"traceEvents":[' if len(head) > 1 else b'"traceEvents":[']
-        size = max(ENCODE_SLICE_EVENTS, -(-len(events) // MAX_ENCODE_SLICES))
         for begin in range(0, len(events), size):
             if begin:
                 pause()
@@ -430,7 +433,8 @@ class CaptureWorker:
         before_pauses = self.paused_ns
         self._pause()  # between the tracer's decode and the encode
         started, paused = time.monotonic_ns(), self.paused_ns
-        payload = encode_document(self._document(decision, trace), self._pause)
+        size = slice_events(decision.median_ms, len(trace.events))
+        payload = encode_document(self._document(decision, trace), self._pause, size)
         # zlib drops the GIL while it compresses
         data = gzip.compress(payload, compresslevel=self._config.capture.gzip_level, mtime=0)
         cost["encode_ms"] = (time.monotonic_ns() - started - (self.paused_ns - paused)) / 1e6

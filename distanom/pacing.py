@@ -41,6 +41,21 @@ UNPACED_SHARE = 0.1
 WORK_MEMORY = 8
 # a slice pause without a known median step: about one step of a launch-bound loop
 UNKNOWN_STEP_PAUSE_S = 0.002
+# slices of a trace's encoding (`slice_events`): events a median step's ms, the fewest,
+# and the most slices a trace is cut into
+SLICE_EVENTS_PER_MS = 250
+MIN_SLICE_EVENTS = 128
+MAX_SLICES = 64
+
+
+def slice_events(median_ms: float, events: int) -> int:
+    """How many trace events to encode between two pauses: about a quarter of a median
+    step's time at ~1 us an event (orjson on the 2-core VM; faster hosts take less),
+    at least MIN_SLICE_EVENTS, and so many that a trace takes at most MAX_SLICES slices
+    (each pause is a step: the next capture waits for them all)."""
+    per_step = median_ms * SLICE_EVENTS_PER_MS if math.isfinite(median_ms) else 0.0
+    wanted = max(MIN_SLICE_EVENTS, int(per_step))
+    return max(wanted, -(-events // MAX_SLICES))
 
 
 def slice_pause_s(median_ms: float) -> float:

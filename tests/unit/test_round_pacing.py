@@ -602,3 +602,14 @@ def test_ranks_that_ended_first_are_announced_once_this_rank_trains_past_them(
         control._peers_ended_at -= control_loop.PEERS_ENDED_QUIET_S + 1
         control._say_peers_ended(ending=False)
         assert len(said()) == 1 and "rank 2 ended its training first" in said()[0]
+
+
+def test_a_traces_slices_are_a_quarter_step_of_encoding_in_at_most_64_pieces() -> None:
+    from distanom.pacing import MAX_SLICES, MIN_SLICE_EVENTS, slice_events, slice_pause_s
+
+    assert slice_events(2.0, 20_000) == 500  # 0.5 ms of orjson at ~1 us an event
+    assert slice_events(0.1, 1_000) == MIN_SLICE_EVENTS
+    assert slice_events(math.nan, 1_000) == MIN_SLICE_EVENTS  # a requested capture
+    assert slice_events(1.0, 100_000) == -(-100_000 // MAX_SLICES)  # pauses bounded
+    assert slice_pause_s(3.4) == 0.0034 and slice_pause_s(50.0) == 0.01
+    assert slice_pause_s(math.nan) == 0.002
