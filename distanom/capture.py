@@ -69,8 +69,9 @@ def encode_document(
     size = max(1, slice_events)
     if pause is not None and isinstance(events, list) and len(events) > size:
         rest = {key: value for key, value in document.items() if key != "traceEvents"}
-        head = encode_document(rest)[:-1]
-        parts = [head, b',"traceEvents":[' if len(head) > 1 else b'"traceEvents":[']
+        # the unsliced encoding's bytes up to the events' `[`, whichever path wrote them
+        head = encode_document({**rest, "traceEvents": []})
+        parts = [head[: head.rindex(b"[")], b"["]
         for begin in range(0, len(events), size):
             if begin:
                 pause()
@@ -430,6 +431,8 @@ class CaptureWorker:
 
     def _write(self, decision: CaptureDecision, trace: StepTrace, cost: dict[str, float]) -> None:
         rank = self._world.rank
+        if self._over_disk_budget(0):  # full already: not worth a (paced) encode
+            return
         before_pauses = self.paused_ns
         self._pause()  # between the tracer's decode and the encode
         started, paused = time.monotonic_ns(), self.paused_ns
@@ -439,14 +442,7 @@ class CaptureWorker:
         data = gzip.compress(payload, compresslevel=self._config.capture.gzip_level, mtime=0)
         cost["encode_ms"] = (time.monotonic_ns() - started - (self.paused_ns - paused)) / 1e6
         cost["paused_ms"] = (self.paused_ns - before_pauses) / 1e6
-        if self.stats.bytes_written + len(data) > self._max_bytes:
-            self.stats.skipped_disk += 1
-            if self.stats.skipped_disk == 1:
-                log.warning(
-                    "capture: capture.max_disk_mb (%.0f MB) reached on this rank; "
-                    "further captures are counted, not written",
-                    self._config.capture.max_disk_mb,
-                )
+        if self._over_disk_budget(len(data)):
             return
         path = self._run.trace_path(decision.step, rank)
         started = time.monotonic_ns()
@@ -482,6 +478,22 @@ class CaptureWorker:
         )
         if self._config.analysis.on_capture == "now":
             self._analyze(decision.step, path)
+
+    def _over_disk_budget(self, size: int) -> bool:
+        """Whether `size` more bytes would pass `capture.max_disk_mb` on this rank (then
+        the capture is counted, not written; said once); a budget already reached takes
+        no more, however small."""
+        written = self.stats.bytes_written
+        if written + size <= self._max_bytes and (size or written < self._max_bytes):
+            return False
+        self.stats.skipped_disk += 1
+        if self.stats.skipped_disk == 1:
+            log.warning(
+                "capture: capture.max_disk_mb (%.0f MB) reached on this rank; "
+                "further captures are counted, not written",
+                self._config.capture.max_disk_mb,
+            )
+        return True
 
     def _analyze(self, step: int, path: Any) -> None:
         if self._analysis_failed:

@@ -420,10 +420,18 @@ def everyone_verdict(
             "step's extra time is not in the traces (see 'outside ops' in docs/glossary.md)"
         )
         return Verdict(None, None, "unknown", text, details)
-    if base is not None and with_reference and slowdown < GLOBAL_SHARE * base.slowdown_ms:
-        # the ranks' common growth is a small part of the step's slowdown: the rest is
-        # one rank's time that nobody waited for in this step (e.g. after its last
-        # collective), which the traces cannot pin; "every rank slowed" would be wrong
+    if (
+        base is not None
+        and with_reference
+        and slowdown < GLOBAL_SHARE * base.slowdown_ms
+        and median(current[r].breakdown.step_ms for r in common) - base.baseline_ms
+        < GLOBAL_SHARE * base.slowdown_ms
+    ):
+        # the ranks' common growth, over the reference and over the median alike, is a
+        # small part of the step's slowdown: the rest is one rank's time that nobody
+        # waited for in this step (e.g. after its last collective), which the traces
+        # cannot pin; "every rank slowed" would be wrong. (Over the median too: steps
+        # that sped up since an old reference make growth over it look small.)
         text = (
             f"no rank stands out: the traced steps grew by a median of {_ms(slowdown)} ms "
             f"over {where}, a small part of the step's slowdown of "

@@ -59,7 +59,8 @@ def test_stalled_rank_steps_are_captured_on_every_rank(
     assert written
     for record in written:  # where each rank's capture time went
         cost = record["cost_ms"]
-        assert set(cost) == {"locate_ms", "lookups", "build_ms", "encode_ms", "write_ms"}
+        parts = {"locate_ms", "lookups", "build_ms", "encode_ms", "write_ms", "paused_ms"}
+        assert set(cost) == parts
         assert cost["lookups"] >= 1 and all(cost[k] >= 0 for k in cost)
     steps_file = Path(report["run_dir"]) / "steps" / "rank2.csv"
     rows = steps_file.read_text().splitlines()

@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -360,6 +361,9 @@ def test_a_sliced_encode_is_the_same_json_with_the_gil_dropped_between_slices() 
     assert json.loads(sliced) == document
     assert sliced.startswith(b'{"distributedInfo": {"rank": 1')  # HTA's rank pattern first
     assert len(pauses) == 9  # 10 slices of 256 events (the last 196)
+    assert sliced == encode_document(document)  # byte for byte, events last
+    alone = {"distributedInfo": info, "traceEvents": events}
+    assert encode_document(alone, lambda: None, 256) == encode_document(alone)
     # a small trace, or no pause given: one piece, as before
     assert encode_document(document) == encode_document(document, None)
     few = {"traceEvents": events[:10]}
@@ -481,3 +485,32 @@ def test_a_step_training_never_reached_does_not_hold_up_the_exit(tmp_path: Path)
     began = time.monotonic()
     worker.close(0.5)
     assert time.monotonic() - began >= 0.5 and worker.stats.missed_steps == [45]
+
+
+def test_a_full_disk_budget_skips_the_encode_and_counts_the_capture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distanom import capture
+
+    encoded: list[int] = []
+    real = capture.encode_document
+
+    def counted(document: dict[str, Any], *args: Any) -> bytes:
+        if args:  # the worker's call (with its pause), not the head's inside it
+            encoded.append(1)
+        return real(document, *args)
+
+    monkeypatch.setattr(capture, "encode_document", counted)
+    run = RunDir(create_run(tmp_path, "budget"))
+    config = load_config(None, ["analysis.on_capture=report", "capture.max_disk_mb=0.001"])
+    worker = CaptureWorker(
+        run, WorldInfo.from_env({}), ManyEventsTracer(), config, tracer_name="ready", warn=warn()
+    )
+    worker.submit([decision(7)])  # ~40 kB compressed: over the 1 kB budget after its encode
+    wait_for(lambda: worker.stats.skipped_disk == 1)
+    worker.stats.bytes_written = worker._max_bytes  # the budget reached by earlier captures
+    worker.submit([decision(9)])
+    wait_for(lambda: worker.stats.skipped_disk == 2)
+    worker.close(1.0)
+    assert encoded == [1]  # the second capture was never encoded
+    assert not run.trace_path(7, 0).exists() and not run.trace_path(9, 0).exists()

@@ -235,3 +235,14 @@ def test_a_stall_while_distanoms_round_work_held_the_step_is_named_distanom() ->
     phases = {1: table(slow_host=(2.0, 3.0, 4.0, 1.0, 101.0), own_ms=20.0)}
     verdict = verdict_of(record(cpu_ms=8.0), phases)
     assert (verdict.culprit_rank, verdict.cause) == (1, "host_stall")
+
+
+def test_a_culprit_less_trace_verdict_explains_its_ranks_median_growth() -> None:
+    from distanom.analysis.build import _explained_ms
+
+    arrival = {"latest_rank": 2, "wait_ms": 40.0}
+    # global / communication: the ranks' median growth (`slowdown_ms`) is what it explains
+    assert _explained_ms({"slowdown_ms": 6.5, "arrival": arrival}, None) == 6.5
+    # a culprit: its own extra time, or the wait it caused arriving last
+    assert _explained_ms({"extra_own_ms": 3.0, "arrival": arrival}, 2) == 40.0
+    assert math.isnan(_explained_ms({"slowdown_ms": 6.5}, 1))  # not said

@@ -171,11 +171,17 @@ def test_one_ranks_unwaited_stall_over_a_small_common_growth_is_not_global() -> 
     # rank 3 slept 400 ms after its last collective (nobody waited in this step); on a
     # loaded host every rank's idle also grew 3-10 ms. Before: "global", which overrode
     # the arrival evidence naming rank 3 (CI, every step traced)
-    now = [ev(r, 5.2, 1.0, idle=3.5 + 3.0 * r) for r in range(3)] + [ev(3, 5.2, 1.0, idle=412.0)]
+    now = [ev(r, 5.2, 1.0, idle=5.5 + 1.0 * r) for r in range(3)] + [ev(3, 5.2, 1.0, idle=412.0)]
     verdict = decide(now, reference=healthy(4), reference_step=45, step_ms=434.9, expected_ms=39.0)
     assert (verdict.culprit_rank, verdict.cause) == (None, "unknown")
     assert "a small part of the step's slowdown of 395.9 ms" in verdict.evidence
     assert "rank 3 had 405.5 ms extra own time but the others waited only" in verdict.evidence
+    # steps that sped up since an old reference: a real slowdown on every rank, small
+    # over the reference but not over the detector's median, is still global
+    before = [ev(r, 8.0, 1.0) for r in range(4)]
+    now = [ev(r, 5.2, 1.0, idle=4.7) for r in range(4)]
+    verdict = decide(now, reference=before, reference_step=45, step_ms=10.9, expected_ms=6.7)
+    assert (verdict.culprit_rank, verdict.cause) == (None, "global")
     # the same growth on every rank, as large as the slowdown, is still global
     now = [ev(r, 5.2, 1.0, idle=400.0 + r) for r in range(4)]
     verdict = decide(now, reference=healthy(4), reference_step=45, step_ms=408.0, expected_ms=7.0)
