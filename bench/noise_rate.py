@@ -62,7 +62,7 @@ def report_json(run_dir: Path, env: dict[str, str]) -> dict:
 
 def one_job(
     nproc: int, steps: int, cuda: bool, sets: list[str] | None, scratch: Path,
-    extra_env: dict[str, str] | None = None,
+    extra_env: dict[str, str] | None = None, allowances: list[float] | None = None,
 ) -> dict:  # fmt: skip
     """One run: under distanom with `sets`, or under plain torchrun when `sets` is None."""
     run_dir = scratch / f"runs-{time.monotonic_ns()}"
@@ -87,7 +87,16 @@ def one_job(
         return {"rc": done.returncode, "steps": own["steps"], "anomalies": [], "own": own}
     found = report_json(run_dir, env)
     anomalies = found.get("anomalies", [])
+    replayed = None
+    if allowances:  # before the scratch folder goes: which anomalies a larger discount drops
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))
+        from bench.discount_replay import one_run
+
+        latest = sorted(p for p in run_dir.iterdir() if p.is_dir() and not p.is_symlink())
+        replayed = one_run(latest[-1], [0.0, *allowances]) if latest else None
     return {
+        "discount_replay": replayed,
         "rc": done.returncode,
         "steps": found.get("steps", {}).get("count"),
         "median_ms": found.get("steps", {}).get("median_ms"),
@@ -118,6 +127,11 @@ def main() -> None:
         help='JSON {"name": {"sets": ["key=value", ...], "env": {"VAR": "value"}}} run '
         "instead of fence/multiplier_only (an ablation: which part of distanom a slow step needs)",
     )  # fmt: skip
+    parser.add_argument(
+        "--replay-allowances", default="",
+        help="e.g. 0.5,1,2: replay each distanom run's detector with this much more own time "
+        "discounted (bench/discount_replay.py) and keep which anomalies each drops",
+    )  # fmt: skip
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     variants: dict[str, list[str] | None] = {
@@ -132,16 +146,19 @@ def main() -> None:
     if args.plain:
         variants["plain_torchrun"] = None
     runs: dict[str, list[dict]] = {name: [] for name in variants}
+    allowances = [float(a) for a in args.replay_allowances.split(",") if a.strip()]
     with tempfile.TemporaryDirectory() as scratch:
         for pair in range(args.pairs):
             order = list(variants) if pair % 2 == 0 else list(reversed(variants))
             for name in order:
                 result = one_job(
                     args.nproc, args.steps, args.cuda, variants[name], Path(scratch),
-                    envs.get(name),
+                    envs.get(name), allowances,
                 )  # fmt: skip
                 runs[name].append(result)
-                shown = {k: v for k, v in result.items() if k != "anomalies"}
+                shown = {
+                    k: v for k, v in result.items() if k not in ("anomalies", "discount_replay")
+                }
                 shown["own"] = {k: v for k, v in result["own"].items() if k != "over_3x"}
                 print(name, json.dumps(shown), len(result["anomalies"]), "anomalies", flush=True)
     import torch
