@@ -62,9 +62,9 @@ def encode_document(
     `distributedInfo` comes first, written `"rank": N` with a space: HolisticTraceAnalysis
     takes a file's rank from the first match of that pattern in it. With `pause`,
     `traceEvents` is encoded `slice_events` events at a time (`pacing.slice_events`),
-    with `pause()` between slices, and written last: one orjson
-    call holds the GIL throughout (~1 us an event), and a step's trace in one piece
-    stalled a launch-bound training step by milliseconds."""
+    with `pause()` between slices, and written last: one orjson call holds the GIL
+    throughout (~1 us an event), and a step's trace in one piece stalled a launch-bound
+    training step by milliseconds."""
     events = document.get("traceEvents")
     size = max(1, slice_events)
     if pause is not None and isinstance(events, list) and len(events) > size:
