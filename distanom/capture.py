@@ -31,12 +31,7 @@ from typing import Any
 
 from distanom.config import Config
 from distanom.detect import CaptureDecision
-from distanom.pacing import (
-    MIN_SLICE_EVENTS,
-    UNKNOWN_STEP_PAUSE_S,
-    slice_events,
-    slice_pause_s,
-)
+from distanom.pacing import MIN_SLICE_EVENTS, slice_events, slice_pause_s
 from distanom.records.index import IndexDropped, IndexWritten, append_record
 from distanom.rundir import CaptureFolderContendedError, RunDir, json_bytes, json_number
 from distanom.tracers.base import Availability, StepTrace, Tracer
@@ -157,7 +152,6 @@ class CaptureWorker:
         self._busy_lookup = False  # the current work is a tracer lookup (see busy_ns)
         # (step, kind) -> time spent asking the tracer for it so far (ns), and how often
         self._lookups: dict[tuple[int, str], tuple[int, int]] = {}
-        self._slice_pause_s = UNKNOWN_STEP_PAUSE_S  # set per decision (`_pause`)
         self.paused_ns = 0  # slept in `_pause` so far
         self._thread = threading.Thread(target=self._loop, name="distanom-capture", daemon=True)
         self._thread.start()
@@ -174,39 +168,41 @@ class CaptureWorker:
         return done + ongoing
 
     def _begin_busy(self, lookup: bool = False) -> int:
-        """Mark work begun now (see busy_ns); returns its start for `_end_busy`."""
+        """Mark work begun now (see busy_ns); returns its start."""
         started = time.monotonic_ns()
         self._busy_since, self._busy_lookup = started, lookup
         return started
 
-    def _end_busy(self, started: int, lookup: bool = False) -> int:
-        """Close the work begun at `started` (or at the end of its latest `_pause`; a
-        lookup is charged only if it was heavy); returns its length (ns). The start is
-        cleared before the total grows, so a reader in between sees a little less; the
-        agent keeps its total monotone, so a reader that saw a little more (a lookup just
-        over the threshold on its clock) cannot make a step's share negative."""
-        if self._busy_since is not None:
-            started = self._busy_since
+    def _end_busy(self, lookup: bool = False) -> int:
+        """Close the work begun at the last `_begin_busy` (or the end of the latest
+        `_pause`; a lookup is charged only if it was heavy); returns its length (ns), 0
+        where none was begun. The start is cleared before the total grows, so a reader
+        in between sees a little less; the agent keeps its total monotone, so a reader
+        that saw a little more (a lookup just over the threshold on its clock) cannot
+        make a step's share negative."""
+        started = self._busy_since
+        if started is None:
+            return 0
         spent = time.monotonic_ns() - started
         self._busy_since, self._busy_lookup = None, False
         if not lookup or spent >= HEAVY_LOOKUP_NS:
             self._busy_ns += spent
         return spent
 
-    def _pause(self) -> None:
-        """Let the training thread have the GIL for a while in the middle of a capture's
-        work (`pacing.slice_pause_s`); the pause is not busy time, so each slice is
-        charged to the step it overlapped, not the pause to the steps in between."""
+    def _pause(self, pause_s: float) -> None:
+        """Let the training thread have the GIL for `pause_s` in the middle of a
+        capture's work (`pacing.slice_pause_s`); the pause is not busy time, so each
+        slice is charged to the step it overlapped, not the pause to the steps in
+        between."""
         if self._closing:  # training is over: nothing to give the GIL to
             return
-        started = self._busy_since
-        if started is not None:
-            self._end_busy(started)
+        busy = self._busy_since is not None
+        self._end_busy()
         slept = time.monotonic_ns()
-        time.sleep(self._slice_pause_s)
+        time.sleep(pause_s)
         # with the wait to take the GIL back: the training thread ran meanwhile
         self.paused_ns += time.monotonic_ns() - slept
-        if started is not None:
+        if busy:
             self._begin_busy()
 
     @property
@@ -350,11 +346,11 @@ class CaptureWorker:
         # Finding the step can be real work (the cupti tracer indexes the buffers that
         # came back since); a cheap poll is not charged, or every step waiting for CUPTI
         # would count as disturbed.
-        asked = self._begin_busy(lookup=True)
+        self._begin_busy(lookup=True)
         try:
             availability = self._tracer.availability(decision.step)
         finally:
-            locate_ns = self._end_busy(asked, lookup=True)
+            locate_ns = self._end_busy(lookup=True)
         key = (decision.step, decision.kind)
         spent, polls = self._lookups.pop(key, (0, 0))
         spent, polls = spent + locate_ns, polls + 1
@@ -377,7 +373,7 @@ class CaptureWorker:
             self._missed(decision.step)
             return True
         finally:
-            self._end_busy(built)
+            self._end_busy()
         cost = {
             "locate_ms": spent / 1e6,  # every lookup while it was pending, and the last
             "lookups": polls,
@@ -386,13 +382,12 @@ class CaptureWorker:
         return _Fetched(trace, cost)
 
     def _written(self, decision: CaptureDecision, fetched: _Fetched) -> None:
-        """Write a fetched step's trace, pausing as `decision`'s median step says."""
-        self._slice_pause_s = slice_pause_s(decision.median_ms)
-        began = self._begin_busy()
+        """Write a fetched step's trace (busy time, its pauses left out)."""
+        self._begin_busy()
         try:
             self._write(decision, fetched.trace, fetched.cost)
         finally:
-            self._end_busy(began)
+            self._end_busy()
 
     def _never_ran(self, step: int) -> bool:
         """Whether training ended before `step` did (known only once it is over)."""
@@ -434,10 +429,15 @@ class CaptureWorker:
         if self._over_disk_budget(0):  # full already: not worth a (paced) encode
             return
         before_pauses = self.paused_ns
-        self._pause()  # between the tracer's decode and the encode
+        pause_s = slice_pause_s(decision.median_ms)  # one median step
+
+        def pause() -> None:
+            self._pause(pause_s)
+
+        pause()  # between the tracer's decode and the encode
         started, paused = time.monotonic_ns(), self.paused_ns
         size = slice_events(decision.median_ms, len(trace.events))
-        payload = encode_document(self._document(decision, trace), self._pause, size)
+        payload = encode_document(self._document(decision, trace), pause, size)
         # zlib drops the GIL while it compresses
         data = gzip.compress(payload, compresslevel=self._config.capture.gzip_level, mtime=0)
         cost["encode_ms"] = (time.monotonic_ns() - started - (self.paused_ns - paused)) / 1e6

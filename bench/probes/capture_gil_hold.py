@@ -71,7 +71,7 @@ class SyntheticTracer:
 class UnpacedWorker(CaptureWorker):
     """The worker as it was: no pause anywhere in a capture's write."""
 
-    def _pause(self) -> None:
+    def _pause(self, pause_s: float) -> None:
         return
 
 
