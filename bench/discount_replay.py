@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,8 @@ from distanom.analysis.run import load_run, load_steps
 from distanom.config import CaptureConfig, config_from_mapping
 from distanom.detect import Detector
 from distanom.records.anomalies import read_anomalies
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def replay(series: Any, detect: dict[str, Any], allowance_ms: float) -> list[int]:
@@ -44,27 +46,29 @@ def replay(series: Any, detect: dict[str, Any], allowance_ms: float) -> list[int
     return steps
 
 
-def causes(run_dir: Path) -> dict[int, str]:
-    """The report's cause for each anomaly (`distanom report --json`)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "distanom", "report", "--json", str(run_dir)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        return {}
-    report = json.loads(done.stdout)
+def causes(run_dir: Path, report: dict[str, Any] | None = None) -> dict[int, str]:
+    """The report's cause for each anomaly: from `report` (`distanom report --json`'s
+    output) where the caller has it, else from running it."""
+    if report is None:
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))  # run as a file: the repository is not on the path
+        from bench.noise_rate import report_json
+
+        report = report_json(run_dir, dict(os.environ))
     return {a["step"]: str(a["verdict"].get("cause")) for a in report.get("anomalies", [])}
 
 
-def one_run(run_dir: Path, allowances: list[float]) -> dict[str, Any]:
+def one_run(
+    run_dir: Path, allowances: list[float], report: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The replay of one finished run per allowance (`report`: its `distanom report
+    --json` output, where the caller ran it already)."""
     data = load_run(run_dir)
     series = load_steps(data)
     config = data.info.get("config") if isinstance(data.info.get("config"), dict) else {}
     detect = dict((config or {}).get("detect", {}))
     recorded = sorted(r.step for r in read_anomalies(data.run, world_size=data.world_size))
-    cause = causes(run_dir)
+    cause = causes(run_dir, report)
     out: dict[str, Any] = {"run": run_dir.name, "steps": len(series.steps)}
     out["recorded"] = len(recorded)
     by_allowance = {}

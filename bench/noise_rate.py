@@ -94,7 +94,7 @@ def one_job(
         from bench.discount_replay import one_run
 
         latest = sorted(p for p in run_dir.iterdir() if p.is_dir() and not p.is_symlink())
-        replayed = one_run(latest[-1], [0.0, *allowances]) if latest else None
+        replayed = one_run(latest[-1], [0.0, *allowances], found) if latest else None
     return {
         "discount_replay": replayed,
         "rc": done.returncode,
