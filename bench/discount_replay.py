@@ -9,7 +9,9 @@ of the same size, and the report then names it `distanom` (docs/measurements.md,
 capture's encoding, paced", and the session notes). This replays each run's detector,
 with its own config, over its recorded steps (as the report does for its thresholds),
 once per allowance: a step with own time is judged with `allowance` ms more discounted.
-Allowance 0 must give the run's own anomalies (checked: `matches_run`). Per allowance:
+Allowance 0 should give the run's own anomalies: `matches_run` says whether it did
+(it did on the runs tried by hand; one bench-test run on a loaded CI host did not, cause
+not found, so read the figures of a run where it is false with care). Per allowance:
 the anomalies raised, and which of the run's anomalies it would not have raised, with
 the report's cause for each, so that hidden faults (a run with injected faults) and
 hidden `distanom` noise (a healthy run) are counted side by side.
