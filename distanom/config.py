@@ -106,6 +106,14 @@ class DetectConfig(_Section):
         "the window (1.4826 x its median absolute deviation): a loaded host's jitter stays "
         "under it, a 2x step on a quiet GPU does not; 0: the multiplier alone",
     )
+    min_slowdown_ms: float = Field(
+        2.0,
+        ge=0.0,
+        le=3_600_000.0,
+        description="and at least this many ms over the median: on a launch-bound loop of "
+        "a few ms the host's own hiccups (the OS, another thread's turn) make 1.5x steps "
+        "that lose a ms or two; 0: no floor",
+    )
     window_steps: int = Field(
         200, ge=5, le=100_000, description="rolling window of past steps the median is taken over"
     )

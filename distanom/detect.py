@@ -20,7 +20,9 @@ Rules (all thresholds come from `DetectConfig` / `CaptureConfig`):
   is over `multiplier` x median and the jitter stays under it; where they are steady (a
   quiet GPU) it is far under, and the multiplier decides. The deviation, like the
   median, holds while under half the window is slow, so a recurring stall or a lasting
-  slowdown does not raise its own fence (docs/evidence.md, "Noise").
+  slowdown does not raise its own fence (docs/evidence.md, "Noise"). And it must be
+  `min_slowdown_ms` over the median: a launch-bound loop of a few ms, however steady,
+  has host hiccups of a ms or two that are 1.5-2.5x its step.
 - distanom's own capture work (decoding, writing a trace) competes with the training
   thread for the GIL. A step is judged on its time minus the longest such work on any
   rank during it (`self_ms`, the most it can have slowed the step), capped at
@@ -330,7 +332,7 @@ class Detector:
         if not median:
             return math.nan
         fence = self.fence_for(self._windows[sample.condition], median)
-        return max(self.detect.multiplier * median, fence)
+        return max(self.detect.multiplier * median, fence, median + self.detect.min_slowdown_ms)
 
     def observe(self, sample: StepSample) -> list[CaptureDecision]:
         """Judge one step (steps must arrive in order) and return what to capture."""
@@ -345,6 +347,7 @@ class Detector:
         decisions: list[CaptureDecision] = []
         detect, counts, windows = self.detect, self.counts, self._windows
         warmup, min_steps, configured = detect.warmup_steps, detect.min_steps, detect.multiplier
+        min_slowdown = detect.min_slowdown_ms
         every = self.capture.reference_every_steps
         all_steps = self._all_steps
         isfinite = math.isfinite
@@ -380,7 +383,7 @@ class Detector:
                 multiplier = max(multiplier, floor)
             if median is not None and median > 0:
                 counts.judged += 1
-                threshold = max(multiplier * median, fence)
+                threshold = max(multiplier * median, fence, median + min_slowdown)
                 if judged_by != "condition":
                     counts.judged_fallback += 1
                 elif condition == main:
