@@ -79,7 +79,9 @@ def _install(out: str) -> None:
             (loop, "_flush_steps", "steps_flush"),
             (loop, "_write_status", "status_write"),
             (loop, "_log_steps", "log_steps"),
-            (capture.CaptureWorker, "_handle", "capture_handle"),
+            (capture.CaptureWorker, "_handle", "capture_handle"),  # a decision re-run in a pass
+            (capture.CaptureWorker, "_fetch", "capture_fetch"),  # the tracer's events
+            (capture.CaptureWorker, "_written", "capture_write"),  # decode, encode: pauses in
             (capture.CaptureWorker, "_analyze", "capture_analyze"),
             (buffers.BufferPool, "complete", "cupti_complete"),
             (buffers.BufferPool, "request", "cupti_request"),
