@@ -95,7 +95,14 @@ def median_parts(steps: StepStats) -> list[str]:
     threshold = f"detector threshold {fmt(steps.threshold_ms)} ms"
     multiplier, rolling = steps.multiplier, steps.detector_median_ms
     if multiplier and rolling is not None:
-        threshold += f" = {multiplier} x its latest rolling median {fmt(rolling)} ms"
+        product = multiplier * rolling
+        if abs(steps.threshold_ms - product) <= 1e-3 * max(product, 1e-9):
+            threshold += f" = {multiplier} x its latest rolling median {fmt(rolling)} ms"
+        else:  # the spread fence or the slowdown floor was higher (docs/evidence.md)
+            threshold += (
+                f", over {multiplier} x its latest rolling median {fmt(rolling)} ms"
+                " (its spread fence or slowdown floor)"
+            )
     elif multiplier:
         threshold += f" ({multiplier} x its rolling median)"
     return [*parts, threshold]

@@ -224,6 +224,21 @@ def test_header_names_which_median_the_threshold_multiplies(tmp_path: Path) -> N
     )
 
 
+def test_a_threshold_set_by_the_floor_is_not_called_a_multiple(tmp_path: Path) -> None:
+    """A 1.8 ms median with the 2 ms slowdown floor: the threshold is 3.8 ms, not 1.5 x."""
+    run = make_run(tmp_path, [], hosts=["a", "a"])
+    write_json_atomic(
+        run.status_json,
+        {"state": "finished", "world_size": 2, "median_ms": 1.8, "threshold_ms": 3.8},
+    )
+    text = render_text(run_report(load_run(str(run.path))))
+    assert (
+        "detector threshold 3.8 ms, over 1.5 x its latest rolling median 1.8 ms (its spread "
+        "fence or slowdown floor)\n" in text
+    )
+    assert "= 1.5 x" not in text
+
+
 def test_header_without_the_detectors_median_still_names_it(tmp_path: Path) -> None:
     run = make_run(tmp_path, [], hosts=["a"])  # status.json from before median_ms was kept
     text = render_text(run_report(load_run(str(run.path))))
