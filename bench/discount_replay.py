@@ -27,8 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from distanom.analysis.build import run_detect_config
 from distanom.analysis.run import load_run, load_steps
-from distanom.config import CaptureConfig, config_from_mapping
+from distanom.config import CaptureConfig
 from distanom.detect import Detector
 from distanom.records.anomalies import read_anomalies
 
@@ -38,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 def replay(series: Any, detect: dict[str, Any], allowance_ms: float) -> list[int]:
     """The anomalous steps the run's detector raises with `allowance_ms` more discounted
     on every step that has own time."""
-    detector = Detector(config_from_mapping({"detect": dict(detect)}).detect, CaptureConfig())
+    detector = Detector(run_detect_config(detect), CaptureConfig())
     steps: list[int] = []
     for sample in series.samples():
         if allowance_ms and sample.self_ms > 0:

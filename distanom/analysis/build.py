@@ -45,7 +45,7 @@ from distanom.analysis.run import CaptureInfo, RunData, StepSeries, load_steps
 from distanom.analysis.tables_io import cached_tables
 from distanom.analysis.trace_io import read_trace_document, trace_from_document
 from distanom.analysis.verdict import note_python_gc
-from distanom.config import CaptureConfig, config_from_mapping
+from distanom.config import CaptureConfig, DetectConfig, config_from_mapping
 from distanom.detect import Detector
 from distanom.errors import DistanomError
 from distanom.records.anomalies import read_anomalies, read_stragglers
@@ -230,10 +230,19 @@ def capture_cost(data: RunData) -> CaptureCost | None:
     )
 
 
+def run_detect_config(detect: Mapping[str, Any]) -> DetectConfig:
+    """The `detect` section a run was judged with, from its run.json: a run recorded
+    before the slowdown floor existed had none (0), not today's default."""
+    section = dict(detect)
+    if section and "min_slowdown_ms" not in section:
+        section["min_slowdown_ms"] = 0.0
+    return config_from_mapping({"detect": section}).detect
+
+
 def rolling_threshold(series: StepSeries, detect: Mapping[str, Any]) -> list[float]:
     """The threshold each step was judged by: the run's own detector, replayed over the
     recorded steps (status.json keeps only the latest, so replay is the only source)."""
-    detector = Detector(config_from_mapping({"detect": dict(detect)}).detect, CaptureConfig())
+    detector = Detector(run_detect_config(detect), CaptureConfig())
     out = []
     for sample in series.samples():
         out.append(detector.threshold_before(sample))

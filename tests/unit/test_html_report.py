@@ -183,6 +183,17 @@ def test_rolling_threshold_is_the_detectors() -> None:
     assert all(math.isnan(t) for t in ours[:11])
 
 
+def test_a_run_from_before_the_slowdown_floor_is_replayed_without_it() -> None:
+    """run.json of a run recorded before `detect.min_slowdown_ms` existed has no such key:
+    its chart shows the threshold it was judged by (1.5 x a 2 ms median = 3 ms), not
+    today's default floor (4 ms)."""
+    steps = list(range(40))
+    series = StepSeries(steps, {0: [2.0] * 40}, [True] * 40, [False] * 40, [0.0] * 40)
+    old = {"multiplier": 1.5, "window_steps": 20, "warmup_steps": 3, "min_steps": 8}
+    assert rolling_threshold(series, old)[-1] == pytest.approx(3.0)
+    assert rolling_threshold(series, {**old, "min_slowdown_ms": 2.0})[-1] == pytest.approx(4.0)
+
+
 # --------------------------------------------------------------------------- Chromium
 
 CHROMIUM = shutil.which("chromium") or (
