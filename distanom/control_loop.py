@@ -463,7 +463,8 @@ class ControlLoop:
         median = self.detector.median_ms
         if self._end_rounds_early and median is not None and math.isfinite(median):
             # steps over this, several in a row, end a round early (`StepInbox.put_step`)
-            self.inbox.slow_ms = self.config.detect.multiplier * median
+            detect = self.config.detect  # the threshold's multiplier and floor, not its fence
+            self.inbox.slow_ms = max(detect.multiplier * median, median + detect.min_slowdown_ms)
         self.duty.request([d.step for d in decisions if d.kind == "requested"])
         if result.request is not None and self.world.rank == 0:
             self.requests.answer(self.run, result.request, decisions)
