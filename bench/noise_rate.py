@@ -1,8 +1,8 @@
 """False anomalies on a healthy job: the loop of tests/e2e/scripts/phases_train.py with no
 fault, under `torchrun -m distanom.launch` at the default config, once with the spread
-fence (`detect.spread_sigmas`, default) and once without (`spread_sigmas=0`: the
-multiplier alone), and (`--plain`) under plain `torchrun` with no distanom, alternating
-`--pairs` times. Reports the anomalies per 1,000 judged steps of each, with each
+fence (`detect.spread_sigmas`, default) and once without it and the slowdown floor
+(`spread_sigmas=0`, `min_slowdown_ms=0`: the multiplier alone), and (`--plain`) under
+plain `torchrun` with no distanom, alternating `--pairs` times. Reports the anomalies per 1,000 judged steps of each, with each
 anomaly's step and ratio, and for every run, from the script's own step times (the same
 clock with or without distanom), how many steps took over 1.5x and over 3x its median:
 slow steps that are there without distanom are the loop's own, not distanom's noise.
@@ -136,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     variants: dict[str, list[str] | None] = {
         "fence": [],
-        "multiplier_only": ["detect.spread_sigmas=0"],
+        "multiplier_only": ["detect.spread_sigmas=0", "detect.min_slowdown_ms=0"],
     }
     envs: dict[str, dict[str, str]] = {}
     if args.variants:

@@ -104,7 +104,7 @@ class DetectConfig(_Section):
         le=100.0,
         description="and above the median plus this many robust standard deviations of "
         "the window (1.4826 x its median absolute deviation): a loaded host's jitter stays "
-        "under it, a 2x step on a quiet GPU does not; 0: the multiplier alone",
+        "under it, a 2x step on a quiet GPU does not; 0: no fence",
     )
     min_slowdown_ms: float = Field(
         2.0,

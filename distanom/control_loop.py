@@ -447,8 +447,8 @@ class ControlLoop:
         takes nothing from the training thread) to the step it overlapped, like capture
         work: holding the GIL, it slowed the training thread about as long, and such a
         step must not be judged on it. Heavy: a quarter of the median step (a step is
-        anomalous from half of it over the median at the default multiplier), or 1 ms
-        before a median exists."""
+        anomalous from at least half of it over the median at the default multiplier),
+        or 1 ms before a median exists."""
         median = self.detector.median_ms
         heavy_ms = median / 4 if median is not None and math.isfinite(median) else 1.0
         if spent_ns >= heavy_ms * 1e6:

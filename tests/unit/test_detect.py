@@ -312,7 +312,7 @@ def _observe_one(detector: Detector, sample: StepSample) -> list:
         multiplier = max(multiplier, floor)
     if median is not None and median > 0:
         detector.counts.judged += 1
-        threshold = max(multiplier * median, fence)
+        threshold = max(multiplier * median, fence, median + detector.detect.min_slowdown_ms)
         if judged_by != "condition":
             detector.counts.judged_fallback += 1
         elif condition == detector._main:
@@ -348,10 +348,17 @@ def test_observe_many_judges_as_the_per_step_path() -> None:
     """Rounds of any size judged by `observe_many` give the same decisions and state as
     the per-step reference, over warm-up, unknown ranks, every condition, disturbed steps,
     own capture work, slow spells, references and a full budget."""
-    for seed in range(6):
+    for seed in range(8):
         rng = random.Random(seed)
+        floor = (0.0, 2.0, 8.0, 30.0)[seed % 4]  # 8 and 30 ms: the floor decides
         config = (
-            {"warmup_steps": 5, "min_steps": 8, "window_steps": 30, "multiplier": 1.5},
+            {
+                "warmup_steps": 5,
+                "min_steps": 8,
+                "window_steps": 30,
+                "multiplier": 1.5,
+                "min_slowdown_ms": floor,
+            },
             {"reference_every_steps": 7 * (seed % 2), "max_captures": 3, "min_gap_steps": 2},
         )
         one, many = make(*config), make(*config)
