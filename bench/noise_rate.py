@@ -2,10 +2,11 @@
 fault, under `torchrun -m distanom.launch` at the default config, once with the spread
 fence (`detect.spread_sigmas`, default) and once without it and the slowdown floor
 (`spread_sigmas=0`, `min_slowdown_ms=0`: the multiplier alone), and (`--plain`) under
-plain `torchrun` with no distanom, alternating `--pairs` times. Reports the anomalies per 1,000 judged steps of each, with each
-anomaly's step and ratio, and for every run, from the script's own step times (the same
-clock with or without distanom), how many steps took over 1.5x and over 3x its median:
-slow steps that are there without distanom are the loop's own, not distanom's noise.
+plain `torchrun` with no distanom, alternating `--pairs` times. Reports the anomalies
+per 1,000 judged steps of each, with each anomaly's step and ratio, and for every run,
+from the script's own step times (the same clock with or without distanom), how many
+steps took over 1.5x and over 3x its median: slow steps that are there without
+distanom are the loop's own, not distanom's noise.
 
     python3 bench/noise_rate.py [--cuda] [--nproc 1] [--steps 2000] [--pairs 2] [--plain] --out FILE
 """
