@@ -326,13 +326,22 @@ class Detector:
 
     def threshold_before(self, sample: StepSample) -> float:
         """The threshold `observe(sample)` judges the step by (NaN while not judged)."""
-        if sample.step < self.detect.warmup_steps:
+        detect = self.detect
+        if sample.step < detect.warmup_steps:
             return math.nan
         median = self._baseline(sample.condition)
+        multiplier, fence = detect.multiplier, 0.0
+        if median is not None:
+            fence = self.fence_for(self._windows[sample.condition], median)
+        else:  # a wider baseline judges it, as in `observe_many`
+            median, _ = self._fallback(sample)
+            wider = FALLBACK_MIN_MULTIPLIER
+            if sample.after_flush:
+                wider = FALLBACK_AFTER_FLUSH_MULTIPLIER
+            multiplier = max(multiplier, wider)
         if not median:
             return math.nan
-        fence = self.fence_for(self._windows[sample.condition], median)
-        return max(self.detect.multiplier * median, fence, median + self.detect.min_slowdown_ms)
+        return max(multiplier * median, fence, median + detect.min_slowdown_ms)
 
     def observe(self, sample: StepSample) -> list[CaptureDecision]:
         """Judge one step (steps must arrive in order) and return what to capture."""

@@ -165,7 +165,7 @@ def test_rolling_threshold_is_the_detectors() -> None:
     detect = DetectConfig(multiplier=1.5, window_steps=20, warmup_steps=3, min_steps=8)
     detector = Detector(detect, CaptureConfig())
     steps = list(range(60))
-    values = [10.0 + (s * 37 % 11) + (200.0 if s in (30, 45) else 0.0) for s in steps]
+    values = [10.0 + (s * 37 % 11) + (200.0 if s in (6, 30, 45) else 0.0) for s in steps]
     traced = [s % 4 != 0 for s in steps]
     flushed = [s % 7 == 0 for s in steps]
     own = [25.0 if s == 31 else 0.0 for s in steps]
@@ -173,14 +173,21 @@ def test_rolling_threshold_is_the_detectors() -> None:
     ours = rolling_threshold(series, detect.model_dump())
     judged = 0
     for sample, threshold in zip(series.samples(), ours, strict=True):
+        fallback = detector.counts.judged_fallback
         decisions = detector.observe(sample)
-        if sample.condition == (True, False) and not math.isnan(threshold):
+        by_condition = detector.counts.judged_fallback == fallback
+        if sample.condition == (True, False) and by_condition and not math.isnan(threshold):
             assert threshold == pytest.approx(detector.threshold_ms)
             judged += 1
         if decisions and decisions[0].kind == "anomaly":
             assert decisions[0].threshold_ms == pytest.approx(threshold)
     assert judged > 20
-    assert all(math.isnan(t) for t in ours[:11])
+    assert all(math.isnan(t) for t in ours[:3])  # warm-up: never judged
+    # steps a wider baseline judged (before min_steps) have their threshold too
+    anomalies = detector.take_anomalies()
+    assert any(a.judged_by != "condition" for a in anomalies)
+    for anomaly in anomalies:
+        assert ours[anomaly.step] == pytest.approx(anomaly.threshold_ms), anomaly
 
 
 def test_a_run_from_before_the_slowdown_floor_is_replayed_without_it() -> None:
