@@ -165,14 +165,20 @@ def test_rewind_is_a_no_op_for_a_round_covered_whole() -> None:
     assert builder.next_first == 9 and builder.pending_steps() == 0
 
 
-def test_a_slowdown_ends_a_long_round_early_in_a_running_agent(tmp_path: Path) -> None:
-    # the wiring: slow steps reach the inbox's run count, the control thread sends early
+def _manual_agent(tmp_path: Path) -> Agent:
+    """An agent whose steps the test ends by hand, with a tracer (with none, rounds are
+    never ended early) at a budget low enough to stay out of the way."""
     config = load_config(
         None,
         ["tracer.backend=kineto", "tracer.overhead_budget_pct=0.1", "detect.warmup_steps=5",
          "detect.min_steps=15", "capture.reference_every_steps=0", "step.source=manual"],
     )  # fmt: skip
-    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    return Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+
+
+def test_a_slowdown_ends_a_long_round_early_in_a_running_agent(tmp_path: Path) -> None:
+    # the wiring: slow steps reach the inbox's run count, the control thread sends early
+    agent = _manual_agent(tmp_path)
     sent: list[tuple[int, int, int]] = []  # first step, steps sent, flags
     run_round = agent.control._run_round
 
@@ -197,14 +203,8 @@ def test_a_slowdown_ends_a_long_round_early_in_a_running_agent(tmp_path: Path) -
 
 def test_steps_under_the_slowdown_floor_do_not_end_a_round_early(tmp_path: Path) -> None:
     """On ~1 ms steps a step counts towards a slow run only over the anomaly threshold's
-    floor (the median + `detect.min_slowdown_ms`), not over 1.5 x the median alone. The
-    tracer's setup of the test above: with no tracer, rounds are never ended early."""
-    config = load_config(
-        None,
-        ["tracer.backend=kineto", "tracer.overhead_budget_pct=0.1", "detect.warmup_steps=5",
-         "detect.min_steps=15", "capture.reference_every_steps=0", "step.source=manual"],
-    )  # fmt: skip
-    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    floor (the median + `detect.min_slowdown_ms`), not over 1.5 x the median alone."""
+    agent = _manual_agent(tmp_path)
     agent.install()
     try:
         for _ in range(400):
@@ -215,7 +215,7 @@ def test_steps_under_the_slowdown_floor_do_not_end_a_round_early(tmp_path: Path)
     median = agent.control.detector.median_ms
     slow_ms = agent.control.inbox.slow_ms
     assert median is not None and median < 3.0
-    assert slow_ms == pytest.approx(median + config.detect.min_slowdown_ms)
+    assert slow_ms == pytest.approx(median + agent.config.detect.min_slowdown_ms)
     assert slow_ms > 1.5 * median
 
 
