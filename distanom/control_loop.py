@@ -38,7 +38,14 @@ from distanom.consensus import (
     lead_steps,
 )
 from distanom.control_status import agent_cost, status_body, tracer_report
-from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED, CaptureDecision, Detector, StepSample
+from distanom.detect import (
+    STEP_AFTER_FLUSH,
+    STEP_TRACED,
+    CaptureDecision,
+    Detector,
+    StepSample,
+    floor_threshold,
+)
 from distanom.duty_cycle import DutyCycle
 from distanom.errors import RunDirError
 from distanom.evidence import EvidenceTier
@@ -463,8 +470,8 @@ class ControlLoop:
         median = self.detector.median_ms
         if self._end_rounds_early and median is not None and math.isfinite(median):
             # steps over this, several in a row, end a round early (`StepInbox.put_step`)
-            detect = self.config.detect  # the threshold's multiplier and floor, not its fence
-            self.inbox.slow_ms = max(detect.multiplier * median, median + detect.min_slowdown_ms)
+            detect = self.config.detect  # the threshold without its fence
+            self.inbox.slow_ms = floor_threshold(detect, median, detect.multiplier)
         self.duty.request([d.step for d in decisions if d.kind == "requested"])
         if result.request is not None and self.world.rank == 0:
             self.requests.answer(self.run, result.request, decisions)

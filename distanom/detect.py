@@ -107,6 +107,20 @@ FALLBACK_AFTER_FLUSH_MULTIPLIER = 8.0
 # a normal distribution's standard deviation over its median absolute deviation
 ROBUST_SIGMA = 1.4826
 
+
+def floor_threshold(detect: DetectConfig, median: float, multiplier: float) -> float:
+    """The threshold at `median` without the spread fence: `multiplier` x the median, or
+    `detect.min_slowdown_ms` over it where that is higher (`observe_many` has it inline;
+    the control loop's early rounds use it as it is)."""
+    return max(multiplier * median, median + detect.min_slowdown_ms)
+
+
+def wider_multiplier(configured: float, after_flush: bool) -> float:
+    """The multiplier a wider (fallback) baseline judges a step by."""
+    floor = FALLBACK_AFTER_FLUSH_MULTIPLIER if after_flush else FALLBACK_MIN_MULTIPLIER
+    return max(configured, floor)
+
+
 # Per-step flags each rank reports (OR/AND-ed across ranks in `consensus`).
 STEP_TRACED = 1  # the tracer recorded the step
 STEP_AFTER_FLUSH = 2  # the tracer flushed at the step's start boundary
@@ -335,13 +349,10 @@ class Detector:
             fence = self.fence_for(self._windows[sample.condition], median)
         else:  # a wider baseline judges it, as in `observe_many`
             median, _ = self._fallback(sample)
-            wider = FALLBACK_MIN_MULTIPLIER
-            if sample.after_flush:
-                wider = FALLBACK_AFTER_FLUSH_MULTIPLIER
-            multiplier = max(multiplier, wider)
+            multiplier = wider_multiplier(multiplier, sample.after_flush)
         if not median:
             return math.nan
-        return max(multiplier * median, fence, median + detect.min_slowdown_ms)
+        return max(floor_threshold(detect, median, multiplier), fence)
 
     def observe(self, sample: StepSample) -> list[CaptureDecision]:
         """Judge one step (steps must arrive in order) and return what to capture."""
@@ -386,12 +397,10 @@ class Detector:
             judged_by, multiplier = "condition", configured
             if median is None:
                 median, judged_by = self._fallback(sample)
-                floor = FALLBACK_MIN_MULTIPLIER
-                if sample.after_flush:
-                    floor = FALLBACK_AFTER_FLUSH_MULTIPLIER
-                multiplier = max(multiplier, floor)
+                multiplier = wider_multiplier(multiplier, sample.after_flush)
             if median is not None and median > 0:
                 counts.judged += 1
+                # floor_threshold, inline: every step of every round passes here
                 threshold = max(multiplier * median, fence, median + min_slowdown)
                 if judged_by != "condition":
                     counts.judged_fallback += 1
