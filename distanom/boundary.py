@@ -20,7 +20,10 @@ scaler is read.
 
 At a boundary: one host timestamp, the clock's mark (a CUDA event or a host clock read),
 the tracer's step mark, the duty cycle's switch for the next step, and a queue put of
-each step whose time became known (`StepRecord`, to the control thread). Inside a run
+each step whose time became known (`StepRecord`, to the control thread). With CUDA
+events the clock is deferred: the boundary records its event and counts itself into the
+inbox, and the control thread reads the events and makes the records (`collect`, once
+per round, in a warm batch). Inside a run
 of steps the duty cycle already decided untraced, with the tracer off, the tracer's
 part is its mark alone ("quiet boundaries", docs/agent.md). Reads the shared `Health`
 and `DutyCycle`; nothing here blocks or raises into training.
@@ -32,6 +35,7 @@ import collections
 import contextlib
 import functools
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -45,6 +49,7 @@ from distanom.detect import STEP_AFTER_FLUSH, STEP_DISTURBED, STEP_TRACED
 from distanom.duty_cycle import DutyCycle
 from distanom.evidence import EvidenceMarks
 from distanom.gc_pauses import GcPauses
+from distanom.grad_scaler import patch_grad_scaler
 from distanom.health import Health
 from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
@@ -145,6 +150,9 @@ class StepBoundaries:
         self._quiet_before = 0
         self._quiet_version = -1
         self._scaler_patch: Any = None  # undoes the GradScaler wrapper
+        self._deferred = False  # the clock's events are read by `collect` (control thread)
+        self._collect_lock = threading.Lock()  # `collect` against `drain`: never per step
+        self._last_began = 0  # perf ns of the last boundary (a deferred clock's slow runs)
         self._seen_of_class: list[weakref.ref[Any]] = []  # step.optimizer's class, first-step order
         self._optimizer_boundaries = 0  # steps ended by the optimizer before distanom.step()
         self.skipped_steps = 0  # steps whose optimizer step a GradScaler skipped
@@ -353,6 +361,9 @@ class StepBoundaries:
             put, record = self.inbox.put_step, self._resolved
             for resolved_step, duration in resolved:
                 put(record(resolved_step, duration), duration)
+        elif self._deferred:
+            self.inbox.tick(began - self._last_began)
+            self._last_began = began
         if not step % KEEP_UNRESOLVED:
             self._forget_unresolved(step - KEEP_UNRESOLVED)
         end = now()
@@ -402,6 +413,13 @@ class StepBoundaries:
             self._tracer_failed(err)
         self._next_after_flush = tracer.boundary_flushes != flushes
 
+    def use_clock(self, clock: StepClock) -> None:
+        """Time steps with `clock` (before the first boundary: tests, tools); a deferred
+        one's steps are made into records by `collect`, called from `StepInbox.take`."""
+        self.clock = clock
+        self._deferred = clock.deferred
+        self.inbox.collect = self.collect if clock.deferred else None
+
     def use_tracer(self, tracer: Tracer | None) -> None:
         """Put `tracer` in place of the current one (tests, tools): the next boundary
         asks the duty cycle, whatever quiet run the old one was in."""
@@ -424,8 +442,29 @@ class StepBoundaries:
         """Drop what is kept of steps before `before` that the clock never timed (it gave
         up on them): normally each entry is gone a few steps after it was made."""
         for kept in (self._step_flags, self._self_ms, self._gc):
-            for old in [s for s in kept if s < before]:
-                del kept[old]
+            # list(): one C call, so a deferred clock's reader popping meanwhile cannot
+            # change the dict under an iteration
+            for old in [s for s in list(kept) if s < before]:
+                kept.pop(old, None)
+
+    def collect(self) -> list[StepRecord]:
+        """The steps a deferred clock's events have timed since the last call, as records
+        (the control thread, from `StepInbox.take`; never raises: a failed read stops
+        the timing, logged once)."""
+        clock = self.clock
+        if clock is None or not clock.deferred:
+            return []
+        with self._collect_lock:
+            try:
+                resolved, passed = clock.collect()
+                records = [self._resolved(step, duration) for step, duration in resolved]
+                clock.release(passed)  # after the records: their phase events are read
+            except Exception as err:
+                self._warn_once("clock", "clock: step timing failed (%s); detection stops", err)
+                self.clock = None
+                return []
+            self.inbox.behind = clock.behind
+        return records
 
     def _resolved(self, step: int, duration: float) -> StepRecord:
         """What the control thread gets of a step whose time is known."""
@@ -470,10 +509,13 @@ class StepBoundaries:
 
     def _first_boundary(self) -> None:
         try:
-            mode = resolve_mode(self.config.clock.mode)
-            self.clock = StepClock(mode)
-            if self.clock.mode in ("cuda_event", "adaptive"):
-                self.phases.use_gpu(self.clock.event_calls)
+            clock = self.clock  # one put in place by `use_clock`, else this process's
+            if clock is None:
+                clock = StepClock(resolve_mode(self.config.clock.mode), deferred=True)
+                self.use_clock(clock)
+            mode = clock.mode
+            if mode in ("cuda_event", "adaptive"):
+                self.phases.use_gpu(clock.event_calls)
         except Exception as err:
             self._warn_once("clock", "clock: cannot time steps (%s); detection stops", err)
             return
@@ -531,7 +573,8 @@ class StepBoundaries:
         if self.clock is not None:
             # polled, never a synchronize: a hung GPU must not hang the exit
             try:
-                drained, gpu_done = self.clock.drain(timeout_s)
+                with self._collect_lock:  # a deferred clock's reader polls too
+                    drained, gpu_done = self.clock.drain(timeout_s)
                 for step, duration in drained:
                     self.inbox.put(self._resolved(step, duration))
                 if not gpu_done:
@@ -550,36 +593,3 @@ class StepBoundaries:
             except Exception as err:
                 self._warn_once("tracer", "tracer: stopping at the end failed (%s)", err)
         return gpu_done
-
-
-def patch_grad_scaler(after: Any) -> Any:
-    """Wrap `torch.amp.GradScaler.step` so `after(optimizer, step_before)` runs when it
-    returns (`step_before`: the boundaries' step counter before the call, read by the
-    caller's closure); returns a function that undoes the wrap, or None without a scaler
-    class. The wrapper never raises from `after` into training."""
-    try:
-        from torch.amp import GradScaler
-    except ImportError:
-        return None
-    original = GradScaler.__dict__.get("step")
-    if original is None:
-        return None
-    owner = getattr(after, "__self__", None)
-
-    @functools.wraps(original)
-    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        before = getattr(owner, "current_step", -1)
-        result = original(scaler, optimizer, *args, **kwargs)
-        try:
-            after(optimizer, before)
-        except Exception as err:  # never raise into training
-            log.debug("GradScaler.step follow-up failed: %s", err)
-        return result
-
-    GradScaler.step = step  # type: ignore[method-assign,assignment]
-
-    def undo() -> None:
-        if GradScaler.__dict__.get("step") is step:
-            GradScaler.step = original  # type: ignore[method-assign]
-
-    return undo

@@ -6,7 +6,9 @@ became known since the last call, as `(step, duration_ms)` pairs in step order:
 - `cuda_event`: records a CUDA event on the current stream at each step end; a step's
   duration is the GPU time between its end event and the previous one. Events are
   polled with `query()`, never waited on, so the training thread does not synchronize
-  and durations arrive a few steps late, `POLL_EVERY` at a time.
+  and durations arrive a few steps late, `POLL_EVERY` at a time. Deferred (as the agent
+  runs it): `mark` only records, and the control thread reads the events once a round
+  (`collect`, then `release` once the step's phase events are read too).
 - `host_sync`: the seed recipe: `torch.cuda.synchronize()` then the host clock, exact
   and immediate, at the cost of a synchronize per step.
 - `host`: the host clock alone (CPU training, where there is nothing to wait for).
@@ -35,6 +37,7 @@ queues them for the consensus thread.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +48,10 @@ import torch
 # Pending CUDA events are bounded: if the GPU falls this far behind, the oldest
 # boundaries are given up (their steps get no duration) rather than growing memory.
 MAX_PENDING_EVENTS = 256
+# A deferred clock's events wait for the control thread, which wakes about once a second
+# or a round (at most `consensus.batch_steps`, 1,000 steps): room for a few seconds of
+# 1 ms steps
+MAX_DEFERRED_EVENTS = 4096
 # Durations are read every this many steps: fewer queries, a few steps' more delay
 # (far below the tracer's history, which the capture decision must not outlive).
 POLL_EVERY = 4
@@ -140,6 +147,8 @@ class StepClock:
         mode: str,
         calls: CudaEventCalls | None = None,
         now_ns: Callable[[], int] = time.perf_counter_ns,
+        *,
+        deferred: bool = False,
     ) -> None:
         if mode not in ("cuda_event", "host_sync", "host", "adaptive"):
             raise ValueError(f"unknown clock mode {mode!r}")
@@ -164,11 +173,18 @@ class StepClock:
         self.lost_boundaries = 0
         self.last_event: Any = None  # the CUDA event of the latest boundary (None: host-timed)
         self._adaptive = AdaptiveState() if mode == "adaptive" else None
+        # deferred: `mark` only records; the control thread reads the events (`collect`)
+        self.deferred = deferred and mode == "cuda_event"
 
     @property
     def event_calls(self) -> CudaEventCalls | None:
         """The bound CUDA event calls (None for a host clock), for phase events."""
         return self._calls
+
+    @property
+    def behind(self) -> int:
+        """How many boundaries the GPU had not passed at the last poll (at least 1)."""
+        return self._behind
 
     @property
     def on_host_clock(self) -> bool:
@@ -207,7 +223,8 @@ class StepClock:
             device = calls.device_of(key)
             if device != self._device:  # the script moved to another GPU
                 self._device = device
-                self._spare_events.clear()
+                # a new list, not a clear: a deferred clock's reader may be appending
+                self._spare_events = []
 
     def _mark_event(self, step: int) -> Sequence[tuple[int, float]]:
         calls = self._calls
@@ -219,6 +236,12 @@ class StepClock:
         self.last_event = event
         pending = self._pending
         pending.append((step, event, self._generation, self._device))
+        if self.deferred:  # the reader polls, drops and recycles: this thread only appends
+            if len(pending) > 2 * MAX_DEFERRED_EVENTS:  # no reader any more: bound memory
+                with contextlib.suppress(IndexError):
+                    pending.popleft()
+                self.lost_boundaries += 1
+            return NOTHING_NEW
         if len(pending) > MAX_PENDING_EVENTS:
             pending.popleft()
             self.lost_boundaries += 1
@@ -255,25 +278,52 @@ class StepClock:
 
     def poll(self) -> list[tuple[int, float]]:
         """Durations of every boundary the GPU has passed since the last call."""
+        out, passed_events = self._poll()
+        self.release(passed_events)
+        return out
+
+    def collect(self) -> tuple[list[tuple[int, float]], list[tuple[Any, Any]]]:
+        """A deferred clock's read (the control thread, never with `drain` at once): the
+        durations the GPU has given since the last call, and the (event, device) pairs
+        passed, for `release` once nothing reads them any more (a step's phase events are
+        read against its boundary events). Beyond MAX_DEFERRED_EVENTS pending, the
+        oldest boundaries are given up."""
+        pending = self._pending
+        excess = len(pending) - MAX_DEFERRED_EVENTS
+        if excess > 0:
+            for _ in range(excess):
+                pending.popleft()
+            self.lost_boundaries += excess
+            self._previous_event = None
+        return self._poll()
+
+    def release(self, passed_events: list[tuple[Any, Any]]) -> None:
+        """Give events `poll` or `collect` passed back to the pool (those of the current
+        device: an event records on its own device only)."""
+        spare, device_now = self._spare_events, self._device
+        for event, device in passed_events:
+            if device == device_now:
+                spare.append(event)
+
+    def _poll(self) -> tuple[list[tuple[int, float]], list[tuple[Any, Any]]]:
         out: list[tuple[int, float]] = []
+        freed: list[tuple[Any, Any]] = []
         pending = self._pending
         if not pending:
-            return out
+            return out, freed
         passed = self._passed()
         self._behind = max(1, len(pending) - passed)
-        elapsed_ms, spare = self._calls.elapsed_ms, self._spare_events  # type: ignore[union-attr]
+        elapsed_ms = self._calls.elapsed_ms  # type: ignore[union-attr]
         previous = self._previous_event
-        device_now = self._device
         for _ in range(passed):
             step, event, _generation, device = pending.popleft()
             if previous is not None:
                 if previous[0] == step - 1 and previous[2] == device:
                     out.append((step, float(elapsed_ms(previous[1], event))))
-                if previous[2] == device_now:
-                    spare.append(previous[1])
+                freed.append((previous[1], previous[2]))
             previous = (step, event, device)
         self._previous_event = previous
-        return out
+        return out, freed
 
     def drain(self, timeout_s: float = 10.0) -> tuple[list[tuple[int, float]], bool]:
         """At the end of training: the outstanding boundaries, polled until the GPU has

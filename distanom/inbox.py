@@ -7,8 +7,14 @@ waking it at every step would make it take the GIL from a launch-bound training 
 at every step, which costs that thread more than the work the wake-up does
 (docs/agent.md, "The control thread wakes per round, not per step").
 
+With a deferred step clock (CUDA events, `clock.StepClock.collect`), the training thread
+puts no records at all: each boundary only counts (`tick`), and `take` has the steps
+resolved there, on the control thread (`collect`, set by `StepBoundaries`): the event
+reads and the records are made once per round, in a warm batch, not at every boundary.
+
 One exception: a run of `SLOW_RUN_STEPS` consecutive steps slower than `slow_ms` (the
-control thread sets it from the gathered median) wakes the consumer at once, and that
+control thread sets it from the gathered median; a deferred clock's boundaries are timed
+by the host for it) wakes the consumer at once, and that
 `take` says so (`took_urgent`), so a lasting slowdown reaches a round early instead of
 a whole long round late (`distanom.rounds`, early rounds).
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 # consecutive slow steps that wake the control thread early: the trace planner's
@@ -46,6 +53,12 @@ class StepInbox:
         # (a consumer that failed after taking it must not wait for it)
         self.ended = False
         self._slow_run = 0
+        # a deferred clock's boundaries since the start (producer) and at the last take
+        # (consumer), and what resolves them (`StepBoundaries.collect`, consumer side)
+        self._ticks = 0
+        self._ticks_taken = 0
+        self.collect: Callable[[], list[Any]] | None = None
+        self.behind = 0  # boundaries the GPU had not passed at the last collect
 
     def put(self, item: Any) -> None:
         """Queue an item (training thread); O(1), wakes the consumer only when due."""
@@ -74,6 +87,24 @@ class StepInbox:
             self._slow_run = 0
         self.put(item)
 
+    def tick(self, interval_ns: int) -> None:
+        """A boundary whose step the consumer resolves (deferred clock; training thread):
+        counts towards `wake_at` as a put would, and a host interval over `slow_ms`
+        towards a slow run."""
+        self._ticks = ticks = self._ticks + 1
+        if interval_ns > self.slow_ms * 1e6:
+            self._slow_run += 1
+            if self._slow_run == SLOW_RUN_STEPS:
+                self._slow_runs += 1
+                self._wake()
+                return
+        else:
+            self._slow_run = 0
+        # the newest `behind` boundaries are not resolved yet when the consumer looks:
+        # waiting for them too makes one wake per round, not two
+        if not self._signalled and ticks - self._ticks_taken >= self.wake_at + self.behind:
+            self._wake()
+
     def take(self, timeout_s: float) -> list[Any]:
         """Wait up to `timeout_s` to be woken, then return everything queued (maybe [])."""
         self._ready.wait(timeout_s)
@@ -84,8 +115,12 @@ class StepInbox:
         runs = self._slow_runs
         self.took_urgent = runs != self._slow_runs_taken
         self._slow_runs_taken = runs
+        self._ticks_taken = self._ticks
+        # resolved here before the queue is drained: the end (after the training
+        # thread's last steps, `StepBoundaries.drain`) then comes after them
+        collect = self.collect
+        out: list[Any] = collect() if collect is not None else []
         items = self._items
-        out: list[Any] = []
         while items:  # what is queued meanwhile is taken too; each popleft is atomic
             pop = items.popleft
             out += [pop() for _ in range(len(items))]

@@ -340,7 +340,13 @@ class PhaseMarks:
         kept = self._kept
         kept[step] = (marks, start, boundary_ns, fetch_ns, start_event, boundary_event)
         if len(kept) > MAX_KEPT_STEPS:
-            self._recycle(kept.pop(next(iter(kept)))[0])
+            # list(): one C call, so a deferred clock's reader (`take_raw` on the control
+            # thread) popping meanwhile cannot change the dict under an iteration
+            oldest = list(kept)[: len(kept) - MAX_KEPT_STEPS]
+            for old in oldest:
+                dropped = kept.pop(old, None)
+                if dropped is not None:
+                    self._recycle(dropped[0])
 
     def take(self, step: int) -> PhaseTimes:
         """The step's (host parts, fetch ms, GPU parts), NaN where not known; call once
