@@ -77,6 +77,7 @@ def running_tracer(history: int = 16, can_detach: bool = True) -> tuple[CuptiTra
         num_codes=MARKER_CODES,
         history_steps=history,
     )
+    t._append_mark = t._resolver.mark_appender()  # as start() sets it
     t._events = [FakeEvent(log) for _ in range(STEP_EVENTS)]
     t._tracing = True
     t._state = "running"

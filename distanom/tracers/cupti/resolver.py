@@ -148,6 +148,12 @@ class StepResolver:
         with self._marks_lock:
             self._marks.append(mark)
 
+    def mark_appender(self) -> Callable[[StepMark], None]:
+        """`record_mark` without the lock, for the training thread's untraced marks (one
+        a step): a deque append is one C call, and every other change to the marks
+        (`amend_last_mark`) is made on the same thread, so the lock guards nothing there."""
+        return self._marks.append
+
     def amend_last_mark(self, mark: StepMark) -> None:
         """Replace the newest mark (same step): tracing was switched right after it."""
         with self._marks_lock:

@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import distanom.tracers.cupti.callbacks as callbacks
@@ -40,6 +41,14 @@ from distanom.tracers.cupti.probe import cuda_reason
 from distanom.tracers.cupti.records import buffer_view, iterate_by_size
 from distanom.tracers.cupti.resolver import StepResolver
 from distanom.tracers.cupti.session import ActivitySession
+
+_monotonic_ns = time.monotonic_ns
+_new_tuple = tuple.__new__  # a StepMark with no Python frame of the NamedTuple's __new__
+
+
+def _unstarted(mark: StepMark) -> None:
+    raise RuntimeError("cupti tracer: a mark before start()")
+
 
 if TYPE_CHECKING:
     from distanom.config import TracerConfig
@@ -80,6 +89,7 @@ class CuptiTracer:
         self.boundary_flushes = 0  # detaches at a boundary: the next step carries their cost
         self._boundary_before_start: tuple[int, int] | None = None
         self._state = "new"  # new | running | failed | closed
+        self._append_mark: Callable[[StepMark], None] = _unstarted  # the resolver's, once running
         self._want_tracing = True
         self._tracing = False
         self._read_lock = threading.Lock()
@@ -164,7 +174,7 @@ class CuptiTracer:
                 "cupti tracer: CUPTI's record sizes differ from distanom's; records are "
                 "walked with CUPTI, which must stay attached (off windows keep its cost)"
             )
-        self._resolver = StepResolver(
+        self._resolver = resolver = StepResolver(
             pool,
             self._walk,
             names,
@@ -180,6 +190,7 @@ class CuptiTracer:
             num_sms=num_sms,
             rank=self.rank,
         )
+        self._append_mark = resolver.mark_appender()
         self._tracing = True
         self._state = "running"
         # The step after this boundary carries the calibration (a synchronize, flushes):
@@ -297,6 +308,27 @@ class CuptiTracer:
 
     def mark_step(self, step: int, host_end_ns: int) -> None:
         """Step `step` ended: launch its marker and remember it (training thread; never raises)."""
+        last = self._last_step
+        if (
+            not self._want_tracing
+            and not self._tracing
+            and self._state == "running"
+            and (last is None or step > last)
+        ):
+            # Untraced and staying so, ~95% of steps at a 1% budget: no marker to launch
+            # or switch to make, so no capture check (a CUDA call per step); the mark only
+            # tells the resolver where the step ended (inside a CUDA graph capture too:
+            # `marks_while_capturing` counts traced marks only). One frame, no lock: it
+            # runs at nearly every boundary. Its launch times are the boundary's (no
+            # marker was launched); the monotonic one dates what the resolver retains.
+            self._last_step = step
+            counters = self.counters
+            counters["marks"] += 1
+            counters["marks_untraced"] += 1
+            code = step % self._codes
+            mark = (step, host_end_ns, host_end_ns, _monotonic_ns(), code, False, False)
+            self._append_mark(_new_tuple(StepMark, mark))
+            return
         if self._state == "new":
             self._boundary_before_start = (step, host_end_ns)  # start() marks it
             return
@@ -307,17 +339,7 @@ class CuptiTracer:
             if self._last_step is not None and step <= self._last_step:
                 self.counters["marks_out_of_order"] += 1
                 return
-            want = self._want_tracing
-            if not want and not self._tracing:
-                # Untraced and staying so, ~95% of steps at a 1% budget: no marker to
-                # launch or switch to make, so no capture check (a CUDA call per step);
-                # the mark only tells the resolver where the step ended (inside a CUDA
-                # graph capture too: `marks_while_capturing` counts traced marks only).
-                self._last_step = step
-                self.counters["marks_untraced"] += 1
-                assert self._resolver is not None
-                self._resolver.record_mark(self._untraced_mark(step, host_end_ns))
-                return
+            want = self._want_tracing  # or tracing now: untraced marks took the path above
             if self._torch.cuda.is_current_stream_capturing():
                 self.counters["marks_while_capturing"] += (
                     1  # a marker inside a CUDA graph would replay
@@ -335,13 +357,6 @@ class CuptiTracer:
         except Exception as err:  # never into the training loop
             self.counters["mark_errors"] += 1
             self._fail(f"mark_step({step}): {type(err).__name__}: {err}")
-
-    def _untraced_mark(self, step: int, host_end_ns: int) -> StepMark:
-        """The mark of boundary `step` while tracing is off (no marker launched)."""
-        return StepMark(
-            step, host_end_ns, time.time_ns(), time.monotonic_ns(), step % self._codes,
-            marker_launched=False, traced_after=False,
-        )  # fmt: skip
 
     def _launch_marker(self, step: int, host_end_ns: int | None) -> StepMark:
         """Launch the marker of boundary `step` (tracing is on) and describe it."""
