@@ -35,6 +35,7 @@ import collections
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 import weakref
@@ -63,7 +64,7 @@ from distanom.own_time import (
     TRACER,
     BoundaryMeters,
 )
-from distanom.phases import NO_RAW, PhaseMarks, RawPhases
+from distanom.phases import NO_RAW, PhaseMarks, RawPhases, should_read_gpu
 from distanom.tracers import Tracer, create_tracer
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class StepBoundaries:
         self._deferred = False  # the clock's events are read by `collect` (control thread)
         self._collect_lock = threading.Lock()  # `collect` against `drain`: never per step
         self._last_began = 0  # perf ns of the last boundary (a deferred clock's slow runs)
+        self.slow_ms = math.inf  # the detector's bound without its fence (control thread)
         self._seen_of_class: list[weakref.ref[Any]] = []  # step.optimizer's class, first-step order
         self._optimizer_boundaries = 0  # steps ended by the optimizer before distanom.step()
         self.skipped_steps = 0  # steps whose optimizer step a GradScaler skipped
@@ -467,11 +469,12 @@ class StepBoundaries:
         return records
 
     def _resolved(self, step: int, duration: float) -> StepRecord:
-        """What the control thread gets of a step whose time is known."""
+        """What the control thread gets of a step whose time is known (its GPU phases
+        read where `phases.should_read_gpu` says)."""
         gc_ms, gc_generation = self._gc.pop(step, NO_GC) if self._gc else NO_GC
         flags = self._step_flags.pop(step, 0) if self._step_flags else 0
         self_ms = self._self_ms.pop(step, 0.0) if self._self_ms else 0.0
-        phases = self.phases.take_raw(step)
+        phases = self.phases.take_raw(step, should_read_gpu(step, duration, self.slow_ms))
         # tuple.__new__: no Python frame of the NamedTuple's own __new__
         fields = (step, duration, flags, self_ms, gc_ms, gc_generation, phases)
         return _new_tuple(StepRecord, fields)

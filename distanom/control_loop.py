@@ -109,7 +109,7 @@ class ControlLoop:
         self.argv = argv
         self.health = health
         self.duty = duty
-        self.boundaries = boundaries  # read only: the step in progress, the tracer
+        self.boundaries = boundaries  # the step in progress, the tracer; sets its slow_ms
         self.inbox = inbox
         self.detector = Detector(config.detect, config.capture)
         self.run: RunDir | None = None
@@ -468,10 +468,11 @@ class ControlLoop:
         self._gathered_step = max(self._gathered_step, result.last_step)
         decisions = decide(result, self.detector, self.world.world_size)
         median = self.detector.median_ms
-        if self._end_rounds_early and median is not None and math.isfinite(median):
-            # steps over this, several in a row, end a round early (`StepInbox.put_step`)
-            detect = self.config.detect  # the threshold without its fence
-            self.inbox.slow_ms = floor_threshold(detect, median, detect.multiplier)
+        if median is not None and math.isfinite(median):  # the threshold without its fence:
+            slow_ms = floor_threshold(self.config.detect, median, self.config.detect.multiplier)
+            self.boundaries.slow_ms = slow_ms  # steps over it have their GPU phases read
+            if self._end_rounds_early:  # and, several in a row, end a round early
+                self.inbox.slow_ms = slow_ms
         self.duty.request([d.step for d in decisions if d.kind == "requested"])
         if result.request is not None and self.world.rank == 0:
             self.requests.answer(self.run, result.request, decisions)

@@ -20,6 +20,7 @@ from distanom.agent import Agent
 from distanom.clock import StepClock
 from distanom.config import load_config
 from distanom.inbox import SLOW_RUN_STEPS, StepInbox
+from distanom.phases import GPU_READ_EVERY
 from distanom.world import WorldInfo
 from tests.unit.test_clock import FakeEvent, FakeGpu
 
@@ -27,6 +28,15 @@ from tests.unit.test_clock import FakeEvent, FakeGpu
 class StrictGpu(FakeGpu):
     """A fake GPU that also fails a read of an event recorded again since the read's
     other event: an event reused before its last read gives a wrong duration."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra_ms = 0.0  # added to every event recorded from now on: a slow GPU part
+
+    def record(self, event: FakeEvent, stream: object) -> None:
+        super().record(event, stream)
+        assert event.at_ms is not None
+        event.at_ms += self.extra_ms
 
     def elapsed_ms(self, start: FakeEvent, end: FakeEvent) -> float:
         assert start.seq is not None and end.seq is not None
@@ -123,6 +133,9 @@ def test_take_gives_the_collected_steps_before_the_end() -> None:
     assert inbox.take(0) == ["step 7", "step 8", end] and inbox.ended
 
 
+SLOW_STEP = 1001  # not a multiple of GPU_READ_EVERY: read for being slow alone
+
+
 def read_rows(agent: Agent) -> list[dict[str, str]]:
     assert agent.run is not None
     with open(agent.run.steps_csv(0)) as handle:
@@ -150,6 +163,8 @@ def test_a_running_agent_resolves_every_step_on_the_control_thread(tmp_path: Pat
     agent.boundaries.inbox.collect = watched
     try:
         for step in range(steps):
+            if step == SLOW_STEP:
+                gpu.extra_ms = 500.0  # the GPU spends 500 ms more before its forward's end
             model(torch.randn(4, 8)).sum().backward()
             sgd.step()
             sgd.zero_grad()
@@ -164,14 +179,18 @@ def test_a_running_agent_resolves_every_step_on_the_control_thread(tmp_path: Pat
     rows = read_rows(agent)
     assert [int(row["step"]) for row in rows] == list(range(1, steps))
     # two phase events and the boundary's a step, 10 ms of fake GPU time each
-    assert {float(row["duration_ms"]) for row in rows[1:]} == {30.0}
+    durations = {int(row["step"]): float(row["duration_ms"]) for row in rows[1:]}
+    assert durations.pop(SLOW_STEP) == 530.0 and set(durations.values()) == {30.0}
+    columns = ("gpu_to_forward_end_ms", "gpu_backward_ms", "gpu_after_backward_ms")
+    read = {}
     for row in rows[1:]:
-        gpu_parts = [
-            float(row[c])
-            for c in ("gpu_to_forward_end_ms", "gpu_backward_ms", "gpu_after_backward_ms")
-        ]
-        assert gpu_parts == [10.0, 10.0, 10.0], row
-        assert not math.isnan(float(row["forward_ms"]))
+        step = int(row["step"])
+        read[step] = [float(row[column]) for column in columns]
+        assert not math.isnan(float(row["forward_ms"]))  # host parts: every step
+    # GPU parts: every 8th step (the usual values) and the slow step, whose own they are
+    assert read.pop(SLOW_STEP) == [510.0, 10.0, 10.0]
+    assert all(read[step] == [10.0, 10.0, 10.0] for step in read if not step % GPU_READ_EVERY)
+    assert all(all(map(math.isnan, read[step])) for step in read if step % GPU_READ_EVERY)
     # events came back to the pools: without, each step makes three new ones (how many
     # wait at once depends on how often the control thread got to run)
     assert gpu.created < 3 * steps / 2
