@@ -106,6 +106,12 @@ class CudaEventCalls:
         self.fast = True
 
     @staticmethod
+    def use_device(index: Any) -> None:
+        """Make `index` this thread's current device (a thread that reads events and has
+        never set one would start a context on device 0: memory on another rank's GPU)."""
+        torch.cuda.set_device(index)
+
+    @staticmethod
     def stream_of(key: Any) -> Any:
         """The `torch.cuda.Stream` a stream key names (a key is a Stream on the public path)."""
         if isinstance(key, tuple):
@@ -175,6 +181,7 @@ class StepClock:
         self._adaptive = AdaptiveState() if mode == "adaptive" else None
         # deferred: `mark` only records; the control thread reads the events (`collect`)
         self.deferred = deferred and mode == "cuda_event"
+        self._reader_device: Any = None  # the device `collect` set current on its thread
 
     @property
     def event_calls(self) -> CudaEventCalls | None:
@@ -288,6 +295,10 @@ class StepClock:
         passed, for `release` once nothing reads them any more (a step's phase events are
         read against its boundary events). Beyond MAX_DEFERRED_EVENTS pending, the
         oldest boundaries are given up."""
+        device = self._device  # the reader's own thread is on the events' device
+        if device is not None and device != self._reader_device:
+            self._calls.use_device(device)  # type: ignore[union-attr]
+            self._reader_device = device
         pending = self._pending
         excess = len(pending) - MAX_DEFERRED_EVENTS
         if excess > 0:

@@ -30,6 +30,7 @@ class FakeGpu:
         self.queries = 0
         self.stream = "s0"
         self.created = 0
+        self.devices_used: list[Any] = []  # use_device calls, in order
 
     def new_event(self) -> FakeEvent:
         self.created += 1
@@ -37,6 +38,9 @@ class FakeGpu:
 
     def stream_key(self) -> Any:
         return self.stream
+
+    def use_device(self, index: Any) -> None:
+        self.devices_used.append(index)
 
     @staticmethod
     def stream_of(key: Any) -> Any:

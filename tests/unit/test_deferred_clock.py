@@ -81,6 +81,26 @@ def test_events_go_back_to_the_pool_only_when_released() -> None:
     assert got == [(s, 10.0) for s in range(20, 59)]
 
 
+def test_the_reader_reads_on_the_events_device_not_device_0() -> None:
+    # a thread that never set a device would start a CUDA context on device 0 at its
+    # first event read: on a node of 8 ranks, memory on GPU 0 for 7 other ranks
+    gpu = StrictGpu()
+    gpu.stream = ("s", 3, 1)  # the script's stream, on cuda:3
+    clock = deferred(gpu)
+    for step in range(10):
+        clock.mark(step)
+    queries = gpu.queries
+    clock.collect()
+    clock.collect()
+    assert gpu.devices_used == [3] and queries == 0
+    gpu.stream = ("s", 5, 1)  # the script moved to cuda:5
+    for step in range(10, 20):
+        clock.mark(step)
+    got, _ = clock.collect()
+    assert gpu.devices_used == [3, 5]
+    assert [step for step, _ in got] == list(range(11, 20))  # none paired across devices
+
+
 def test_a_reader_far_behind_gives_up_the_oldest_boundaries() -> None:
     gpu = FakeGpu()
     clock = deferred(gpu)
@@ -164,6 +184,11 @@ def test_a_running_agent_resolves_every_step_on_the_control_thread(tmp_path: Pat
     try:
         for step in range(steps):
             if step == SLOW_STEP:
+                # the detector's bound is known by now (a loaded host may have kept the
+                # control thread from any round yet: wait for one)
+                deadline = time.monotonic() + 60
+                while agent.boundaries.slow_ms == math.inf and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 gpu.extra_ms = 500.0  # the GPU spends 500 ms more before its forward's end
             model(torch.randn(4, 8)).sum().backward()
             sgd.step()
@@ -191,6 +216,7 @@ def test_a_running_agent_resolves_every_step_on_the_control_thread(tmp_path: Pat
     assert read.pop(SLOW_STEP) == [510.0, 10.0, 10.0]
     assert all(read[step] == [10.0, 10.0, 10.0] for step in read if not step % GPU_READ_EVERY)
     assert all(all(map(math.isnan, read[step])) for step in read if step % GPU_READ_EVERY)
-    # events came back to the pools: without, each step makes three new ones (how many
-    # wait at once depends on how often the control thread got to run)
-    assert gpu.created < 3 * steps / 2
+    # events came back to the pools and were recorded again (how many wait at once
+    # depends on how often the control thread got to run: a loaded host lets it fall
+    # far behind; the pools' exact rule is `test_events_go_back_to_the_pool_only_...`)
+    assert gpu.created < 0.9 * gpu.recorded
