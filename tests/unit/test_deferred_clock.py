@@ -8,11 +8,13 @@ recorded again before its last read; memory stays bounded without a reader."""
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from distanom import clock as clock_module
@@ -220,3 +222,34 @@ def test_a_running_agent_resolves_every_step_on_the_control_thread(tmp_path: Pat
     # depends on how often the control thread got to run: a loaded host lets it fall
     # far behind; the pools' exact rule is `test_events_go_back_to_the_pool_only_...`)
     assert gpu.created < 0.9 * gpu.recorded
+
+
+def test_a_failed_event_read_stops_the_timing_once_and_training_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = load_config(None, ["tracer.backend=none", "consensus.interval_ms=20"])
+    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    gpu = StrictGpu()
+    agent.install()
+    agent.boundaries.use_clock(deferred(gpu))
+
+    def broken(start: FakeEvent, end: FakeEvent) -> float:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    gpu.elapsed_ms = broken  # type: ignore[method-assign]
+    model = torch.nn.Linear(8, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING):
+        try:
+            for step in range(300):
+                model(torch.randn(4, 8)).sum().backward()
+                sgd.step()  # never raises into the loop
+                sgd.zero_grad()
+                if step % 100 == 0:
+                    time.sleep(0.05)  # the control thread takes, and its read fails
+        finally:
+            agent.close()
+    assert agent.boundaries.clock is None  # timing stopped on the reader's side
+    assert agent.current_step == 300  # every step still counted
+    said = [r.getMessage() for r in caplog.records if "step timing failed" in r.getMessage()]
+    assert len(said) == 1 and "illegal memory access" in said[0]

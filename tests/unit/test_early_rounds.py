@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from distanom.agent import Agent
+from distanom.clock import StepClock
 from distanom.config import load_config
 from distanom.consensus import (
     FLAG_EARLY,
@@ -25,6 +26,7 @@ from distanom.consensus import (
 from distanom.inbox import SLOW_RUN_STEPS, StepInbox
 from distanom.rounds import RoundBuilder
 from distanom.world import WorldInfo
+from tests.unit.test_clock import FakeEvent, FakeGpu
 
 ROOM = 8
 
@@ -176,8 +178,20 @@ def _manual_agent(tmp_path: Path) -> Agent:
     return Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
 
 
-def test_a_slowdown_ends_a_long_round_early_in_a_running_agent(tmp_path: Path) -> None:
-    # the wiring: slow steps reach the inbox's run count, the control thread sends early
+class HostPacedGpu(FakeGpu):
+    """A fake GPU whose events complete at once and are timed by the host clock, so the
+    deferred clock's durations are the host's intervals."""
+
+    def record(self, event: FakeEvent, stream: Any) -> None:
+        super().record(event, stream)
+        event.at_ms = time.perf_counter() * 1e3
+
+
+@pytest.mark.parametrize("clock", ["host", "deferred_cuda_events"])
+def test_a_slowdown_ends_a_long_round_early_in_a_running_agent(tmp_path: Path, clock: str) -> None:
+    # the wiring: slow steps reach the inbox's run count, the control thread sends early;
+    # with CUDA events (deferred: the training thread reads no times) by the host's
+    # intervals between boundaries (`StepInbox.tick`)
     agent = _manual_agent(tmp_path)
     sent: list[tuple[int, int, int]] = []  # first step, steps sent, flags
     run_round = agent.control._run_round
@@ -188,6 +202,9 @@ def test_a_slowdown_ends_a_long_round_early_in_a_running_agent(tmp_path: Path) -
 
     agent.control._run_round = spy  # type: ignore[method-assign]
     agent.install()
+    if clock != "host":
+        gpu: Any = HostPacedGpu()
+        agent.boundaries.use_clock(StepClock("cuda_event", calls=gpu, deferred=True))
     try:
         for step in range(420):
             time.sleep(0.016 if 380 <= step < 392 else 0.004)
