@@ -55,7 +55,7 @@ def causes(run_dir: Path, report: dict[str, Any] | None = None) -> dict[int, str
     if report is None:
         if str(REPO) not in sys.path:
             sys.path.insert(0, str(REPO))  # run as a file: the repository is not on the path
-        from bench.noise_rate import report_json
+        from bench.report_child import report_json
 
         report = report_json(run_dir, dict(os.environ))
     return {a["step"]: str(a["verdict"].get("cause")) for a in report.get("anomalies", [])}

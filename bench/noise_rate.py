@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.report_child import report_json
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "e2e" / "scripts" / "phases_train.py"
 
@@ -50,15 +52,6 @@ def own_times(prefix: Path, nproc: int) -> dict:
     return {"steps": count, "over_1.5x_per_1000": round(over_1_5 * per, 2),
             "over_3x_per_1000": round(over_3 * per, 2), "over_3x": spikes[:200],
             "gc_gen1_or_2_or_over_1ms": collections[:500]}  # fmt: skip
-
-
-def report_json(run_dir: Path, env: dict[str, str]) -> dict:
-    """`distanom report --json` of a run, in a child process ({} where it failed)."""
-    report = subprocess.run(
-        [sys.executable, "-m", "distanom", "report", str(run_dir), "--json"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    return json.loads(report.stdout) if report.returncode == 0 else {}
 
 
 def one_job(

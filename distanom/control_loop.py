@@ -1,25 +1,25 @@
 """The agent's control thread (`distanom-control`): everything that can block.
 
 Forms distanom's group, joins the run directory (`run_join`) and writes run.json, then
-loops: takes the `StepRecord`s the training thread queued, appends them to this rank's
-steps file, gathers rounds of step times across ranks, feeds the duty cycle, decides
-captures and hands them to the capture worker, polls and answers on-demand requests and
-rewrites status.json (rank 0). Without consensus (setup failed, a rank gone) it keeps
-draining the queue so the training thread never fills memory. State it shares with the
-training thread lives in `Health` and `DutyCycle`.
+loops: takes the `StepRecord`s the training thread queued (with CUDA events, made at the
+take), appends them to this rank's steps file (`step_log`), gathers rounds of step times
+across ranks, feeds the duty cycle, decides captures and hands them to the capture
+worker, polls and answers on-demand requests and rewrites status.json (rank 0). Without
+consensus (setup failed, a rank gone) it keeps draining the queue so the training thread
+never fills memory. State it shares with the training thread lives in `Health` and
+`DutyCycle`.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import math
 import threading
 import time
 from pathlib import Path
 
-from distanom.boundary import FINAL, STEP_SKIPPED, StepBoundaries, StepRecord
+from distanom.boundary import FINAL, StepBoundaries
 from distanom.capture import CaptureWorker
 from distanom.config import Config
 from distanom.consensus import (
@@ -39,8 +39,6 @@ from distanom.consensus import (
 )
 from distanom.control_status import agent_cost, status_body, tracer_report
 from distanom.detect import (
-    STEP_AFTER_FLUSH,
-    STEP_TRACED,
     CaptureDecision,
     Detector,
     StepSample,
@@ -55,14 +53,13 @@ from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
 from distanom.metrics import NodeMetrics
 from distanom.pacing import RoundPacer
-from distanom.phases import phase_values
 from distanom.records.run_info import build_run_info, runtime_versions, write_run_info
 from distanom.records.status import TracerReport, write_status
-from distanom.records.steps import StepsWriter
 from distanom.request_desk import RequestDesk
 from distanom.rounds import RoundBuilder, RoundSizer
 from distanom.run_join import Place, join_run, read_places
 from distanom.rundir import RunDir
+from distanom.step_log import StepLog
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
 
 log = logging.getLogger(__name__)
@@ -119,7 +116,7 @@ class ControlLoop:
         self._recent: collections.deque[StepSample] = collections.deque(maxlen=RECENT_STEPS)
         self._gathered_step = -1
         self.requests = RequestDesk(world.world_size, health.warn_write_failed)  # used on rank 0
-        self._steps: StepsWriter | None = None
+        self.step_log = StepLog(health)  # steps/rank<R>.csv, once the run directory is known
         self._started_at = time.time()
         self._round_began = time.monotonic()  # when the latest round started waiting
         self.evidence = EvidenceTier(boundaries.evidence_marks, world.world_size, health)
@@ -165,11 +162,7 @@ class ControlLoop:
         self.metrics.close()
         if self.group is not None and not self._thread.is_alive():
             self.group.close()
-        # taken away first: a thread abandoned at exit then writes nothing more to it
-        steps, self._steps = self._steps, None
-        with contextlib.suppress(Exception):
-            if steps is not None:
-                steps.close()
+        self.step_log.close()
 
     # -- the thread --------------------------------------------------------------------
 
@@ -218,7 +211,7 @@ class ControlLoop:
             # training's end may be taken already, by a round loop that failed after it
             items = [] if self.inbox.ended else self.inbox.take(1.0)
             ended = self.inbox.ended
-            self._log_steps([item for item in items if item is not FINAL])
+            self.step_log.write([item for item in items if item is not FINAL])
             self._say_peers_ended(ended)
             if ended:
                 return
@@ -226,7 +219,7 @@ class ControlLoop:
             now = time.monotonic()
             if self.world.rank == 0 and now >= next_status:
                 next_status = now + self.config.control.status_interval_s
-                self._flush_steps()
+                self.step_log.flush()
                 self._write_status("running")
 
     def _setup(self) -> None:
@@ -241,7 +234,7 @@ class ControlLoop:
         if run is None:
             return
         try:
-            self._steps = StepsWriter(run.steps_csv(world.rank))
+            self.step_log.open(run.steps_csv(world.rank))
         except OSError as err:
             self.health.capture_off(f"{run.path}: not writable ({err.strerror})")
             return
@@ -291,14 +284,14 @@ class ControlLoop:
                 steps, durations, flags, own, gc_ms, *_ = zip(*records, strict=True)
                 builder.add_many(zip(steps, durations, flags, own, strict=True))
                 self.evidence.add_gc_many(zip(steps, gc_ms, strict=True))
-            self._log_steps(records)
+            self.step_log.write(records)
             self.pacer.pause()
             builder.add_evidence(self.evidence.poll(final))  # a Flight Recorder read: a phase
             self.pacer.mark()
             now = time.monotonic()
             if now >= next_flush or final:  # a write per second, not per round
                 next_flush = now + STEPS_FLUSH_S
-                self._flush_steps()
+                self.step_log.flush()
             if self.world.rank == 0 and now >= next_poll:
                 next_poll = now + control.poll_interval_s
                 self.requests.poll(self.run)
@@ -532,42 +525,6 @@ class ControlLoop:
             )
 
     # -- the steps file ----------------------------------------------------------------
-
-    def _log_steps(self, items: list[StepRecord]) -> None:
-        """Append the steps' rows to this rank's steps file, in one write."""
-        steps = self._steps
-        if steps is None or not items:
-            return
-        rows = [
-            (
-                item.step,
-                item.duration_ms,
-                (item.flags & STEP_TRACED) != 0,
-                (item.flags & STEP_AFTER_FLUSH) != 0,
-                item.self_ms,
-                item.gc_ms,
-                item.gc_generation,
-                (item.flags & STEP_SKIPPED) != 0,
-                *phase_values(item.phases),
-            )
-            for item in items
-        ]
-        try:
-            steps.write_fields(rows)
-        except (OSError, ValueError) as err:
-            self._steps_failed(err)
-
-    def _flush_steps(self) -> None:
-        try:
-            if self._steps is not None:
-                self._steps.flush()
-        except (OSError, ValueError) as err:  # ValueError: closed at exit meanwhile
-            self._steps_failed(err)
-
-    def _steps_failed(self, err: Exception) -> None:
-        reason = (err.strerror if isinstance(err, OSError) else None) or str(err)
-        self.health.warn_write_failed("steps", "steps file: %s; step times not recorded", reason)
-        self._steps = None
 
     # -- status (rank 0) ---------------------------------------------------------------
 

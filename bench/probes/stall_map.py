@@ -261,7 +261,7 @@ def one_job(
     if mode != "plain":
         if str(REPO) not in sys.path:
             sys.path.insert(0, str(REPO))  # run as a file: the repository is not on the path
-        from bench.noise_rate import report_json
+        from bench.report_child import report_json
 
         anomalies = report_json(run_dir, env).get("anomalies", [])
     result.update(analyse(prefix, [a["step"] for a in anomalies]))
