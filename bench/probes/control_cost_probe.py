@@ -56,6 +56,7 @@ from boundary_cost_probe import fake_cupti, write_json  # noqa: E402
 from distanom import consensus, control_loop  # noqa: E402
 from distanom.agent import Agent  # noqa: E402
 from distanom.anomaly_journal import AnomalyJournal  # noqa: E402
+from distanom.boundary import StepBoundaries  # noqa: E402
 from distanom.config import load_config  # noqa: E402
 from distanom.detect import Detector  # noqa: E402
 from distanom.evidence import EvidenceCollector, EvidenceTier  # noqa: E402
@@ -63,6 +64,7 @@ from distanom.inbox import StepInbox  # noqa: E402
 from distanom.pacing import RoundPacer  # noqa: E402
 from distanom.request_desk import RequestDesk  # noqa: E402
 from distanom.rounds import RoundBuilder  # noqa: E402
+from distanom.step_log import StepLog  # noqa: E402
 from distanom.world import WorldInfo  # noqa: E402
 
 CONTROL_THREAD = "distanom-control"
@@ -77,8 +79,9 @@ SECTIONS: list[tuple[Any, str]] = [
     (control_loop.ControlLoop, "_run_round"),
     (control_loop.ControlLoop, "_after_round"),
     (control_loop.ControlLoop, "_fold_evidence"),
-    (control_loop.ControlLoop, "_log_steps"),
-    (control_loop.ControlLoop, "_flush_steps"),
+    (StepLog, "write"),
+    (StepLog, "flush"),
+    (StepBoundaries, "collect"),  # a deferred (CUDA event) clock's steps, made at a take
     (control_loop.ControlLoop, "_write_status"),
     (Detector, "observe_many"),
     (AnomalyJournal, "add_evidence"),

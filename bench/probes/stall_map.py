@@ -65,9 +65,11 @@ def _install(out: str) -> None:
         setattr(owner, attr, timed)
 
     try:
+        import distanom.boundary as boundary
         import distanom.capture as capture
         import distanom.control_loop as control_loop
         import distanom.evidence as evidence
+        import distanom.step_log as step_log
         import distanom.tracers.cupti.buffers as buffers
         import distanom.tracers.cupti.tracer as cupti_tracer
 
@@ -76,9 +78,10 @@ def _install(out: str) -> None:
             (evidence, "read_entries", "fr_read"),
             (evidence.EvidenceCollector, "poll", "evidence_poll"),
             (loop, "_run_round", "round"),
-            (loop, "_flush_steps", "steps_flush"),
+            (step_log.StepLog, "flush", "steps_flush"),
             (loop, "_write_status", "status_write"),
-            (loop, "_log_steps", "log_steps"),
+            (step_log.StepLog, "write", "log_steps"),
+            (boundary.StepBoundaries, "collect", "collect"),  # event reads, step records
             (capture.CaptureWorker, "_handle", "capture_handle"),  # a decision re-run in a pass
             (capture.CaptureWorker, "_fetch", "capture_fetch"),  # the tracer's events
             (capture.CaptureWorker, "_written", "capture_write"),  # decode, encode: pauses in
@@ -100,8 +103,7 @@ def _install(out: str) -> None:
             import distanom.request_desk as request_desk
             import distanom.world as world
 
-            skip = {"_main", "_round_loop", "_run_round", "_flush_steps", "_write_status",
-                    "_log_steps", "poll"}  # fmt: skip
+            skip = {"_main", "_round_loop", "_run_round", "_write_status", "poll"}
             for owner in (
                 control_loop.ControlLoop, evidence.EvidenceTier, detect.Detector,
                 duty_cycle.DutyCycle, journal.AnomalyJournal, request_desk.RequestDesk,

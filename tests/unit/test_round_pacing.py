@@ -249,14 +249,14 @@ def test_a_control_thread_abandoned_at_exit_writes_nothing_to_the_closed_steps_f
     for _ in range(3):
         agent.boundaries.boundary()
     deadline = time.monotonic() + 30
-    while agent.control._steps is None and time.monotonic() < deadline:
+    while agent.control.step_log._writer is None and time.monotonic() < deadline:
         time.sleep(0.01)  # the control thread opens the steps file once set up
-    steps = agent.control._steps
+    steps = agent.control.step_log._writer
     assert steps is not None
     agent.control.close()  # as at an exit that gave up waiting for the control thread
     assert steps._file.closed
     with caplog.at_level("WARNING", logger="distanom"):
-        agent.control._flush_steps()  # what the abandoned thread does next: no raise
+        agent.control.step_log.flush()  # what the abandoned thread does next: no raise
     assert not [r for r in caplog.records if "steps file" in r.getMessage()]
     agent.close()
 
