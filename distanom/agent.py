@@ -167,7 +167,10 @@ class Agent:
 
     @clock.setter
     def clock(self, clock: StepClock | None) -> None:
-        self.boundaries.clock = clock
+        if clock is None:
+            self.boundaries.clock = None
+        else:
+            self.boundaries.use_clock(clock)  # a deferred one is then collected
 
     @property
     def capture(self) -> CaptureWorker | None:

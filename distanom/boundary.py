@@ -20,13 +20,12 @@ scaler is read.
 
 At a boundary: one host timestamp, the clock's mark (a CUDA event or a host clock read),
 the tracer's step mark, the duty cycle's switch for the next step, and a queue put of
-each step whose time became known (`StepRecord`, to the control thread). With CUDA
-events the clock is deferred: the boundary records its event and counts itself into the
-inbox, and the control thread reads the events and makes the records (`collect`, once
-per round, in a warm batch). Inside a run
-of steps the duty cycle already decided untraced, with the tracer off, the tracer's
-part is its mark alone ("quiet boundaries", docs/agent.md). Reads the shared `Health`
-and `DutyCycle`; nothing here blocks or raises into training.
+each step whose time became known (`StepRecord`, to the control thread); or, with a
+deferred event clock (`DEFER_EVENT_READS`, off), the event and a count, the records made
+by the control thread (`collect`, a round at a time). Inside a run of steps the duty
+cycle already decided untraced, with the tracer off, the tracer's part is its mark alone
+("quiet boundaries", docs/agent.md). Reads the shared `Health` and `DutyCycle`; nothing
+here blocks or raises into training.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ import collections
 import contextlib
 import functools
 import logging
-import math
 import threading
 import time
 import weakref
@@ -64,16 +62,21 @@ from distanom.own_time import (
     TRACER,
     BoundaryMeters,
 )
-from distanom.phases import NO_RAW, PhaseMarks, RawPhases, should_read_gpu
+from distanom.phases import NO_RAW, PhaseMarks, RawPhases
 from distanom.tracers import Tracer, create_tracer
 
 log = logging.getLogger(__name__)
 
 FINAL = object()  # inbox sentinel: training is over
+# The control thread reads the CUDA events and makes the records (`collect`): off, as its
+# queries would invalidate a script's global-mode CUDA graph capture, and no job was shown
+# faster for it (docs/measurements.md, session 22)
+DEFER_EVENT_READS = False
 STEP_SKIPPED = 8  # the step's optimizer step was skipped by a GradScaler (not sent in rounds)
 # what is kept of steps whose time the clock has not given yet is swept every this many
 # steps, back to this many steps: past it, the clock gave up on them (their bookkeeping
-# would grow without bound)
+# would grow without bound; a deferred clock's reader gives up on them too,
+# `clock.MAX_DEFERRED_EVENTS`)
 KEEP_UNRESOLVED = 2048
 _perf_ns = time.perf_counter_ns
 _thread_ns = time.thread_time_ns
@@ -154,7 +157,7 @@ class StepBoundaries:
         self._deferred = False  # the clock's events are read by `collect` (control thread)
         self._collect_lock = threading.Lock()  # `collect` against `drain`: never per step
         self._last_began = 0  # perf ns of the last boundary (a deferred clock's slow runs)
-        self.slow_ms = math.inf  # the detector's bound without its fence (control thread)
+        self._booked_through = -1  # the last step whose flags, self_ms, gc and phases are kept
         self._seen_of_class: list[weakref.ref[Any]] = []  # step.optimizer's class, first-step order
         self._optimizer_boundaries = 0  # steps ended by the optimizer before distanom.step()
         self.skipped_steps = 0  # steps whose optimizer step a GradScaler skipped
@@ -340,6 +343,7 @@ class StepBoundaries:
             self._self_ms[step] = self_ms
         if self._gc_finished:  # nearly every step has no collection: no call
             self._gc[step] = self.gc_pauses.take()
+        self._booked_through = step  # a deferred clock's reader may make its record now
         at_bookkeeping = now()
         tracer = self.tracer
         switched = False
@@ -458,7 +462,7 @@ class StepBoundaries:
             return []
         with self._collect_lock:
             try:
-                resolved, passed = clock.collect()
+                resolved, passed = clock.collect(self._booked_through)
                 records = [self._resolved(step, duration) for step, duration in resolved]
                 clock.release(passed)  # after the records: their phase events are read
             except Exception as err:
@@ -469,12 +473,11 @@ class StepBoundaries:
         return records
 
     def _resolved(self, step: int, duration: float) -> StepRecord:
-        """What the control thread gets of a step whose time is known (its GPU phases
-        read where `phases.should_read_gpu` says)."""
+        """What the control thread gets of a step whose time is known."""
         gc_ms, gc_generation = self._gc.pop(step, NO_GC) if self._gc else NO_GC
         flags = self._step_flags.pop(step, 0) if self._step_flags else 0
         self_ms = self._self_ms.pop(step, 0.0) if self._self_ms else 0.0
-        phases = self.phases.take_raw(step, should_read_gpu(step, duration, self.slow_ms))
+        phases = self.phases.take_raw(step)
         # tuple.__new__: no Python frame of the NamedTuple's own __new__
         fields = (step, duration, flags, self_ms, gc_ms, gc_generation, phases)
         return _new_tuple(StepRecord, fields)
@@ -512,10 +515,9 @@ class StepBoundaries:
 
     def _first_boundary(self) -> None:
         try:
-            clock = self.clock  # one put in place by `use_clock`, else this process's
-            if clock is None:
-                clock = StepClock(resolve_mode(self.config.clock.mode), deferred=True)
-                self.use_clock(clock)
+            mode = resolve_mode(self.config.clock.mode)
+            clock = self.clock or StepClock(mode, deferred=DEFER_EVENT_READS)
+            self.use_clock(clock)  # or the one `use_clock` put in place (tests, tools)
             mode = clock.mode
             if mode in ("cuda_event", "adaptive"):
                 self.phases.use_gpu(clock.event_calls)

@@ -6,9 +6,10 @@ became known since the last call, as `(step, duration_ms)` pairs in step order:
 - `cuda_event`: records a CUDA event on the current stream at each step end; a step's
   duration is the GPU time between its end event and the previous one. Events are
   polled with `query()`, never waited on, so the training thread does not synchronize
-  and durations arrive a few steps late, `POLL_EVERY` at a time. Deferred (as the agent
-  runs it): `mark` only records, and the control thread reads the events once a round
-  (`collect`, then `release` once the step's phase events are read too).
+  and durations arrive a few steps late, `POLL_EVERY` at a time. Deferred (the agent's
+  `boundary.DEFER_EVENT_READS`, off): `mark` only records, and the control thread reads
+  the events once a round (`collect`, then `release` once the step's phase events are
+  read too).
 - `host_sync`: the seed recipe: `torch.cuda.synchronize()` then the host clock, exact
   and immediate, at the cost of a synchronize per step.
 - `host`: the host clock alone (CPU training, where there is nothing to wait for).
@@ -49,9 +50,11 @@ import torch
 # boundaries are given up (their steps get no duration) rather than growing memory.
 MAX_PENDING_EVENTS = 256
 # A deferred clock's events wait for the control thread, which wakes about once a second
-# or a round (at most `consensus.batch_steps`, 1,000 steps): room for a few seconds of
-# 1 ms steps
-MAX_DEFERRED_EVENTS = 4096
+# or a round (at most `consensus.batch_steps`, 1,000 steps). As many steps as the
+# boundary keeps the bookkeeping of (`boundary.KEEP_UNRESOLVED`, `phases.MAX_KEPT_STEPS`):
+# after a longer stall of the reader the oldest steps are dropped whole, never made into
+# records without their flags
+MAX_DEFERRED_EVENTS = 2048
 # Durations are read every this many steps: fewer queries, a few steps' more delay
 # (far below the tracer's history, which the capture decision must not outlive).
 POLL_EVERY = 4
@@ -243,7 +246,8 @@ class StepClock:
         self.last_event = event
         pending = self._pending
         pending.append((step, event, self._generation, self._device))
-        if self.deferred:  # the reader polls, drops and recycles: this thread only appends
+        if self.deferred:  # the reader polls, drops and recycles (this thread appends, and
+            # pops only when no reader has come for twice the reader's own bound)
             if len(pending) > 2 * MAX_DEFERRED_EVENTS:  # no reader any more: bound memory
                 with contextlib.suppress(IndexError):
                     pending.popleft()
@@ -289,12 +293,13 @@ class StepClock:
         self.release(passed_events)
         return out
 
-    def collect(self) -> tuple[list[tuple[int, float]], list[tuple[Any, Any]]]:
+    def collect(self, through_step: int) -> tuple[list[tuple[int, float]], list[tuple[Any, Any]]]:
         """A deferred clock's read (the control thread, never with `drain` at once): the
-        durations the GPU has given since the last call, and the (event, device) pairs
-        passed, for `release` once nothing reads them any more (a step's phase events are
-        read against its boundary events). Beyond MAX_DEFERRED_EVENTS pending, the
-        oldest boundaries are given up."""
+        durations the GPU has given since the last call, of steps up to `through_step`
+        (the last whose boundary finished its bookkeeping: a later one's event may be
+        pending already), and the (event, device) pairs passed, for `release` once
+        nothing reads them any more (a step's phase events are read against its boundary
+        events). Beyond MAX_DEFERRED_EVENTS pending, the oldest boundaries are given up."""
         device = self._device  # the reader's own thread is on the events' device
         if device is not None and device != self._reader_device:
             self._calls.use_device(device)  # type: ignore[union-attr]
@@ -306,7 +311,7 @@ class StepClock:
                 pending.popleft()
             self.lost_boundaries += excess
             self._previous_event = None
-        return self._poll()
+        return self._poll(through_step)
 
     def release(self, passed_events: list[tuple[Any, Any]]) -> None:
         """Give events `poll` or `collect` passed back to the pool (those of the current
@@ -316,13 +321,18 @@ class StepClock:
             if device == device_now:
                 spare.append(event)
 
-    def _poll(self) -> tuple[list[tuple[int, float]], list[tuple[Any, Any]]]:
+    def _poll(
+        self, through_step: int | None = None
+    ) -> tuple[list[tuple[int, float]], list[tuple[Any, Any]]]:
         out: list[tuple[int, float]] = []
         freed: list[tuple[Any, Any]] = []
         pending = self._pending
         if not pending:
             return out, freed
         passed = self._passed()
+        if through_step is not None:  # pending is in step order: the newest come off
+            while passed and pending[passed - 1][0] > through_step:
+                passed -= 1
         self._behind = max(1, len(pending) - passed)
         elapsed_ms = self._calls.elapsed_ms  # type: ignore[union-attr]
         previous = self._previous_event

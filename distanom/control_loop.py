@@ -1,13 +1,13 @@
 """The agent's control thread (`distanom-control`): everything that can block.
 
 Forms distanom's group, joins the run directory (`run_join`) and writes run.json, then
-loops: takes the `StepRecord`s the training thread queued (with CUDA events, made at the
-take), appends them to this rank's steps file (`step_log`), gathers rounds of step times
-across ranks, feeds the duty cycle, decides captures and hands them to the capture
-worker, polls and answers on-demand requests and rewrites status.json (rank 0). Without
-consensus (setup failed, a rank gone) it keeps draining the queue so the training thread
-never fills memory. State it shares with the training thread lives in `Health` and
-`DutyCycle`.
+loops: takes the `StepRecord`s the training thread queued (with a deferred event clock,
+made at the take), appends them to this rank's steps file (`step_log`), gathers rounds
+of step times across ranks, feeds the duty cycle, decides captures and hands them to
+the capture worker, polls and answers on-demand requests and rewrites status.json (rank
+0). Without consensus (setup failed, a rank gone) it keeps draining the queue so the
+training thread never fills memory. State it shares with the training thread lives in
+`Health` and `DutyCycle`.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class ControlLoop:
         self.argv = argv
         self.health = health
         self.duty = duty
-        self.boundaries = boundaries  # the step in progress, the tracer; sets its slow_ms
+        self.boundaries = boundaries  # read only: the step in progress, the tracer
         self.inbox = inbox
         self.detector = Detector(config.detect, config.capture)
         self.run: RunDir | None = None
@@ -461,11 +461,10 @@ class ControlLoop:
         self._gathered_step = max(self._gathered_step, result.last_step)
         decisions = decide(result, self.detector, self.world.world_size)
         median = self.detector.median_ms
-        if median is not None and math.isfinite(median):  # the threshold without its fence:
-            slow_ms = floor_threshold(self.config.detect, median, self.config.detect.multiplier)
-            self.boundaries.slow_ms = slow_ms  # steps over it have their GPU phases read
-            if self._end_rounds_early:  # and, several in a row, end a round early
-                self.inbox.slow_ms = slow_ms
+        if self._end_rounds_early and median is not None and math.isfinite(median):
+            # steps over this, several in a row, end a round early (`StepInbox.put_step`)
+            detect = self.config.detect  # the threshold without its fence
+            self.inbox.slow_ms = floor_threshold(detect, median, detect.multiplier)
         self.duty.request([d.step for d in decisions if d.kind == "requested"])
         if result.request is not None and self.world.rank == 0:
             self.requests.answer(self.run, result.request, decisions)

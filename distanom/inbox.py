@@ -7,8 +7,8 @@ waking it at every step would make it take the GIL from a launch-bound training 
 at every step, which costs that thread more than the work the wake-up does
 (docs/agent.md, "The control thread wakes per round, not per step").
 
-With a deferred step clock (CUDA events, `clock.StepClock.collect`), the training thread
-puts no records at all: each boundary only counts (`tick`), and `take` has the steps
+With a deferred step clock (`boundary.DEFER_EVENT_READS`, off), the training thread puts
+no records at all: each boundary only counts (`tick`), and `take` has the steps
 resolved there, on the control thread (`collect`, set by `StepBoundaries`): the event
 reads and the records are made once per round, in a warm batch, not at every boundary.
 
@@ -111,7 +111,8 @@ class StepInbox:
         # before draining: an item queued meanwhile wakes the next wait
         self._ready.clear()
         self._signalled = False
-        # before draining too: a slow run counted now has its last step queued already
+        # before draining too: a slow run counted now has its last step queued already (a
+        # deferred clock's: its last boundary ticked; its record may come a take later)
         runs = self._slow_runs
         self.took_urgent = runs != self._slow_runs_taken
         self._slow_runs_taken = runs

@@ -32,11 +32,8 @@ in a synchronize (docs/evidence.md).
 
 The parts of a step are handed out by `take_raw(step)` once the step clock has timed the
 step (the boundary events have completed, so every earlier phase event has too: no
-synchronize): the GPU parts read there (on the control thread with the deferred event
-clock; for every 8th step and every step near the slow-step bound only,
-`should_read_gpu`: the report's usual values are medians, and an anomaly's own parts are
-always read), the host marks as they are, split into parts by `resolve` on the control
-thread (`take` does both, for tools). They go into the step's
+synchronize): the GPU parts read there, the host marks as they are, split into parts by
+`resolve` on the control thread (`take` does both, for tools). They go into the step's
 row of steps/rank<R>.csv; the report reads them.
 """
 
@@ -71,10 +68,6 @@ NO_PHASES: PhaseTimes = (NAN_PARTS, math.nan, NAN_GPU)
 # marks None where nothing is known
 RawPhases = tuple[list[tuple[int, int, Any]] | None, int, int, int, tuple[float, ...]]
 NO_RAW: RawPhases = (None, 0, 0, 0, NAN_GPU)
-# GPU parts are read for every this-many-th step and for steps over this share of the
-# slow-step bound (`should_read_gpu`)
-GPU_READ_EVERY = 8
-GPU_READ_SHARE = 0.8
 MAX_MARKS = 256  # marks kept per step (a loop of many micro-batches keeps its first ones)
 MAX_KEPT_STEPS = 2048  # steps whose parts wait for the clock (it gives up beyond)
 MAX_TOP_MODULES = 64  # outermost modules remembered while looking for the model
@@ -347,30 +340,29 @@ class PhaseMarks:
         kept = self._kept
         kept[step] = (marks, start, boundary_ns, fetch_ns, start_event, boundary_event)
         if len(kept) > MAX_KEPT_STEPS:
-            # list(): one C call, so a deferred clock's reader (`take_raw` on the control
-            # thread) popping meanwhile cannot change the dict under an iteration
-            oldest = list(kept)[: len(kept) - MAX_KEPT_STEPS]
-            for old in oldest:
-                dropped = kept.pop(old, None)
-                if dropped is not None:
-                    self._recycle(dropped[0])
+            try:
+                oldest = next(iter(kept))
+            except RuntimeError:  # a deferred clock's reader popped meanwhile: next time
+                return
+            dropped = kept.pop(oldest, None)
+            if dropped is not None:
+                self._recycle(dropped[0])
 
     def take(self, step: int) -> PhaseTimes:
         """The step's (host parts, fetch ms, GPU parts), NaN where not known; call once
         its boundary event has completed (the clock timed it)."""
         return resolve(self.take_raw(step))
 
-    def take_raw(self, step: int, read_gpu: bool = True) -> RawPhases:
+    def take_raw(self, step: int) -> RawPhases:
         """`take`'s answer before the host parts are split (`resolve` does that, off the
-        training thread); the GPU parts are read here unless `read_gpu` is false (then
-        NaN: `should_read_gpu`), the events then reused."""
+        training thread); the GPU parts are read here, the events then reused."""
         kept = self._kept.pop(step, None)
         if kept is None:
             return NO_RAW
         marks, start, end, fetch_ns, start_event, end_event = kept
         gpu_parts = NAN_GPU
         if self._calls is not None:
-            if read_gpu and start_event is not None and end_event is not None and _told(marks):
+            if start_event is not None and end_event is not None and _told(marks):
                 try:
                     gpu_parts = self._gpu_parts(start_event, marks, end_event)
                 except Exception as err:  # an event of another device, a torch change
@@ -409,16 +401,6 @@ class PhaseMarks:
         if not self.note:
             self.note = what
             log.warning("distanom: %s", what)
-
-
-def should_read_gpu(step: int, duration_ms: float, slow_ms: float) -> bool:
-    """Whether a step's GPU parts are read (three CUDA event reads: with the clock's one,
-    the control thread's CPU rose 30-50 us a step on the H200 when they moved there from
-    the training thread, docs/measurements.md): every
-    `GPU_READ_EVERY`-th step, enough for the usual values the report compares with, and
-    every step over `GPU_READ_SHARE` of the slow-step bound (`StepBoundaries.slow_ms`:
-    the detector's threshold without the spread fence), so every anomaly has them."""
-    return not step % GPU_READ_EVERY or duration_ms > GPU_READ_SHARE * slow_ms
 
 
 def _told(marks: list[tuple[int, int, Any]]) -> bool:

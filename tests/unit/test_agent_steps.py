@@ -208,6 +208,7 @@ def test_a_gpu_that_never_reaches_the_end_leaves_the_tracer_running(
     class HungClock:
         mode = "cuda_event"
         host_timed_steps = 0
+        deferred = False  # the training thread reads its events
 
         def drain(self, timeout_s: float) -> tuple[list[tuple[int, float]], bool]:
             return [], False

@@ -22,7 +22,6 @@ from distanom.agent import Agent
 from distanom.clock import StepClock
 from distanom.config import load_config
 from distanom.inbox import SLOW_RUN_STEPS, StepInbox
-from distanom.phases import GPU_READ_EVERY
 from distanom.world import WorldInfo
 from tests.unit.test_clock import FakeEvent, FakeGpu
 
@@ -46,6 +45,9 @@ class StrictGpu(FakeGpu):
         return super().elapsed_ms(start, end)
 
 
+ALL = 10**9  # `collect`'s bound: every step's bookkeeping is done
+
+
 def deferred(gpu: FakeGpu) -> StepClock:
     return StepClock("cuda_event", calls=gpu, deferred=True)  # type: ignore[arg-type]
 
@@ -56,14 +58,28 @@ def test_a_deferred_mark_only_records_and_collect_gives_every_step_in_order() ->
     clock = deferred(gpu)
     assert all(clock.mark(step) == () for step in range(50))
     assert gpu.queries == 0  # the training thread asked the GPU nothing
-    got, passed = clock.collect()
+    got, passed = clock.collect(ALL)
     assert got == [(s, 10.0) for s in range(1, 48)]  # the GPU is two boundaries behind
     assert clock.behind == 2
     clock.release(passed)
     gpu.passed = gpu.recorded
-    more, passed = clock.collect()
+    more, passed = clock.collect(ALL)
     assert more == [(48, 10.0), (49, 10.0)]
     clock.release(passed)
+
+
+def test_a_step_whose_bookkeeping_is_not_done_waits_for_the_next_read() -> None:
+    # the training thread records the event before it keeps the step's flags and phases:
+    # a read in between must not make its record yet
+    gpu = StrictGpu()
+    clock = deferred(gpu)
+    for step in range(10):
+        clock.mark(step)
+    got, passed = clock.collect(8)  # boundary 9's event is in, its bookkeeping is not
+    assert [step for step, _ in got] == list(range(1, 9))
+    clock.release(passed)
+    got, _ = clock.collect(9)
+    assert got == [(9, 10.0)]
 
 
 def test_events_go_back_to_the_pool_only_when_released() -> None:
@@ -71,7 +87,7 @@ def test_events_go_back_to_the_pool_only_when_released() -> None:
     clock = deferred(gpu)
     for step in range(20):
         clock.mark(step)
-    _, passed = clock.collect()
+    _, passed = clock.collect(ALL)
     for step in range(20, 40):
         clock.mark(step)
     assert gpu.created == 40  # nothing released yet: none reused
@@ -79,7 +95,7 @@ def test_events_go_back_to_the_pool_only_when_released() -> None:
     for step in range(40, 59):
         clock.mark(step)
     assert gpu.created == 40  # the 19 released ones served
-    got, _ = clock.collect()
+    got, _ = clock.collect(ALL)
     assert got == [(s, 10.0) for s in range(20, 59)]
 
 
@@ -92,13 +108,13 @@ def test_the_reader_reads_on_the_events_device_not_device_0() -> None:
     for step in range(10):
         clock.mark(step)
     queries = gpu.queries
-    clock.collect()
-    clock.collect()
+    clock.collect(ALL)
+    clock.collect(ALL)
     assert gpu.devices_used == [3] and queries == 0
     gpu.stream = ("s", 5, 1)  # the script moved to cuda:5
     for step in range(10, 20):
         clock.mark(step)
-    got, _ = clock.collect()
+    got, _ = clock.collect(ALL)
     assert gpu.devices_used == [3, 5]
     assert [step for step, _ in got] == list(range(11, 20))  # none paired across devices
 
@@ -109,7 +125,7 @@ def test_a_reader_far_behind_gives_up_the_oldest_boundaries() -> None:
     extra = 10
     for step in range(clock_module.MAX_DEFERRED_EVENTS + extra):
         clock.mark(step)
-    got, _ = clock.collect()
+    got, _ = clock.collect(ALL)
     assert clock.lost_boundaries == extra
     assert got[0][0] == extra + 1 and got[-1][0] == clock_module.MAX_DEFERRED_EVENTS + extra - 1
 
@@ -155,7 +171,7 @@ def test_take_gives_the_collected_steps_before_the_end() -> None:
     assert inbox.take(0) == ["step 7", "step 8", end] and inbox.ended
 
 
-SLOW_STEP = 1001  # not a multiple of GPU_READ_EVERY: read for being slow alone
+SLOW_STEP = 1001  # its GPU takes 500 ms more before its forward's end
 
 
 def read_rows(agent: Agent) -> list[dict[str, str]]:
@@ -171,7 +187,6 @@ def test_a_running_agent_resolves_every_step_on_the_control_thread(tmp_path: Pat
     gpu = StrictGpu()
     gpu.lag = 3  # a step behind: each step records its two phase events and its boundary
     agent.install()
-    agent.boundaries.use_clock(deferred(gpu))
     model = torch.nn.Linear(8, 2)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = 1500
@@ -182,15 +197,11 @@ def test_a_running_agent_resolves_every_step_on_the_control_thread(tmp_path: Pat
         collectors.add(threading.current_thread().name)
         return list(collect())
 
-    agent.boundaries.inbox.collect = watched
+    agent.boundaries.collect = watched  # type: ignore[method-assign,assignment]
+    agent.clock = deferred(gpu)  # the agent's setter: the clock's steps are collected
     try:
         for step in range(steps):
             if step == SLOW_STEP:
-                # the detector's bound is known by now (a loaded host may have kept the
-                # control thread from any round yet: wait for one)
-                deadline = time.monotonic() + 60
-                while agent.boundaries.slow_ms == math.inf and time.monotonic() < deadline:
-                    time.sleep(0.01)
                 gpu.extra_ms = 500.0  # the GPU spends 500 ms more before its forward's end
             model(torch.randn(4, 8)).sum().backward()
             sgd.step()
@@ -214,10 +225,9 @@ def test_a_running_agent_resolves_every_step_on_the_control_thread(tmp_path: Pat
         step = int(row["step"])
         read[step] = [float(row[column]) for column in columns]
         assert not math.isnan(float(row["forward_ms"]))  # host parts: every step
-    # GPU parts: every 8th step (the usual values) and the slow step, whose own they are
+    # the GPU parts of every step, read against its own boundary events
     assert read.pop(SLOW_STEP) == [510.0, 10.0, 10.0]
-    assert all(read[step] == [10.0, 10.0, 10.0] for step in read if not step % GPU_READ_EVERY)
-    assert all(all(map(math.isnan, read[step])) for step in read if step % GPU_READ_EVERY)
+    assert all(parts == [10.0, 10.0, 10.0] for parts in read.values())
     # events came back to the pools and were recorded again (how many wait at once
     # depends on how often the control thread got to run: a loaded host lets it fall
     # far behind; the pools' exact rule is `test_events_go_back_to_the_pool_only_...`)
