@@ -343,7 +343,6 @@ class StepBoundaries:
             self._self_ms[step] = self_ms
         if self._gc_finished:  # nearly every step has no collection: no call
             self._gc[step] = self.gc_pauses.take()
-        self._booked_through = step  # a deferred clock's reader may make its record now
         at_bookkeeping = now()
         tracer = self.tracer
         switched = False
@@ -367,7 +366,8 @@ class StepBoundaries:
             put, record = self.inbox.put_step, self._resolved
             for resolved_step, duration in resolved:
                 put(record(resolved_step, duration), duration)
-        elif self._deferred:
+        elif self._deferred:  # the step's flags, self_ms, gc and phases are kept by now:
+            self._booked_through = step  # its reader may make its record
             self.inbox.tick(began - self._last_began)
             self._last_began = began
         if not step % KEEP_UNRESOLVED:

@@ -38,12 +38,7 @@ from distanom.consensus import (
     lead_steps,
 )
 from distanom.control_status import agent_cost, status_body, tracer_report
-from distanom.detect import (
-    CaptureDecision,
-    Detector,
-    StepSample,
-    floor_threshold,
-)
+from distanom.detect import CaptureDecision, Detector, StepSample, floor_threshold
 from distanom.duty_cycle import DutyCycle
 from distanom.errors import RunDirError
 from distanom.evidence import EvidenceTier
@@ -522,8 +517,6 @@ class ControlLoop:
                 number,
                 extra=HEADLINE,  # as worth a line as a capture
             )
-
-    # -- the steps file ----------------------------------------------------------------
 
     # -- status (rank 0) ---------------------------------------------------------------
 

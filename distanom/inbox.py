@@ -90,7 +90,7 @@ class StepInbox:
     def tick(self, interval_ns: int) -> None:
         """A boundary whose step the consumer resolves (deferred clock; training thread):
         counts towards `wake_at` as a put would, and a host interval over `slow_ms`
-        towards a slow run."""
+        towards a slow run (`put_step`'s rule, inlined as there: both run every step)."""
         self._ticks = ticks = self._ticks + 1
         if interval_ns > self.slow_ms * 1e6:
             self._slow_run += 1
