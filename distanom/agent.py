@@ -32,6 +32,7 @@ from distanom.config import Config
 from distanom.control_loop import FINAL_ROUND_TIMEOUT_S, ControlLoop
 from distanom.detect import Detector
 from distanom.duty_cycle import DutyCycle
+from distanom.graph_capture import CAPTURES
 from distanom.hang import HangWatch
 from distanom.health import Health
 from distanom.inbox import StepInbox
@@ -104,6 +105,7 @@ class Agent:
 
         trace_io.PAUSE_GC_DURING_LOAD = False  # never touch the GC of the training process
         self.boundaries.install_hook()
+        CAPTURES.install()  # steps inside a CUDA graph capture are skipped (graph_capture)
         self.control.start()
         self.hang.start()
         # last: nothing after it can fail and leave it installed

@@ -49,6 +49,7 @@ from distanom.duty_cycle import DutyCycle
 from distanom.evidence import EvidenceMarks
 from distanom.gc_pauses import GcPauses
 from distanom.grad_scaler import patch_grad_scaler
+from distanom.graph_capture import CAPTURES
 from distanom.health import Health
 from distanom.inbox import StepInbox
 from distanom.log_lines import HEADLINE
@@ -68,15 +69,13 @@ from distanom.tracers import Tracer, create_tracer
 log = logging.getLogger(__name__)
 
 FINAL = object()  # inbox sentinel: training is over
-# The control thread reads the CUDA events and makes the records (`collect`): off, as its
-# queries would invalidate a script's global-mode CUDA graph capture, and no job was shown
-# faster for it (docs/measurements.md, session 22)
+# The control thread reads the CUDA events and makes the records (`collect`): off, as no
+# job was shown faster for it (docs/measurements.md, session 22)
 DEFER_EVENT_READS = False
 STEP_SKIPPED = 8  # the step's optimizer step was skipped by a GradScaler (not sent in rounds)
-# what is kept of steps whose time the clock has not given yet is swept every this many
-# steps, back to this many steps: past it, the clock gave up on them (their bookkeeping
-# would grow without bound; a deferred clock's reader gives up on them too,
-# `clock.MAX_DEFERRED_EVENTS`)
+# what is kept of steps the clock has not timed yet is swept every this many steps, back
+# to this many: past it the clock (or a deferred reader, `clock.MAX_DEFERRED_EVENTS`) gave
+# up on them, and their bookkeeping would grow without bound
 KEEP_UNRESOLVED = 2048
 _perf_ns = time.perf_counter_ns
 _thread_ns = time.thread_time_ns
@@ -127,8 +126,7 @@ class StepBoundaries:
         self.own_ns = 0  # time spent in boundaries (this thread's cost of distanom)
         self.meters = BoundaryMeters()  # the same, by kind and part (`distanom.own_time`)
         self.last_busy_ns = 0  # distanom's busy time (Health, capture) at the last boundary
-        # a slow tracer switch's time at the last boundary: it falls in the step after it
-        self._switch_ns = 0
+        self._switch_ns = 0  # a slow tracer switch at the last boundary: the next step's time
         self._switches_ns: collections.deque[int] = collections.deque(maxlen=SWITCHES_KEPT)
         self.gc_pauses = GcPauses()
         self.evidence_marks = EvidenceMarks()
@@ -290,8 +288,8 @@ class StepBoundaries:
 
     def boundary(self, *, inside_optimizer: bool = False, skipped: bool = False) -> None:
         """End the step in progress; never raises (a failure switches bookkeeping off)."""
-        if self.closed or self._boundaries_off:
-            return
+        if self.closed or self._boundaries_off or CAPTURES.capturing:
+            return  # a step inside a CUDA graph capture is not run now (graph_capture)
         if not self._manual:
             self._optimizer_boundaries += 1
         try:
@@ -460,7 +458,9 @@ class StepBoundaries:
         clock = self.clock
         if clock is None or not clock.deferred:
             return []
-        with self._collect_lock:
+        with self._collect_lock, CAPTURES.lock:  # no event query inside a graph capture
+            if CAPTURES.capturing:
+                return []  # read at the next take
             try:
                 resolved, passed = clock.collect(self._booked_through)
                 records = [self._resolved(step, duration) for step, duration in resolved]

@@ -30,9 +30,11 @@ torch's C layer and a `Stream` object built only when it changes; events are poo
 one poll every `POLL_EVERY` steps finds the newest event the GPU has passed with a query
 or two (one stream's events complete in order), not one query per step.
 
-The first step has no start boundary (distanom must not touch CUDA before the script
-picks its device), so durations start with step 1. Durations go to the agent, which
-queues them for the consensus thread.
+A step whose boundary is the first after a CUDA graph capture (`distanom.graph_capture`)
+gets no duration: its span holds the capture and the graph's replays, none of them a
+step of the loop's. The first step has no start boundary (distanom must not touch CUDA
+before the script picks its device), so durations start with step 1. Durations go to the
+agent, which queues them for the consensus thread.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from distanom.graph_capture import CAPTURES
 
 # Pending CUDA events are bounded: if the GPU falls this far behind, the oldest
 # boundaries are given up (their steps get no duration) rather than growing memory.
@@ -185,6 +189,10 @@ class StepClock:
         # deferred: `mark` only records; the control thread reads the events (`collect`)
         self.deferred = deferred and mode == "cuda_event"
         self._reader_device: Any = None  # the device `collect` set current on its thread
+        # CUDA graph captures seen at the last mark; steps whose boundary is the first after
+        # a capture, never given a duration (`mark`)
+        self._captures_seen = CAPTURES.seen
+        self._gaps: set[int] = set()
 
     @property
     def event_calls(self) -> CudaEventCalls | None:
@@ -210,6 +218,13 @@ class StepClock:
     def mark(self, step: int) -> Sequence[tuple[int, float]]:
         """Mark the end of `step`; returns the (step, duration_ms) pairs that became known."""
         self.last_event = None
+        if CAPTURES.seen != self._captures_seen:
+            # a CUDA graph was captured since the last boundary (and maybe replayed many
+            # times): this step's span is no step of the loop's, so it gets no duration
+            self._captures_seen = CAPTURES.seen
+            self._last_host_ns = None
+            if self._calls is not None:  # event-timed: `_poll` pairs the events
+                self._gaps.add(step)
         if self.mode == "cuda_event":
             return self._mark_event(step)
         if self._adaptive is not None:
@@ -336,14 +351,17 @@ class StepClock:
         self._behind = max(1, len(pending) - passed)
         elapsed_ms = self._calls.elapsed_ms  # type: ignore[union-attr]
         previous = self._previous_event
+        gaps = self._gaps
         for _ in range(passed):
             step, event, _generation, device = pending.popleft()
             if previous is not None:
-                if previous[0] == step - 1 and previous[2] == device:
+                if previous[0] == step - 1 and previous[2] == device and step not in gaps:
                     out.append((step, float(elapsed_ms(previous[1], event))))
                 freed.append((previous[1], previous[2]))
             previous = (step, event, device)
         self._previous_event = previous
+        if gaps and previous is not None:
+            gaps.difference_update([gap for gap in list(gaps) if gap <= previous[0]])
         return out, freed
 
     def drain(self, timeout_s: float = 10.0) -> tuple[list[tuple[int, float]], bool]:

@@ -9,7 +9,9 @@ Marks are taken at points every training loop passes, with no change to the scri
   until the outermost module is known (of the modules called with no other module
   running by the first step end, the one with parameters that took longest: a loss
   module is passed over), then
-  hooks on that instance alone (global hooks take every module off its fast call path);
+  hooks on that instance alone (global hooks take every module off its fast call path),
+  lifted while the script passes the model to `make_graphed_callables`, which refuses a
+  hooked module (`distanom.graph_capture`); inside a CUDA graph capture no mark is taken;
 - the end of `torch.autograd.backward` (`loss.backward()`): the host has launched the
   backward pass; what follows until the optimizer step is the loop's own work there
   (gradient clipping, a GradScaler's inf check, which synchronizes);
@@ -39,15 +41,18 @@ row of steps/rank<R>.csv; the report reads them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from distanom.graph_capture import CAPTURES
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +146,7 @@ class PhaseMarks:
         self._kept: dict[int, tuple[Any, ...]] = {}  # step -> what `take_raw` needs
         self._undo: list[Callable[[], None]] = []
         self._model_hooks: list[Any] = []
+        self._model: weakref.ref[Any] | None = None  # the hooked model
         self._top: dict[int, list[Any]] = {}  # id -> [module ref, total ns, depth-0 calls]
         self._depth = 0
         self._entered_ns = 0
@@ -170,15 +176,16 @@ class PhaseMarks:
             pre = nn_module.register_module_forward_pre_hook(self._global_pre)
             post = nn_module.register_module_forward_hook(self._global_post)
             self._global = [pre, post]
+            CAPTURES.hook_lifters.append(self._lift_hooks)
         except Exception as err:  # another torch's layout: no phases, training goes on
             self._switch_off(f"phase marks cannot be set ({err})")
 
     def uninstall(self) -> None:
         """Undo every hook and wrapper (at close)."""
         self._drop_global_hooks()
-        for handle in self._model_hooks:
-            handle.remove()
-        self._model_hooks = []
+        self._drop_model_hooks()
+        with contextlib.suppress(ValueError):
+            CAPTURES.hook_lifters.remove(self._lift_hooks)
         while self._undo:
             self._undo.pop()()
 
@@ -273,10 +280,34 @@ class PhaseMarks:
         with_params = [item for item in found if _has_parameters(item[1])]
         model = max(with_params or found, key=lambda item: item[0])[1]
         self.model_name = type(model).__name__
+        self._model = weakref.ref(model)
+        self._hook_model(model)
+
+    def _hook_model(self, model: Any) -> None:
         self._model_hooks = [
             model.register_forward_pre_hook(self._model_pre),
             model.register_forward_hook(self._model_post),
         ]
+
+    def _drop_model_hooks(self) -> None:
+        for handle in self._model_hooks:
+            handle.remove()
+        self._model_hooks = []
+
+    def _lift_hooks(self, given: Sequence[Any]) -> Callable[[], None]:
+        """`make_graphed_callables` refuses a module with forward hooks: if the hooked
+        model is among the modules `given` to it, its hooks come off; returns what puts
+        them back (torch allows hooks added after, distanom.graph_capture)."""
+        model = self._model() if self._model is not None else None
+        if model is None or not self._model_hooks or not any(m is model for m in given):
+            return _nothing
+        self._drop_model_hooks()
+
+        def restore() -> None:
+            if not self.off and not self._model_hooks:
+                self._hook_model(model)
+
+        return restore
 
     def _model_pre(self, _module: Any, _args: Any) -> None:
         self._in_model += 1
@@ -294,8 +325,8 @@ class PhaseMarks:
 
     def _mark(self, kind: int) -> None:
         marks = self._marks
-        if self.off or len(marks) >= MAX_MARKS:
-            return
+        if self.off or len(marks) >= MAX_MARKS or CAPTURES.capturing:
+            return  # inside a CUDA graph capture nothing runs now (distanom.graph_capture)
         now = time.perf_counter_ns()
         event = None
         calls = self._calls
@@ -401,6 +432,10 @@ class PhaseMarks:
         if not self.note:
             self.note = what
             log.warning("distanom: %s", what)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _told(marks: list[tuple[int, int, Any]]) -> bool:

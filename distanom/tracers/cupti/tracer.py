@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import distanom.tracers.cupti.callbacks as callbacks
 from distanom.errors import TracerUnavailableError
+from distanom.graph_capture import CAPTURES
 from distanom.tracers.base import Availability, StepTrace
 from distanom.tracers.cupti.buffers import DEFAULT_BUFFER_BYTES, BufferPool
 from distanom.tracers.cupti.calibration import Calibration, calibrate
@@ -402,7 +403,8 @@ class CuptiTracer:
         with self._events_lock:
             for s, event in reversed(self._step_events):
                 if s == step:
-                    return bool(event.query())
+                    # not while the script captures a CUDA graph: the query would break it
+                    return CAPTURES.quiet_query(event.query, while_capturing=False)
                 if s < step:
                     break
             return True

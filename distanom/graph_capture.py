@@ -1,0 +1,174 @@
+"""CUDA graph captures in the watched process, kept apart from distanom's CUDA calls.
+
+While a stream captures a CUDA graph in torch's default mode (`global`), a "potentially
+unsafe" CUDA call from any thread of the process (an event query, a synchronize)
+invalidates the capture and the script's `torch.cuda.graph` block raises. torch's own
+NCCL watchdog had to stop querying events during captures for this reason (pytorch
+#104555). distanom queries events to time steps, so it must know when a capture is on.
+
+`CAPTURES.install()` (at the agent's install) wraps `torch.cuda.CUDAGraph.capture_begin`
+and `capture_end`, through which torch's capturing APIs go (`torch.cuda.graph`,
+`make_graphed_callables`, torch.compile's CUDA graphs), and counts the captures in
+flight. What distanom does while one is:
+
+- a step boundary inside it is not a step: the captured optimizer step runs at each
+  replay, where no Python runs, so `StepBoundaries.boundary` skips it whole (no clock,
+  no tracer mark), and the phase marks take nothing (`PhaseMarks`);
+- a thread other than the training thread makes its event queries holding
+  `CAPTURES.lock`, and only while `CAPTURES.capturing` is 0 (`quiet_query`);
+  `capture_begin` takes the same lock before the capture starts, so no query of
+  distanom's is in flight when one begins.
+
+`make_graphed_callables` refuses a module with forward hooks, and the phase marks hook the
+model after the first step: a script that graphs its model mid-run would fail. Its
+wrapper lifts distanom's hooks off the modules it is given (`lift_hooks`, registered by
+`PhaseMarks`) and puts them back after, which torch allows.
+
+Captures started below torch's Python API (a C++ extension's own stream capture) are not
+seen here; the CUPTI tracer's own check of the current stream still covers its switches.
+Per step this costs the boundary one attribute read.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class GraphCaptures:
+    """The count of CUDA graph captures in flight in this process; see the module
+    docstring. One per process (`CAPTURES`)."""
+
+    def __init__(self) -> None:
+        self.capturing = 0  # captures begun and not ended (read without the lock)
+        self.lock = threading.Lock()
+        self.seen = 0  # captures begun since install
+        # each takes the modules make_graphed_callables is given, lifts distanom's hooks
+        # off them and returns what puts them back
+        self.hook_lifters: list[Callable[[Sequence[Any]], Callable[[], None]]] = []
+        self._undo: list[Callable[[], None]] = []
+
+    @property
+    def installed(self) -> bool:
+        """Whether capture_begin and capture_end are wrapped."""
+        return bool(self._undo)
+
+    def install(self, graph_class: Any = None, graphed_owners: Sequence[Any] = ()) -> bool:
+        """Wrap `graph_class`'s capture_begin and capture_end and the
+        `make_graphed_callables` of `graphed_owners` (modules); by default torch's
+        (`torch.cuda.CUDAGraph`; `torch.cuda` and `torch.cuda.graphs`). Returns whether
+        captures are watched. Again once installed: nothing."""
+        if self._undo:
+            return True
+        try:
+            if graph_class is None:
+                import torch.cuda.graphs
+
+                graph_class = torch.cuda.graphs.CUDAGraph
+                graphed_owners = (torch.cuda.graphs, torch.cuda)
+            begin = graph_class.__dict__["capture_begin"]
+            end = graph_class.__dict__["capture_end"]
+        except Exception as err:  # another torch's layout: captures are not seen
+            log.info("distanom: CUDA graph captures are not watched (%s)", err)
+            return False
+        captures = self
+
+        @functools.wraps(begin)
+        def capture_begin(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            captures.began()
+            try:
+                return begin(graph, *args, **kwargs)
+            except BaseException:
+                captures.ended()
+                raise
+
+        @functools.wraps(end)
+        def capture_end(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return end(graph, *args, **kwargs)
+            finally:
+                captures.ended()
+
+        graph_class.capture_begin = capture_begin
+        graph_class.capture_end = capture_end
+
+        def undo() -> None:
+            if graph_class.__dict__.get("capture_begin") is capture_begin:
+                graph_class.capture_begin = begin
+            if graph_class.__dict__.get("capture_end") is capture_end:
+                graph_class.capture_end = end
+
+        self._undo.append(undo)
+        if graphed_owners:
+            self._wrap_make_graphed(graphed_owners)
+        return True
+
+    def _wrap_make_graphed(self, owners: Sequence[Any]) -> None:
+        """Wrap `make_graphed_callables` where each of `owners` holds the first one's, so
+        that it never sees distanom's hooks; nothing where there is none."""
+        original = getattr(owners[0], "make_graphed_callables", None)
+        if original is None:  # another torch's layout: nothing to lift hooks for
+            return
+        owners = [o for o in owners if vars(o).get("make_graphed_callables") is original]
+        captures = self
+
+        @functools.wraps(original)
+        def make_graphed_callables(callables: Any, *args: Any, **kwargs: Any) -> Any:
+            given = callables if isinstance(callables, tuple) else (callables,)
+            restores = []
+            for lift in list(captures.hook_lifters):
+                try:
+                    restores.append(lift(given))
+                except Exception as err:  # never into training: the call goes ahead
+                    log.warning("distanom: cannot lift its hooks for a graph (%s)", err)
+            try:
+                return original(callables, *args, **kwargs)
+            finally:
+                for restore in restores:
+                    try:
+                        restore()
+                    except Exception as err:
+                        log.warning("distanom: cannot put its hooks back (%s)", err)
+
+        for owner in owners:
+            owner.make_graphed_callables = make_graphed_callables
+
+        def undo() -> None:
+            for owner in owners:
+                if vars(owner).get("make_graphed_callables") is make_graphed_callables:
+                    owner.make_graphed_callables = original
+
+        self._undo.append(undo)
+
+    def uninstall(self) -> None:
+        """Put torch's methods back (tests; the agent keeps them for the process)."""
+        while self._undo:
+            self._undo.pop()()
+        self.capturing = 0
+
+    def began(self) -> None:
+        """A capture is about to begin: once any query holding the lock has returned."""
+        with self.lock:
+            self.capturing += 1
+            self.seen += 1
+
+    def ended(self) -> None:
+        """A capture ended (or failed to begin)."""
+        with self.lock:
+            self.capturing = max(0, self.capturing - 1)
+
+    def quiet_query(self, query: Callable[[], bool], while_capturing: bool) -> bool:
+        """`query()` (an event query) unless a capture is in flight, then `while_capturing`
+        without calling it; for threads other than the training thread."""
+        with self.lock:
+            if self.capturing:
+                return while_capturing
+            return query()
+
+
+CAPTURES = GraphCaptures()

@@ -1,0 +1,230 @@
+"""CUDA graph captures kept apart from distanom's CUDA calls (`distanom.graph_capture`):
+the wrapped capture_begin/capture_end count captures in flight, other threads' event
+queries wait out or skip a capture, a step boundary inside a capture is no step, and the
+step after one gets no duration. On CPU: a fake graph class, and captures simulated with
+`CAPTURES.began()`/`ended()` around a real agent's loop (tests/gpu/test_graph_capture_gpu.py
+captures real graphs)."""
+
+from __future__ import annotations
+
+import csv
+import threading
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from distanom.clock import StepClock
+from distanom.graph_capture import CAPTURES, GraphCaptures
+from distanom.phases import _FWD_END as FWD_END
+from distanom.phases import _FWD_START as FWD_START
+from distanom.phases import PhaseMarks
+from tests.unit.test_agent_steps import make_agent
+from tests.unit.test_clock import FakeGpu
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph: records the calls that reach it."""
+
+    calls: ClassVar[list[str]] = []
+    fail_begin = False
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        if FakeGraph.fail_begin:
+            raise RuntimeError("capture_begin failed")
+        FakeGraph.calls.append(f"begin:{capture_error_mode}")
+
+    def capture_end(self) -> None:
+        FakeGraph.calls.append("end")
+
+
+@pytest.fixture
+def fake_graph() -> Any:
+    FakeGraph.calls, FakeGraph.fail_begin = [], False
+    captures = GraphCaptures()
+    assert captures.install(FakeGraph) and captures.installed
+    yield captures
+    captures.uninstall()
+    assert "capture_begin" in FakeGraph.__dict__ and not captures.installed
+
+
+def test_captures_in_flight_are_counted_and_the_originals_still_run(fake_graph: Any) -> None:
+    graph = FakeGraph()
+    graph.capture_begin(capture_error_mode="thread_local")
+    assert fake_graph.capturing == 1
+    graph.capture_end()
+    assert fake_graph.capturing == 0 and fake_graph.seen == 1
+    assert FakeGraph.calls == ["begin:thread_local", "end"]
+    assert FakeGraph.capture_begin.__name__ == "capture_begin"  # functools.wraps
+
+
+def test_a_failed_begin_leaves_no_capture_counted(fake_graph: Any) -> None:
+    FakeGraph.fail_begin = True
+    with pytest.raises(RuntimeError, match="capture_begin failed"):
+        FakeGraph().capture_begin()
+    assert fake_graph.capturing == 0
+
+
+def test_install_twice_wraps_once_and_uninstall_restores(fake_graph: Any) -> None:
+    wrapped = FakeGraph.__dict__["capture_begin"]
+    assert fake_graph.install(FakeGraph)
+    assert FakeGraph.__dict__["capture_begin"] is wrapped
+    FakeGraph().capture_begin()
+    assert fake_graph.capturing == 1  # counted once, not twice
+
+
+def test_a_class_without_the_methods_is_not_watched_and_nothing_raises() -> None:
+    assert not GraphCaptures().install(object)
+
+
+def test_torchs_graph_class_can_be_wrapped_here() -> None:
+    graph_class = torch.cuda.graphs.CUDAGraph  # a placeholder on a CPU build
+    before = graph_class.__dict__["capture_begin"]  # an agent may have wrapped it already
+    captures = GraphCaptures()
+    try:
+        assert captures.install()
+        assert graph_class.__dict__["capture_begin"].__wrapped__ is before
+    finally:
+        captures.uninstall()
+    assert graph_class.__dict__["capture_begin"] is before
+
+
+def test_a_query_is_skipped_during_a_capture_and_a_capture_waits_for_one_in_flight() -> None:
+    captures = GraphCaptures()
+    asked: list[str] = []
+    assert captures.quiet_query(lambda: asked.append("q") or True, while_capturing=False)
+    captures.began()
+    assert not captures.quiet_query(lambda: asked.append("q") or True, while_capturing=False)
+    captures.ended()
+    assert asked == ["q"]
+
+    order: list[str] = []
+    inside = threading.Event()
+
+    def slow_query() -> bool:
+        inside.set()
+        time.sleep(0.2)
+        order.append("query returned")
+        return True
+
+    reader = threading.Thread(target=captures.quiet_query, args=(slow_query, False))
+    reader.start()
+    assert inside.wait(5)
+    captures.began()  # must not begin while the query is in flight
+    order.append("capture began")
+    reader.join()
+    captures.ended()
+    assert order == ["query returned", "capture began"]
+
+
+def test_the_event_clock_gives_no_duration_to_the_step_after_a_capture() -> None:
+    gpu = FakeGpu()
+    clock = StepClock("cuda_event", calls=gpu)  # type: ignore[arg-type]
+    got: dict[int, float] = {}
+    for step in range(10):
+        if step == 6:  # a capture (and replays) between boundaries 5 and 6
+            CAPTURES.began()
+            CAPTURES.ended()
+        got.update(clock.mark(step))
+    got.update(clock.drain(1.0)[0])
+    assert sorted(got) == [1, 2, 3, 4, 5, 7, 8, 9]
+    assert not clock._gaps  # forgotten once read
+
+
+def test_the_host_clock_gives_no_duration_to_the_step_after_a_capture() -> None:
+    ticks = iter(range(0, 10**9, 1_000_000))
+    clock = StepClock("host", now_ns=lambda: next(ticks))
+    got: list[int] = []
+    for step in range(6):
+        if step == 3:
+            CAPTURES.began()
+            CAPTURES.ended()
+        got += [s for s, _ms in clock.mark(step)]
+    assert got == [1, 2, 4, 5]
+
+
+def test_phase_marks_take_nothing_inside_a_capture() -> None:
+    marks = PhaseMarks()
+    marks.optimizer_started()
+    CAPTURES.began()
+    try:
+        marks.optimizer_started()
+        marks._mark(0)
+    finally:
+        CAPTURES.ended()
+    assert len(marks._marks) == 1
+
+
+def steps_file(agent: Any) -> list[int]:
+    with open(agent.run.steps_csv(0)) as handle:
+        return [int(row["step"]) for row in csv.DictReader(handle)]
+
+
+def test_an_agent_skips_the_steps_of_a_capture_and_never_judges_the_one_after(
+    tmp_path: Path,
+) -> None:
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = make_agent(tmp_path)
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    train(5)
+    CAPTURES.began()  # what torch.cuda.graph's capture_begin does through the wrapper
+    try:
+        train(3)  # the captured iterations: recorded into a graph, not run
+        assert agent.current_step == 5
+    finally:
+        CAPTURES.ended()
+    train(4)
+    assert agent.current_step == 9
+    agent.close()
+    assert steps_file(agent) == [1, 2, 3, 4, 6, 7, 8]  # step 5 spans the capture
+
+
+def test_the_capture_threads_gpu_check_asks_nothing_during_a_capture() -> None:
+    from tests.unit.test_cupti_mark_step import running_tracer
+
+    tracer, _log = running_tracer()
+    asked: list[int] = []
+    event = type("Event", (), {"query": lambda self: asked.append(1) or True})()
+    tracer._step_events.append((3, event))
+    CAPTURES.began()
+    try:
+        assert not tracer.gpu_passed(3)  # not known yet: the resolver waits
+    finally:
+        CAPTURES.ended()
+    assert asked == []
+    assert tracer.gpu_passed(3) and asked == [1]
+
+
+def test_the_model_can_be_graphed_mid_run_and_keeps_its_phase_marks(tmp_path: Path) -> None:
+    # torch.cuda.make_graphed_callables refuses a module with forward hooks; the phase
+    # marks hook the model at the first step. On CPU the call fails later (no CUDA), but
+    # no longer at the hooks check, and the hooks are back after it.
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = make_agent(tmp_path)
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+    assert len(model._forward_hooks) == 1 and len(model._forward_pre_hooks) == 1
+    sample = (torch.randn(4, 8),)
+    original = torch.cuda.make_graphed_callables.__wrapped__  # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match="must not have hooks"):
+        original(model, sample)  # what a script met before
+    with pytest.raises(Exception) as raised:
+        torch.cuda.make_graphed_callables(model, sample)
+    assert "must not have hooks" not in str(raised.value)
+    assert len(model._forward_hooks) == 1 and len(model._forward_pre_hooks) == 1
+    model(torch.randn(4, 8)).sum().backward()
+    kinds = [kind for kind, _ns, _event in agent.boundaries.phases._marks]
+    assert kinds[:2] == [FWD_START, FWD_END]  # the model's marks are taken again
+    optimizer.step()
+    agent.close()
