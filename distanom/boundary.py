@@ -1,7 +1,6 @@
 """The training thread's side of the agent: step boundaries, and as little work as
-possible at each one.
-
-Step N is the N-th `optimizer.step()` of the counted optimizer, from 0, or
+possible at each one. Step N is the N-th `optimizer.step()` of the counted optimizer
+(or replay of a CUDA graph that captured one: `graph_capture`), from 0, or
 `distanom.step()` for loops without one. With several optimizers, the first one that
 steps is counted unless `step.optimizer` names a class (and `step.optimizer_index` which
 of that class, in the order they first step) or the script calls
@@ -52,7 +51,7 @@ from distanom.grad_scaler import patch_grad_scaler
 from distanom.graph_capture import CAPTURES
 from distanom.health import Health
 from distanom.inbox import StepInbox
-from distanom.log_lines import HEADLINE
+from distanom.log_lines import HEADLINE, start_notes
 from distanom.own_time import (
     BOOKKEEPING,
     CLOCK,
@@ -169,6 +168,7 @@ class StepBoundaries:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._hook_handle = register_optimizer_step_post_hook(self._on_optimizer_step)
+        CAPTURES.replayed_step = self.replayed
         self._scaler_patch = patch_grad_scaler(self._after_scaler_step)
         if self._phases_on:
             self.phases.install()
@@ -178,6 +178,8 @@ class StepBoundaries:
         wrapper stays, inert once closed)."""
         if self._hook_handle is not None:
             self._hook_handle.remove()
+        if CAPTURES.replayed_step == self.replayed:
+            CAPTURES.replayed_step = None
         if self._scaler_patch is not None:
             self._scaler_patch()
             self._scaler_patch = None
@@ -273,6 +275,11 @@ class StepBoundaries:
         scaler = " or its GradScaler.step() when skipped" if self.scaler_seen else ""
         return f"steps end at {name}{which}.step(){scaler}"
 
+    def replayed(self) -> None:
+        """A CUDA graph holding a captured step was replayed: that step ran (graph_capture)."""
+        if not self._manual:  # with distanom.step() the script ends replayed steps itself
+            self.boundary()
+
     def manual_step(self) -> None:
         """`distanom.step()`: end a step by hand; optimizer steps stop counting."""
         if not self._manual:
@@ -288,8 +295,11 @@ class StepBoundaries:
 
     def boundary(self, *, inside_optimizer: bool = False, skipped: bool = False) -> None:
         """End the step in progress; never raises (a failure switches bookkeeping off)."""
-        if self.closed or self._boundaries_off or CAPTURES.capturing:
-            return  # a step inside a CUDA graph capture is not run now (graph_capture)
+        if self.closed or self._boundaries_off:
+            return
+        if CAPTURES.capturing:  # a step inside a CUDA graph capture runs at its replays
+            CAPTURES.step_captured()  # (`replayed`), not now
+            return
         if not self._manual:
             self._optimizer_boundaries += 1
         try:
@@ -538,20 +548,9 @@ class StepBoundaries:
             log.info("started: %s; %s", self.step_source(), self._start_notes(), extra=HEADLINE)
 
     def _start_notes(self) -> str:
-        """The tracer chosen, how much it may trace, and what was done about Flight
-        Recorder, for the start line."""
-        from distanom.flight_recorder import start_note
-
+        """The start line's notes (`log_lines.start_notes`)."""
         budget = self.config.tracer.overhead_budget_pct
-        tracing = None
-        if self.tracer is not None:
-            tracing = (
-                "tracing nearly every step (tracer.overhead_budget_pct: null)"
-                if budget is None
-                else f"tracing duty-cycled to {budget:g}% of step time (tracer.overhead_budget_pct)"
-            )
-        notes = [self.tracer_note, tracing, start_note()]
-        return "; ".join(note for note in notes if note)
+        return start_notes(self.tracer_note, self.tracer is not None, budget)
 
     def _tracer_failed(self, err: BaseException) -> None:
         self._warn_once("tracer", "tracer: failed (%s); capture steps aside", err)

@@ -13,7 +13,10 @@ flight. What distanom does while one is:
 
 - a step boundary inside it is not a step: the captured optimizer step runs at each
   replay, where no Python runs, so `StepBoundaries.boundary` skips it whole (no clock,
-  no tracer mark), and the phase marks take nothing (`PhaseMarks`);
+  no tracer mark), and the phase marks take nothing (`PhaseMarks`). The graph being
+  captured on that thread is marked as holding a step (`step_captured`), and each of its
+  replays (`CUDAGraph.replay`, wrapped too) then ends a step (`replayed_step`, the
+  boundaries' callback): a loop that replays its whole iteration is watched;
 - a thread other than the training thread makes its event queries holding
   `CAPTURES.lock`, and only while `CAPTURES.capturing` is 0 (`quiet_query`);
   `capture_begin` takes the same lock before the capture starts, so no query of
@@ -31,6 +34,7 @@ Per step this costs the boundary one attribute read.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -38,6 +42,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+STEP_MARK = "_distanom_holds_step"  # set on a graph whose capture held a step boundary
+WRAPPED = ("capture_begin", "capture_end", "replay")  # CUDAGraph's methods
 
 
 class GraphCaptures:
@@ -48,6 +55,8 @@ class GraphCaptures:
         self.capturing = 0  # captures begun and not ended (read without the lock)
         self.lock = threading.Lock()
         self.seen = 0  # captures begun since install
+        self.replayed_step: Callable[[], None] | None = None  # a step graph was replayed
+        self._graphs: dict[int, Any] = {}  # thread ident -> the graph it is capturing
         # each takes the modules make_graphed_callables is given, lifts distanom's hooks
         # off them and returns what puts them back
         self.hook_lifters: list[Callable[[Sequence[Any]], Callable[[], None]]] = []
@@ -55,11 +64,11 @@ class GraphCaptures:
 
     @property
     def installed(self) -> bool:
-        """Whether capture_begin and capture_end are wrapped."""
+        """Whether the graph class's methods are wrapped."""
         return bool(self._undo)
 
     def install(self, graph_class: Any = None, graphed_owners: Sequence[Any] = ()) -> bool:
-        """Wrap `graph_class`'s capture_begin and capture_end and the
+        """Wrap `graph_class`'s capture_begin, capture_end and replay (`WRAPPED`) and the
         `make_graphed_callables` of `graphed_owners` (modules); by default torch's
         (`torch.cuda.CUDAGraph`; `torch.cuda` and `torch.cuda.graphs`). Returns whether
         captures are watched. Again once installed: nothing."""
@@ -71,16 +80,17 @@ class GraphCaptures:
 
                 graph_class = torch.cuda.graphs.CUDAGraph
                 graphed_owners = (torch.cuda.graphs, torch.cuda)
-            begin = graph_class.__dict__["capture_begin"]
-            end = graph_class.__dict__["capture_end"]
+            originals = {name: getattr(graph_class, name) for name in WRAPPED}
         except Exception as err:  # another torch's layout: captures are not seen
             log.info("distanom: CUDA graph captures are not watched (%s)", err)
             return False
+        begin, end, replay = (originals[name] for name in WRAPPED)
+        own = {name for name in WRAPPED if name in vars(graph_class)}  # else inherited
         captures = self
 
         @functools.wraps(begin)
         def capture_begin(graph: Any, *args: Any, **kwargs: Any) -> Any:
-            captures.began()
+            captures.began(graph)
             try:
                 return begin(graph, *args, **kwargs)
             except BaseException:
@@ -94,14 +104,27 @@ class GraphCaptures:
             finally:
                 captures.ended()
 
-        graph_class.capture_begin = capture_begin
-        graph_class.capture_end = capture_end
+        @functools.wraps(replay)
+        def replay_graph(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            result = replay(graph, *args, **kwargs)
+            if getattr(graph, STEP_MARK, False):
+                ended = captures.replayed_step
+                if ended is not None:
+                    with contextlib.suppress(Exception):  # never into training
+                        ended()
+            return result
+
+        wrapped = dict(zip(WRAPPED, (capture_begin, capture_end, replay_graph), strict=True))
+        for name, method in wrapped.items():
+            setattr(graph_class, name, method)
 
         def undo() -> None:
-            if graph_class.__dict__.get("capture_begin") is capture_begin:
-                graph_class.capture_begin = begin
-            if graph_class.__dict__.get("capture_end") is capture_end:
-                graph_class.capture_end = end
+            for name, method in wrapped.items():
+                if vars(graph_class).get(name) is method:
+                    if name in own:
+                        setattr(graph_class, name, originals[name])
+                    else:
+                        delattr(graph_class, name)
 
         self._undo.append(undo)
         if graphed_owners:
@@ -151,16 +174,28 @@ class GraphCaptures:
             self._undo.pop()()
         self.capturing = 0
 
-    def began(self) -> None:
-        """A capture is about to begin: once any query holding the lock has returned."""
+    def began(self, graph: Any = None) -> None:
+        """A capture of `graph` on this thread is about to begin: once any query holding
+        the lock has returned."""
         with self.lock:
             self.capturing += 1
             self.seen += 1
+            if graph is not None:
+                self._graphs[threading.get_ident()] = graph
 
     def ended(self) -> None:
-        """A capture ended (or failed to begin)."""
+        """A capture ended (or failed to begin) on this thread."""
         with self.lock:
             self.capturing = max(0, self.capturing - 1)
+            self._graphs.pop(threading.get_ident(), None)
+
+    def step_captured(self) -> None:
+        """A step boundary came inside a capture on this thread: that graph holds the
+        step, and each replay of it ends one."""
+        graph = self._graphs.get(threading.get_ident())
+        if graph is not None:
+            with contextlib.suppress(Exception):  # a graph type without attributes
+                setattr(graph, STEP_MARK, True)
 
     def quiet_query(self, query: Callable[[], bool], while_capturing: bool) -> bool:
         """`query()` (an event query) unless a capture is in flight, then `while_capturing`

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["HEADLINE", "QuietFilter", "end_line"]
+__all__ = ["HEADLINE", "QuietFilter", "end_line", "start_notes"]
 
 # `extra=` of the start and end lines: they pass the filter at INFO
 HEADLINE: dict[str, Any] = {"distanom_headline": True}
@@ -40,6 +40,21 @@ class QuietFilter(logging.Filter):
             args = record.args if isinstance(record.args, tuple) else ()
             return self.rank == 0 and "reference" not in args[1:2]
         return False
+
+
+def start_notes(tracer_note: str, tracing: bool, budget_pct: float | None) -> str:
+    """The start line's notes: the tracer chosen (`tracer_note`), how much it may trace
+    (where a tracer runs: `tracing`), and what was done about Flight Recorder."""
+    from distanom.flight_recorder import start_note
+
+    duty = None
+    if tracing:
+        duty = (
+            "tracing nearly every step (tracer.overhead_budget_pct: null)"
+            if budget_pct is None
+            else f"tracing duty-cycled to {budget_pct:g}% of step time (tracer.overhead_budget_pct)"
+        )
+    return "; ".join(note for note in (tracer_note, duty, start_note()) if note)
 
 
 def end_line(

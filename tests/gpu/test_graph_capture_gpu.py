@@ -3,8 +3,9 @@ without CUDA), as torch's documentation shows them (tests/e2e/scripts/graph_trai
 a whole iteration captured with `torch.cuda.graph` in its default global mode, where an
 event query from any thread breaks the capture, and a model passed mid-run to
 `make_graphed_callables`, which refuses a module with forward hooks. Each job must train
-as it does without distanom, and distanom's steps file must hold the eager steps, the
-one spanning the capture left out (distanom.graph_capture).
+as it does without distanom, and distanom's steps file must hold the eager steps and,
+for the whole-iteration graph, each replay as a step, the one spanning the capture left
+out (distanom.graph_capture); a stall before a replay is captured at that step.
 
 Run on the device machine: `python3 -m pytest tests/gpu/test_graph_capture_gpu.py -m gpu -q`.
 """
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 import csv
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, torchrun
+from tests.e2e.test_frameworks import FAST, report
 
 torch = pytest.importorskip("torch")
 
@@ -30,11 +33,11 @@ SCRIPT = REPO / "tests" / "e2e" / "scripts" / "graph_train.py"
 EAGER, GRAPH_STEPS = 40, 50
 
 
-def run(tmp_path: Path, args: list[str]) -> tuple[float, float, float]:
+def run(tmp_path: Path, args: list[str], launch: Sequence[str] = ()) -> tuple[float, float, float]:
     """Run the script on one GPU; returns its losses (before, after the graphs, end)."""
     done = torchrun(
         1,
-        ["--run-dir", "runs"],
+        ["--run-dir", "runs", *launch],
         ["--eager", str(EAGER), "--graph-steps", str(GRAPH_STEPS), *args],
         cwd=tmp_path,
         script=SCRIPT,
@@ -60,9 +63,20 @@ def test_a_whole_iteration_captured_in_global_mode_trains_under_distanom(
 ) -> None:
     run(tmp_path, ["--mode", "whole", "--warmup", str(warmup)])
     # boundaries: the eager steps and the side-stream warm-up, the captured one skipped,
-    # then the eager steps after the replays; the first of those spans the capture
-    ended = 2 * EAGER + warmup
+    # each replay (the first spans the capture), then the eager steps after them
+    ended = 2 * EAGER + warmup + GRAPH_STEPS
     assert timed_steps(tmp_path) == set(range(1, ended)) - {EAGER + warmup}
+
+
+def test_a_stall_before_a_replay_is_captured_at_that_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(tmp_path, ["--mode", "whole", "--warmup", "3", "--stall-replay", "30"], FAST)
+    stalled = EAGER + 3 + 30  # replays are steps from EAGER + warmup on
+    found = report(tmp_path, capsys)
+    captures = {capture["step"]: capture for capture in found["captures"]}
+    assert stalled in captures, sorted(captures)
+    assert "anomaly" in captures[stalled]["kinds"] and captures[stalled]["ratio"] > 3
 
 
 def test_a_model_graphed_mid_run_trains_under_distanom(tmp_path: Path) -> None:

@@ -1,9 +1,9 @@
 """CUDA graph captures kept apart from distanom's CUDA calls (`distanom.graph_capture`):
 the wrapped capture_begin/capture_end count captures in flight, other threads' event
-queries wait out or skip a capture, a step boundary inside a capture is no step, and the
-step after one gets no duration. On CPU: a fake graph class, and captures simulated with
-`CAPTURES.began()`/`ended()` around a real agent's loop (tests/gpu/test_graph_capture_gpu.py
-captures real graphs)."""
+queries wait out or skip a capture, a step boundary inside a capture is no step but makes
+each replay of that graph a step, and the step after a capture gets no duration. On CPU:
+a fake graph class, and captures simulated with `CAPTURES.began()`/`ended()` around a
+real agent's loop (tests/gpu/test_graph_capture_gpu.py captures real graphs)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ class FakeGraph:
 
     def capture_end(self) -> None:
         FakeGraph.calls.append("end")
+
+    def replay(self) -> None:
+        FakeGraph.calls.append("replay")
 
 
 @pytest.fixture
@@ -227,4 +230,76 @@ def test_the_model_can_be_graphed_mid_run_and_keeps_its_phase_marks(tmp_path: Pa
     kinds = [kind for kind, _ns, _event in agent.boundaries.phases._marks]
     assert kinds[:2] == [FWD_START, FWD_END]  # the model's marks are taken again
     optimizer.step()
+    agent.close()
+
+
+def test_only_a_graph_that_captured_a_step_ends_one_at_each_replay(fake_graph: Any) -> None:
+    ended: list[int] = []
+    fake_graph.replayed_step = lambda: ended.append(1)
+    with_step, without = FakeGraph(), FakeGraph()
+    with_step.capture_begin()
+    fake_graph.step_captured()  # what a boundary inside the capture does
+    with_step.capture_end()
+    without.capture_begin()
+    without.capture_end()
+    for _ in range(3):
+        with_step.replay()
+        without.replay()
+    assert len(ended) == 3 and FakeGraph.calls.count("replay") == 6
+
+
+@pytest.fixture
+def agent_on_fake_graphs() -> Any:
+    CAPTURES.uninstall()  # the process-wide one, on torch's class: on the fake for a while
+    FakeGraph.calls, FakeGraph.fail_begin = [], False
+    assert CAPTURES.install(FakeGraph)
+    yield
+    CAPTURES.uninstall()
+    CAPTURES.install()
+
+
+def test_an_agent_times_each_replay_of_a_captured_iteration_as_a_step(
+    tmp_path: Path, agent_on_fake_graphs: None
+) -> None:
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = make_agent(tmp_path)
+
+    def iteration() -> None:
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(5):
+        iteration()
+    graph = FakeGraph()
+    graph.capture_begin()
+    iteration()  # captured: runs at each replay
+    graph.capture_end()
+    assert agent.current_step == 5
+    for _ in range(6):
+        graph.replay()
+    assert agent.current_step == 11
+    for _ in range(3):
+        iteration()
+    agent.close()
+    assert steps_file(agent) == [1, 2, 3, 4, *range(6, 14)]  # step 5 spans the capture
+
+
+def test_with_manual_steps_the_script_ends_its_replayed_steps_itself(
+    tmp_path: Path, agent_on_fake_graphs: None
+) -> None:
+    import distanom
+
+    agent = make_agent(tmp_path, "step.source=manual")
+    for _ in range(3):
+        distanom.step()
+    graph = FakeGraph()
+    graph.capture_begin()
+    distanom.step()  # inside the capture: not a step now
+    graph.capture_end()
+    for _ in range(4):
+        graph.replay()
+        distanom.step()  # the script's own end of each replayed iteration
+    assert agent.current_step == 7  # not 11: a replay does not end a step as well
     agent.close()

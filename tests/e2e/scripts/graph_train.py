@@ -4,7 +4,8 @@ tests/gpu/test_graph_capture_gpu.py (training under distanom must go on as witho
 - `--mode whole`: eager steps; a few on a side stream (the warm-up a capture needs); one
   whole iteration (forward, backward, optimizer step) captured with `torch.cuda.graph`
   in its default `global` mode, where any thread's event query breaks the capture; the
-  graph replayed on new data; eager steps again.
+  graph replayed on new data (`--stall-replay K`: the host sleeps before replay K);
+  eager steps again.
 - `--mode partial`: eager steps, then the model passed to `make_graphed_callables`
   (which refuses a module with forward hooks) and trained through its graphs, the
   optimizer step eager.
@@ -15,6 +16,7 @@ Prints the loss before, after the graph part and at the end.
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -25,6 +27,7 @@ def main() -> None:
     parser.add_argument("--eager", type=int, default=40, help="eager steps before and after")
     parser.add_argument("--warmup", type=int, default=3, help="side-stream steps (whole)")
     parser.add_argument("--graph-steps", type=int, default=50)
+    parser.add_argument("--stall-replay", type=int, default=-1)
     args = parser.parse_args()
     torch.manual_seed(0)
     device = torch.device("cuda")
@@ -65,7 +68,9 @@ def main() -> None:
             static_loss = loss_fn(model(static_x), static_y)
             static_loss.backward()
             optimizer.step()
-        for _ in range(args.graph_steps):
+        for replay in range(args.graph_steps):
+            if replay == args.stall_replay:
+                time.sleep(0.5)
             x, y = batch()
             static_x.copy_(x)
             static_y.copy_(y)
