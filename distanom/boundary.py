@@ -297,8 +297,8 @@ class StepBoundaries:
         """End the step in progress; never raises (a failure switches bookkeeping off)."""
         if self.closed or self._boundaries_off:
             return
-        if CAPTURES.capturing:  # a step inside a CUDA graph capture runs at its replays
-            CAPTURES.step_captured()  # (`replayed`), not now
+        if CAPTURES.capturing and CAPTURES.here():  # a step inside a CUDA graph capture
+            CAPTURES.step_captured()  # runs at its replays (`replayed`), not now
             return
         if not self._manual:
             self._optimizer_boundaries += 1

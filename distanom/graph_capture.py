@@ -11,14 +11,19 @@ and `capture_end`, through which torch's capturing APIs go (`torch.cuda.graph`,
 `make_graphed_callables`, torch.compile's CUDA graphs), and counts the captures in
 flight. What distanom does while one is:
 
-- a step boundary inside it is not a step: the captured optimizer step runs at each
-  replay, where no Python runs, so `StepBoundaries.boundary` skips it whole (no clock,
-  no tracer mark), and the phase marks take nothing (`PhaseMarks`). The graph being
-  captured on that thread is marked as holding a step (`step_captured`), and each of its
+- a step boundary inside a capture on its own thread (`here`) is not a step: the
+  captured optimizer step runs at each replay, where no Python runs, so
+  `StepBoundaries.boundary` skips it whole (no clock, no tracer mark), and the phase
+  marks take nothing (`PhaseMarks`). The graph being captured is marked as holding a
+  step (`step_captured`; the mark is cleared when it is captured again), and each of its
   replays (`CUDAGraph.replay`, wrapped too) then ends a step (`replayed_step`, the
-  boundaries' callback): a loop that replays its whole iteration is watched;
+  boundaries' callback): a loop that replays its whole iteration is watched. A graph
+  that captured several iterations ends one step per replay;
+- a capture on another thread leaves the training thread's steps alone: a script that
+  trains while another thread captures must use `thread_local` or `relaxed` mode
+  anyway (its own synchronizes would break a `global` capture), where they are safe;
 - a thread other than the training thread makes its event queries holding
-  `CAPTURES.lock`, and only while `CAPTURES.capturing` is 0 (`quiet_query`);
+  `CAPTURES.lock`, and only while no capture is in flight (`quiet_query`);
   `capture_begin` takes the same lock before the capture starts, so no query of
   distanom's is in flight when one begins.
 
@@ -29,7 +34,9 @@ wrapper lifts distanom's hooks off the modules it is given (`lift_hooks`, regist
 
 Captures started below torch's Python API (a C++ extension's own stream capture) are not
 seen here; the CUPTI tracer's own check of the current stream still covers its switches.
-Per step this costs the boundary one attribute read.
+A capture whose end is never seen keeps its thread's boundaries skipped: said once, after
+`STUCK_BOUNDARIES`. Per step this costs an attribute read at the boundary, at the clock's
+mark and at each phase mark; every `CUDAGraph.replay` goes through one more Python frame.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ log = logging.getLogger(__name__)
 
 STEP_MARK = "_distanom_holds_step"  # set on a graph whose capture held a step boundary
 WRAPPED = ("capture_begin", "capture_end", "replay")  # CUDAGraph's methods
+STUCK_BOUNDARIES = 1000  # boundaries inside one capture before saying it never ended
 
 
 class GraphCaptures:
@@ -56,7 +64,9 @@ class GraphCaptures:
         self.lock = threading.Lock()
         self.seen = 0  # captures begun since install
         self.replayed_step: Callable[[], None] | None = None  # a step graph was replayed
-        self._graphs: dict[int, Any] = {}  # thread ident -> the graph it is capturing
+        self._stacks: dict[int, list[Any]] = {}  # thread ident -> its captures, innermost last
+        self._skipped = 0  # boundaries inside the latest capture
+        self._warned_stuck = False
         # each takes the modules make_graphed_callables is given, lifts distanom's hooks
         # off them and returns what puts them back
         self.hook_lifters: list[Callable[[Sequence[Any]], Callable[[], None]]] = []
@@ -90,6 +100,9 @@ class GraphCaptures:
 
         @functools.wraps(begin)
         def capture_begin(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            with contextlib.suppress(Exception):  # captured again: what it holds is new
+                if getattr(graph, STEP_MARK, False):
+                    setattr(graph, STEP_MARK, False)
             captures.began(graph)
             try:
                 return begin(graph, *args, **kwargs)
@@ -180,30 +193,51 @@ class GraphCaptures:
         with self.lock:
             self.capturing += 1
             self.seen += 1
-            if graph is not None:
-                self._graphs[threading.get_ident()] = graph
+            self._stacks.setdefault(threading.get_ident(), []).append(graph)
+            self._skipped = 0
 
     def ended(self) -> None:
         """A capture ended (or failed to begin) on this thread."""
         with self.lock:
             self.capturing = max(0, self.capturing - 1)
-            self._graphs.pop(threading.get_ident(), None)
+            ident = threading.get_ident()
+            stack = self._stacks.get(ident)
+            if stack:
+                stack.pop()
+            if not stack:
+                self._stacks.pop(ident, None)
+
+    def here(self) -> bool:
+        """Whether this thread is capturing a graph (its steps and marks are not run now)."""
+        return threading.get_ident() in self._stacks
 
     def step_captured(self) -> None:
         """A step boundary came inside a capture on this thread: that graph holds the
         step, and each replay of it ends one."""
-        graph = self._graphs.get(threading.get_ident())
+        stack = self._stacks.get(threading.get_ident())
+        graph = stack[-1] if stack else None
         if graph is not None:
             with contextlib.suppress(Exception):  # a graph type without attributes
                 setattr(graph, STEP_MARK, True)
+        self._skipped += 1
+        if self._skipped == STUCK_BOUNDARIES and not self._warned_stuck:
+            self._warned_stuck = True
+            log.warning(
+                "distanom: %d step boundaries inside one CUDA graph capture, whose end was "
+                "never seen: steps are not timed until it ends", STUCK_BOUNDARIES,
+            )  # fmt: skip
 
     def quiet_query(self, query: Callable[[], bool], while_capturing: bool) -> bool:
         """`query()` (an event query) unless a capture is in flight, then `while_capturing`
-        without calling it; for threads other than the training thread."""
-        with self.lock:
-            if self.capturing:
-                return while_capturing
-            return query()
+        without calling it; for threads other than the training thread. The lock held
+        elsewhere (a deferred reader's round of reads, a capture beginning) answers the
+        same, rather than waiting."""
+        if not self.lock.acquire(blocking=False):
+            return while_capturing
+        try:
+            return while_capturing if self.capturing else query()
+        finally:
+            self.lock.release()
 
 
 CAPTURES = GraphCaptures()

@@ -325,7 +325,7 @@ class PhaseMarks:
 
     def _mark(self, kind: int) -> None:
         marks = self._marks
-        if self.off or len(marks) >= MAX_MARKS or CAPTURES.capturing:
+        if self.off or len(marks) >= MAX_MARKS or (CAPTURES.capturing and CAPTURES.here()):
             return  # inside a CUDA graph capture nothing runs now (distanom.graph_capture)
         now = time.perf_counter_ns()
         event = None

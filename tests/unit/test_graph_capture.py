@@ -11,13 +11,14 @@ import csv
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
 import torch
 
 from distanom.clock import StepClock
-from distanom.graph_capture import CAPTURES, GraphCaptures
+from distanom.graph_capture import CAPTURES, STEP_MARK, STUCK_BOUNDARIES, GraphCaptures
 from distanom.phases import _FWD_END as FWD_END
 from distanom.phases import _FWD_START as FWD_START
 from distanom.phases import PhaseMarks
@@ -84,14 +85,21 @@ def test_a_class_without_the_methods_is_not_watched_and_nothing_raises() -> None
 
 def test_torchs_graph_class_can_be_wrapped_here() -> None:
     graph_class = torch.cuda.graphs.CUDAGraph  # a placeholder on a CPU build
-    before = graph_class.__dict__["capture_begin"]  # an agent may have wrapped it already
+    # an agent may have wrapped them already: each is put back as it was
+    names = ("capture_begin", "capture_end", "replay")
+    before = {name: vars(graph_class)[name] for name in names}
+    graphed = torch.cuda.make_graphed_callables
     captures = GraphCaptures()
     try:
         assert captures.install()
-        assert graph_class.__dict__["capture_begin"].__wrapped__ is before
+        for name in names:
+            assert vars(graph_class)[name].__wrapped__ is before[name]
+        assert torch.cuda.make_graphed_callables.__wrapped__ is graphed  # type: ignore[attr-defined]
+        assert torch.cuda.graphs.make_graphed_callables is torch.cuda.make_graphed_callables
     finally:
         captures.uninstall()
-    assert graph_class.__dict__["capture_begin"] is before
+    assert {name: vars(graph_class)[name] for name in names} == before
+    assert torch.cuda.make_graphed_callables is graphed
 
 
 def test_a_query_is_skipped_during_a_capture_and_a_capture_waits_for_one_in_flight() -> None:
@@ -122,14 +130,19 @@ def test_a_query_is_skipped_during_a_capture_and_a_capture_waits_for_one_in_flig
     assert order == ["query returned", "capture began"]
 
 
+def captured() -> None:
+    """A whole capture on this thread, as the wrappers report it."""
+    CAPTURES.began()
+    CAPTURES.ended()
+
+
 def test_the_event_clock_gives_no_duration_to_the_step_after_a_capture() -> None:
     gpu = FakeGpu()
     clock = StepClock("cuda_event", calls=gpu)  # type: ignore[arg-type]
     got: dict[int, float] = {}
     for step in range(10):
         if step == 6:  # a capture (and replays) between boundaries 5 and 6
-            CAPTURES.began()
-            CAPTURES.ended()
+            captured()
         got.update(clock.mark(step))
     got.update(clock.drain(1.0)[0])
     assert sorted(got) == [1, 2, 3, 4, 5, 7, 8, 9]
@@ -142,8 +155,7 @@ def test_the_host_clock_gives_no_duration_to_the_step_after_a_capture() -> None:
     got: list[int] = []
     for step in range(6):
         if step == 3:
-            CAPTURES.began()
-            CAPTURES.ended()
+            captured()
         got += [s for s, _ms in clock.mark(step)]
     assert got == [1, 2, 4, 5]
 
@@ -248,14 +260,31 @@ def test_only_a_graph_that_captured_a_step_ends_one_at_each_replay(fake_graph: A
     assert len(ended) == 3 and FakeGraph.calls.count("replay") == 6
 
 
+FAKE_GRAPHED = SimpleNamespace(calls=[])
+
+
+def fake_make_graphed_callables(callables: Any, sample_args: Any) -> Any:
+    """Records, per module given, whether it had forward hooks when called (torch refuses
+    a hooked module)."""
+    given = callables if isinstance(callables, tuple) else (callables,)
+    FAKE_GRAPHED.calls.append([bool(m._forward_hooks or m._forward_pre_hooks) for m in given])
+    return callables
+
+
 @pytest.fixture
 def agent_on_fake_graphs() -> Any:
-    CAPTURES.uninstall()  # the process-wide one, on torch's class: on the fake for a while
+    # the process-wide one (an agent may have put it on torch's class): on the fakes for
+    # the test, then back as it was
+    was_installed = CAPTURES.installed
+    CAPTURES.uninstall()
     FakeGraph.calls, FakeGraph.fail_begin = [], False
-    assert CAPTURES.install(FakeGraph)
+    FAKE_GRAPHED.calls = []
+    FAKE_GRAPHED.make_graphed_callables = fake_make_graphed_callables
+    assert CAPTURES.install(FakeGraph, [FAKE_GRAPHED])
     yield
     CAPTURES.uninstall()
-    CAPTURES.install()
+    if was_installed:
+        CAPTURES.install()
 
 
 def test_an_agent_times_each_replay_of_a_captured_iteration_as_a_step(
@@ -303,3 +332,167 @@ def test_with_manual_steps_the_script_ends_its_replayed_steps_itself(
         distanom.step()  # the script's own end of each replayed iteration
     assert agent.current_step == 7  # not 11: a replay does not end a step as well
     agent.close()
+
+
+def test_a_capture_on_another_thread_leaves_the_training_threads_steps_alone(
+    tmp_path: Path,
+) -> None:
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = make_agent(tmp_path)
+    begun, done = threading.Event(), threading.Event()
+
+    def capturing_thread() -> None:
+        CAPTURES.began()  # e.g. a thread_local-mode capture of some other work
+        begun.set()
+        done.wait(10)
+        CAPTURES.ended()
+
+    other = threading.Thread(target=capturing_thread)
+    other.start()
+    try:
+        assert begun.wait(10)
+        for _ in range(4):
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+        assert agent.current_step == 4  # counted: this thread captures nothing
+        model(torch.randn(4, 8)).sum().backward()  # and its marks are taken
+        assert [kind for kind, _ns, _e in agent.boundaries.phases._marks][:2] == [
+            FWD_START,
+            FWD_END,
+        ]
+    finally:
+        done.set()
+        other.join()
+        agent.close()
+
+
+def test_a_graph_captured_again_without_a_step_stops_ending_steps(fake_graph: Any) -> None:
+    ended: list[int] = []
+    fake_graph.replayed_step = lambda: ended.append(1)
+    graph = FakeGraph()
+    graph.capture_begin()
+    fake_graph.step_captured()
+    graph.capture_end()
+    graph.replay()
+    graph.capture_begin()  # reset() and captured again: a forward only, say
+    graph.capture_end()
+    graph.replay()
+    assert ended == [1]
+
+
+def test_a_step_inside_nested_captures_belongs_to_the_inner_one_and_the_outer_survives(
+    fake_graph: Any,
+) -> None:
+    outer, inner = FakeGraph(), FakeGraph()
+    outer.capture_begin()
+    inner.capture_begin()
+    fake_graph.step_captured()
+    inner.capture_end()
+    assert fake_graph.here() and fake_graph.capturing == 1
+    fake_graph.step_captured()  # after the inner one ended: the outer graph's
+    outer.capture_end()
+    assert not fake_graph.here() and fake_graph.capturing == 0
+    assert getattr(inner, STEP_MARK) and getattr(outer, STEP_MARK)
+
+
+def test_a_failing_capture_end_still_ends_the_count(fake_graph: Any) -> None:
+    class FailingEnd(FakeGraph):
+        pass
+
+    def broken_end(self: Any) -> None:
+        raise RuntimeError("capture invalidated")
+
+    captures = GraphCaptures()
+    FailingEnd.capture_end = broken_end  # type: ignore[method-assign]
+    assert captures.install(FailingEnd)
+    try:
+        FailingEnd().capture_begin()
+        with pytest.raises(RuntimeError, match="invalidated"):
+            FailingEnd().capture_end()
+        assert captures.capturing == 0 and not captures.here()
+    finally:
+        captures.uninstall()
+
+
+def test_a_capture_never_seen_to_end_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    captures = GraphCaptures()
+    captures.began()
+    with caplog.at_level("WARNING"):
+        for _ in range(STUCK_BOUNDARIES + 5):
+            captures.step_captured()
+    captures.ended()
+    assert sum("never seen" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_another_threads_query_gives_way_to_a_held_lock_without_waiting() -> None:
+    captures = GraphCaptures()
+    with captures.lock:  # a capture beginning, or a deferred reader's round of reads
+        took = time.perf_counter()
+        assert captures.quiet_query(lambda: True, while_capturing=False) is False
+        assert time.perf_counter() - took < 0.5
+
+
+def test_a_deferred_read_makes_no_event_query_during_a_capture(tmp_path: Path) -> None:
+    from tests.unit.test_deferred_clock import StrictGpu, deferred
+
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = make_agent(tmp_path, "consensus.interval_ms=20")
+    gpu = StrictGpu()
+    agent.clock = deferred(gpu)
+    begun, done = threading.Event(), threading.Event()
+
+    def capturing_thread() -> None:
+        CAPTURES.began()  # a global-mode capture elsewhere: no query of ours may run
+        begun.set()
+        done.wait(10)
+        CAPTURES.ended()
+
+    try:
+        for _ in range(6):
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+        other = threading.Thread(target=capturing_thread)
+        other.start()
+        assert begun.wait(10)
+        queries = gpu.queries
+        assert agent.boundaries.collect() == []
+        time.sleep(0.1)  # the control thread's own takes meanwhile: no query either
+        assert gpu.queries == queries
+        done.set()
+        other.join()
+        gpu.passed = gpu.recorded  # once it ended, the steps are read
+    finally:
+        done.set()
+        agent.close()
+    assert steps_file(agent) == [1, 2, 3, 4, 5]
+
+
+def test_graphing_keeps_hooks_on_a_submodule_and_lifts_them_off_the_model_in_a_tuple(
+    tmp_path: Path, agent_on_fake_graphs: None
+) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = make_agent(tmp_path)
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+    sample = (torch.randn(4, 8),)
+    FAKE_GRAPHED.make_graphed_callables(model[0], sample)  # not the hooked model
+    model[0].register_forward_hook(lambda *a: None)  # the script's own hook stays seen
+    FAKE_GRAPHED.make_graphed_callables((model[0], model), (sample, sample))
+    assert FAKE_GRAPHED.calls == [[False], [True, False]]  # the model's hooks were lifted
+    assert len(model._forward_hooks) == 1  # and put back
+
+    def broken(given: Any) -> Any:
+        raise RuntimeError("a lifter that fails")
+
+    CAPTURES.hook_lifters.append(broken)
+    try:
+        FAKE_GRAPHED.make_graphed_callables(model, sample)  # goes ahead all the same
+    finally:
+        CAPTURES.hook_lifters.remove(broken)
+    assert FAKE_GRAPHED.calls[-1] == [False]
+    agent.close()
+    assert CAPTURES.replayed_step is None  # the closed agent's boundaries let go
