@@ -51,10 +51,11 @@ from distanom.grad_scaler import patch_grad_scaler
 from distanom.graph_capture import CAPTURES
 from distanom.health import Health
 from distanom.inbox import StepInbox
-from distanom.log_lines import HEADLINE, start_notes
+from distanom.log_lines import HEADLINE, start_notes, step_source
 from distanom.own_time import (
     BOOKKEEPING,
     CLOCK,
+    CPU_SAMPLE_EVERY,
     HANDOFF,
     PHASES,
     STAMP,
@@ -262,18 +263,10 @@ class StepBoundaries:
         self.boundary(skipped=True)
 
     def step_source(self) -> str:
-        """What ends a step, for the start line: `distanom.step()` or which optimizer."""
-        if self._manual:
-            return "steps end at distanom.step()"
+        """What ends a step, for the start line (`log_lines.step_source`)."""
         counted = self.counted_optimizer
-        if counted is None:
-            return "steps end at optimizer.step() (no optimizer has stepped yet)"
-        name = type(counted).__name__
-        which = ""
-        if self.config.step.optimizer is not None and self.config.step.optimizer_index:
-            which = f" #{self.config.step.optimizer_index} (step.optimizer_index, from 0)"
-        scaler = " or its GradScaler.step() when skipped" if self.scaler_seen else ""
-        return f"steps end at {name}{which}.step(){scaler}"
+        name = None if counted is None else type(counted).__name__
+        return step_source(self._manual, name, self.config.step, self.scaler_seen)
 
     def replayed(self) -> None:
         """A CUDA graph holding a captured step was replayed: that step ran (graph_capture)."""
@@ -318,7 +311,8 @@ class StepBoundaries:
         step = self.current_step
         self.current_step = step + 1
         host_ns = time.time_ns()
-        self._evidence_append((step, host_ns, _thread_ns()))  # `EvidenceMarks.mark`, inline
+        cpu_began = _thread_ns()
+        self._evidence_append((step, host_ns, cpu_began))  # `EvidenceMarks.mark`, inline
         one_off = step < STARTUP_BOUNDARIES
         if not self._first_boundary_done:
             self._first_boundary_done = True  # once: a later clock failure re-creates nothing
@@ -402,6 +396,9 @@ class StepBoundaries:
             parts[BOOKKEEPING] += at_bookkeeping - at_phases
             parts[TRACER] += at_tracer - at_bookkeeping
             parts[HANDOFF] += end - at_tracer
+            if not step % CPU_SAMPLE_EVERY:  # this thread's CPU in it (a system call: 1 in N)
+                meters.cpu_sample_ns += _thread_ns() - cpu_began
+                meters.cpu_sample_wall_ns += end - began
 
     def _tracer_boundary(self, tracer: Tracer, step: int, host_ns: int) -> None:
         """The tracer's part of boundary `step`: its mark, its start, the duty cycle's

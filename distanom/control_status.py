@@ -134,6 +134,7 @@ def agent_cost(
         phase_marks_ns=boundaries.phases.own_ns,
         control_cpu_ns=control_cpu_ns,
         median_ms=median_ms,
+        phase_marks_sample=(boundaries.phases.cpu_sample[0], boundaries.phases.cpu_sample[1]),
     )
     clock = boundaries.clock
     work_ms = pacer.work_ms

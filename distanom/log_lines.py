@@ -10,9 +10,12 @@ writes nothing but the lines it formats.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["HEADLINE", "QuietFilter", "end_line", "start_notes"]
+if TYPE_CHECKING:
+    from distanom.config import StepConfig
+
+__all__ = ["HEADLINE", "QuietFilter", "end_line", "start_notes", "step_source"]
 
 # `extra=` of the start and end lines: they pass the filter at INFO
 HEADLINE: dict[str, Any] = {"distanom_headline": True}
@@ -40,6 +43,20 @@ class QuietFilter(logging.Filter):
             args = record.args if isinstance(record.args, tuple) else ()
             return self.rank == 0 and "reference" not in args[1:2]
         return False
+
+
+def step_source(manual: bool, optimizer: str | None, step: StepConfig, scaler_seen: bool) -> str:
+    """What ends a step, for the start line: `distanom.step()` (`manual`) or which
+    optimizer (its class name; None before one stepped), as `step` configures it."""
+    if manual:
+        return "steps end at distanom.step()"
+    if optimizer is None:
+        return "steps end at optimizer.step() (no optimizer has stepped yet)"
+    which = ""
+    if step.optimizer is not None and step.optimizer_index:
+        which = f" #{step.optimizer_index} (step.optimizer_index, from 0)"
+    scaler = " or its GradScaler.step() when skipped" if scaler_seen else ""
+    return f"steps end at {optimizer}{which}.step(){scaler}"
 
 
 def start_notes(tracer_note: str, tracing: bool, budget_pct: float | None) -> str:

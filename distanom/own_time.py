@@ -15,6 +15,14 @@ where tracing switched on or off, or the tracer flushed, are tracing's cost (the
 cycle measures and charges it: `tracer_switch_ms`), traced boundaries are counted apart,
 and the per-step boundary figure is the mean of the other (untraced, steady) ones, split
 into `PARTS`.
+
+Wall time in the boundary and the phase marks also holds time this thread did not run:
+waiting for the GIL (torch's event calls release it, and the control thread may take it
+there) and for a full CUDA launch queue (an event record waits like the next kernel
+launch would). So every `CPU_SAMPLE_EVERY`-th steady boundary, and the phase marks of
+every `CPU_SAMPLE_EVERY`-th step, also read this thread's CPU time; `agent_cost` gives
+their CPU share and the per-step figure with the training thread's parts counted at it
+(`cpu_us_per_step`, `cpu_pct_of_median_step`), beside the wall-time one.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ STARTUP_BOUNDARIES = 8
 # handoff: the resolved steps' records and their queue puts to the control thread
 PARTS = ("stamp", "clock", "phases", "bookkeeping", "tracer", "handoff")
 STAMP, CLOCK, PHASES, BOOKKEEPING, TRACER, HANDOFF = range(len(PARTS))
+CPU_SAMPLE_EVERY = 16  # boundaries (and steps of phase marks) whose thread CPU is read
 
 
 class BoundaryMeters:
@@ -42,8 +51,9 @@ class BoundaryMeters:
     part (`PARTS`); written by the training thread only."""
 
     __slots__ = (
-        "install_ns", "part_ns", "startup_boundaries", "startup_ns", "steady_boundaries",
-        "steady_ns", "switch_ns", "switches", "teardown_ns", "traced_boundaries", "traced_ns",
+        "cpu_sample_ns", "cpu_sample_wall_ns", "install_ns", "part_ns", "startup_boundaries",
+        "startup_ns", "steady_boundaries", "steady_ns", "switch_ns", "switches", "teardown_ns",
+        "traced_boundaries", "traced_ns",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -58,6 +68,9 @@ class BoundaryMeters:
         self.steady_boundaries = 0
         self.part_ns = [0] * len(PARTS)  # the steady boundaries' time by part
         self.teardown_ns = 0  # the end: the last steps drained, the tracer stopped
+        # the sampled steady boundaries (CPU_SAMPLE_EVERY): this thread's CPU, and wall
+        self.cpu_sample_ns = 0
+        self.cpu_sample_wall_ns = 0
 
     def steady_us(self) -> float | None:
         """Mean us of a steady (untraced) boundary; None before the first."""
@@ -84,19 +97,30 @@ def own_cost_body(
     phase_marks_ns: int,
     control_cpu_ns: int,
     median_ms: float | None,
+    phase_marks_sample: tuple[int, int] = (0, 0),
 ) -> dict[str, Any]:
     """The per-step and one-off figures of `agent_cost` (status.json): the boundary's
     steady mean and its parts, the phase marks and the control thread's CPU per step,
     their sum as a percentage of the median step; start-up and the end once, in ms;
-    tracer switches and traced boundaries apart. `boundary_ns`: every boundary's time."""
+    tracer switches and traced boundaries apart. `boundary_ns`: every boundary's time;
+    `phase_marks_sample`: the sampled marks' (CPU ns, wall ns). The same sum with the
+    boundary and the marks counted at their sampled CPU share (None before a sample)."""
     steady = meters.steady_us()
     # no steady boundary yet (a run of a few steps): the mean of all of them, said so
     boundary_us = steady if steady is not None else boundary_ns / steps / 1e3
     marks_us = phase_marks_ns / steps / 1e3  # phase marks between boundaries
     control_us = control_cpu_ns / steps / 1e3
-    pct = None
+    boundary_share = _share(meters.cpu_sample_ns, meters.cpu_sample_wall_ns)
+    marks_share = _share(*phase_marks_sample)
+    if not marks_us:
+        marks_share = marks_share if marks_share is not None else 0.0
+    cpu_us = None
+    if boundary_share is not None and marks_share is not None:
+        cpu_us = boundary_us * boundary_share + marks_us * marks_share + control_us
+    pct = cpu_pct = None
     if median_ms is not None and math.isfinite(median_ms) and median_ms > 0:
         pct = round((boundary_us + marks_us + control_us) / 1e3 / median_ms * 100, 4)
+        cpu_pct = None if cpu_us is None else round(cpu_us / 1e3 / median_ms * 100, 4)
     traced = meters.traced_boundaries
     return {
         "steps": steps,
@@ -108,6 +132,11 @@ def own_cost_body(
         "phase_marks_us_per_step": round(marks_us, 2),
         "control_us_per_step": round(control_us, 2),
         "pct_of_median_step": pct,
+        # the training thread's parts at their sampled CPU share (module docstring)
+        "boundary_cpu_share": None if boundary_share is None else round(boundary_share, 4),
+        "phase_marks_cpu_share": None if marks_share is None else round(marks_share, 4),
+        "cpu_us_per_step": None if cpu_us is None else round(cpu_us, 2),
+        "cpu_pct_of_median_step": cpu_pct,
         "startup_ms": round(meters.startup_ms(), 3),
         "startup_boundaries": meters.startup_boundaries,
         "teardown_ms": round(meters.teardown_ns / 1e6, 3),
@@ -116,3 +145,8 @@ def own_cost_body(
         "traced_boundaries": traced,
         "traced_boundary_us": round(meters.traced_ns / traced / 1e3, 2) if traced else None,
     }
+
+
+def _share(cpu_ns: int, wall_ns: int) -> float | None:
+    """CPU time over wall time of a sample, at most 1 (None: no sample yet)."""
+    return min(1.0, cpu_ns / wall_ns) if wall_ns > 0 else None

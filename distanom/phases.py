@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from distanom.graph_capture import CAPTURES
+from distanom.own_time import CPU_SAMPLE_EVERY
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,10 @@ class PhaseMarks:
         self._stream: Any = None
         self._global: list[Any] = []
         self.own_ns = 0  # the marks' own time between boundaries (event records mostly)
+        # the marks of every CPU_SAMPLE_EVERY-th step: this thread's CPU and wall time in
+        # them (`own_time`: wall time holds GIL and launch-queue waits)
+        self.cpu_sample = [0, 0]
+        self._sampling = False
         self.model_name: str | None = None
         self.off = False
         self.note = ""
@@ -328,6 +333,8 @@ class PhaseMarks:
         if self.off or len(marks) >= MAX_MARKS or (CAPTURES.capturing and CAPTURES.here()):
             return  # inside a CUDA graph capture nothing runs now (distanom.graph_capture)
         now = time.perf_counter_ns()
+        sampling = self._sampling
+        cpu_began = time.thread_time_ns() if sampling else 0
         event = None
         calls = self._calls
         if calls is not None and kind in (_FWD_END, _BWD_END):
@@ -342,7 +349,12 @@ class PhaseMarks:
                 self._say(f"phase events failed ({err}); phases are timed on the host only")
                 event = None
         marks.append((kind, now, event))
-        self.own_ns += time.perf_counter_ns() - now
+        took = time.perf_counter_ns() - now
+        self.own_ns += took
+        if sampling:
+            sample = self.cpu_sample
+            sample[0] += time.thread_time_ns() - cpu_began
+            sample[1] += took
 
     # -- at boundaries -----------------------------------------------------------------
 
@@ -361,6 +373,7 @@ class PhaseMarks:
         # control thread; the GPU parts are read at `take_raw`
         if self._global:
             self._find_model()
+        self._sampling = not (step + 1) % CPU_SAMPLE_EVERY  # the next step's marks
         marks, self._marks = self._marks, []
         fetch_ns, self._fetch_ns = self._fetch_ns, 0
         start, start_event = self._last_boundary_ns, self._last_boundary_event

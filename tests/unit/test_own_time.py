@@ -151,3 +151,76 @@ def test_the_step_end_s_parts_are_named_and_add_up_to_it(
     assert parts["clock"] >= 2000
     assert all(parts[name] < 1000 for name in PARTS if name != "clock")
     assert sum(parts.values()) == pytest.approx(cost["boundary_us_per_step"], rel=0.01)
+
+
+def test_the_cpu_figure_counts_the_training_threads_parts_at_their_sampled_share() -> None:
+    from distanom.own_time import BoundaryMeters, own_cost_body
+
+    meters = BoundaryMeters()
+    meters.steady_boundaries, meters.steady_ns = 10, 1_000_000  # 100 us each
+    args = {"steps": 10, "boundary_ns": 1_000_000, "phase_marks_ns": 400_000}
+    before = own_cost_body(meters, **args, control_cpu_ns=200_000, median_ms=1.0)
+    assert before["pct_of_median_step"] == 16.0  # (100 + 40 + 20) us of 1 ms
+    assert before["cpu_us_per_step"] is None and before["boundary_cpu_share"] is None
+    meters.cpu_sample_ns, meters.cpu_sample_wall_ns = 30_000, 60_000  # half of it ran
+    cost = own_cost_body(
+        meters, **args, control_cpu_ns=200_000, median_ms=1.0, phase_marks_sample=(10, 40)
+    )
+    assert (cost["boundary_cpu_share"], cost["phase_marks_cpu_share"]) == (0.5, 0.25)
+    assert cost["cpu_us_per_step"] == 80.0  # 100 * 0.5 + 40 * 0.25 + 20
+    assert cost["cpu_pct_of_median_step"] == 8.0 and cost["pct_of_median_step"] == 16.0
+
+
+class SlowRecords:
+    """Phase-mark event calls whose record waits (as on a full CUDA launch queue)."""
+
+    def __init__(self, busy: bool) -> None:
+        self.busy = busy
+
+    @staticmethod
+    def stream_key() -> str:
+        return "s0"
+
+    @staticmethod
+    def stream_of(key: str) -> str:
+        return key
+
+    @staticmethod
+    def new_event() -> object:
+        return object()
+
+    def record(self, event: object, stream: str) -> None:
+        spin(0.001) if self.busy else time.sleep(0.001)
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_waits_in_the_boundary_and_the_marks_are_not_counted_as_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, busy: bool
+) -> None:
+    # a clock mark and phase events that wait 1 ms (sleep: no CPU) or work 1 ms (spin)
+    original = clock_module.StepClock.mark
+
+    def slow_mark(clock: Any, step: int) -> Any:
+        spin(0.001) if busy else time.sleep(0.001)
+        return original(clock, step)
+
+    monkeypatch.setattr(clock_module.StepClock, "mark", slow_mark)
+    config = load_config(None, CONFIG)
+    agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
+    agent.install()
+    agent.boundaries.phases.use_gpu(SlowRecords(busy))
+    model = torch.nn.Linear(8, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        train(agent, model, sgd, 100)
+    finally:
+        agent.close()
+    cost = final_cost(agent)
+    assert cost["boundary_us_per_step"] > 1000 and cost["phase_marks_us_per_step"] > 1000
+    shares = (cost["boundary_cpu_share"], cost["phase_marks_cpu_share"])
+    if busy:
+        assert min(shares) > 0.6, shares
+        assert cost["cpu_pct_of_median_step"] > 0.6 * cost["pct_of_median_step"]
+    else:
+        assert max(shares) < 0.4, shares
+        assert cost["cpu_pct_of_median_step"] < 0.5 * cost["pct_of_median_step"]
