@@ -186,6 +186,7 @@ class GraphCaptures:
         while self._undo:
             self._undo.pop()()
         self.capturing = 0
+        self._stacks.clear()
 
     def began(self, graph: Any = None) -> None:
         """A capture of `graph` on this thread is about to begin: once any query holding
