@@ -7,9 +7,11 @@ real agent's loop (tests/gpu/test_graph_capture_gpu.py captures real graphs)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -177,19 +179,50 @@ def steps_file(agent: Any) -> list[int]:
         return [int(row["step"]) for row in csv.DictReader(handle)]
 
 
+class Loop:
+    """A tiny model and optimizer; `iterations(n)` runs n forward, backward and steps."""
+
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(8, 2)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def backward(self) -> None:
+        self.model(torch.randn(4, 8)).sum().backward()
+
+    def iterations(self, count: int) -> None:
+        for _ in range(count):
+            self.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+
+
+@contextlib.contextmanager
+def capture_on_another_thread() -> Iterator[None]:
+    """A capture in flight on another thread for the duration of the block."""
+    begun, done = threading.Event(), threading.Event()
+
+    def capturing() -> None:
+        CAPTURES.began()
+        begun.set()
+        done.wait(10)
+        CAPTURES.ended()
+
+    other = threading.Thread(target=capturing)
+    other.start()
+    try:
+        assert begun.wait(10)
+        yield
+    finally:
+        done.set()
+        other.join()
+
+
 def test_an_agent_skips_the_steps_of_a_capture_and_never_judges_the_one_after(
     tmp_path: Path,
 ) -> None:
-    model = torch.nn.Linear(8, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop = Loop()
+    train = loop.iterations
     agent = make_agent(tmp_path)
-
-    def train(steps: int) -> None:
-        for _ in range(steps):
-            model(torch.randn(4, 8)).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
     train(5)
     CAPTURES.began()  # what torch.cuda.graph's capture_begin does through the wrapper
     try:
@@ -337,33 +370,16 @@ def test_with_manual_steps_the_script_ends_its_replayed_steps_itself(
 def test_a_capture_on_another_thread_leaves_the_training_threads_steps_alone(
     tmp_path: Path,
 ) -> None:
-    model = torch.nn.Linear(8, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop = Loop()
     agent = make_agent(tmp_path)
-    begun, done = threading.Event(), threading.Event()
-
-    def capturing_thread() -> None:
-        CAPTURES.began()  # e.g. a thread_local-mode capture of some other work
-        begun.set()
-        done.wait(10)
-        CAPTURES.ended()
-
-    other = threading.Thread(target=capturing_thread)
-    other.start()
     try:
-        assert begun.wait(10)
-        for _ in range(4):
-            model(torch.randn(4, 8)).sum().backward()
-            optimizer.step()
-        assert agent.current_step == 4  # counted: this thread captures nothing
-        model(torch.randn(4, 8)).sum().backward()  # and its marks are taken
-        assert [kind for kind, _ns, _e in agent.boundaries.phases._marks][:2] == [
-            FWD_START,
-            FWD_END,
-        ]
+        with capture_on_another_thread():  # e.g. a thread_local-mode capture of other work
+            loop.iterations(4)
+            assert agent.current_step == 4  # counted: this thread captures nothing
+            loop.backward()  # and its marks are taken
+            kinds = [kind for kind, _ns, _e in agent.boundaries.phases._marks]
+            assert kinds[:2] == [FWD_START, FWD_END]
     finally:
-        done.set()
-        other.join()
         agent.close()
 
 
@@ -436,35 +452,19 @@ def test_another_threads_query_gives_way_to_a_held_lock_without_waiting() -> Non
 def test_a_deferred_read_makes_no_event_query_during_a_capture(tmp_path: Path) -> None:
     from tests.unit.test_deferred_clock import StrictGpu, deferred
 
-    model = torch.nn.Linear(8, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop = Loop()
     agent = make_agent(tmp_path, "consensus.interval_ms=20")
     gpu = StrictGpu()
     agent.clock = deferred(gpu)
-    begun, done = threading.Event(), threading.Event()
-
-    def capturing_thread() -> None:
-        CAPTURES.began()  # a global-mode capture elsewhere: no query of ours may run
-        begun.set()
-        done.wait(10)
-        CAPTURES.ended()
-
     try:
-        for _ in range(6):
-            model(torch.randn(4, 8)).sum().backward()
-            optimizer.step()
-        other = threading.Thread(target=capturing_thread)
-        other.start()
-        assert begun.wait(10)
-        queries = gpu.queries
-        assert agent.boundaries.collect() == []
-        time.sleep(0.1)  # the control thread's own takes meanwhile: no query either
-        assert gpu.queries == queries
-        done.set()
-        other.join()
+        loop.iterations(6)
+        with capture_on_another_thread():  # global mode there: no query of ours may run
+            queries = gpu.queries
+            assert agent.boundaries.collect() == []
+            time.sleep(0.1)  # the control thread's own takes meanwhile: no query either
+            assert gpu.queries == queries
         gpu.passed = gpu.recorded  # once it ended, the steps are read
     finally:
-        done.set()
         agent.close()
     assert steps_file(agent) == [1, 2, 3, 4, 5]
 
