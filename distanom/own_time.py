@@ -112,8 +112,8 @@ def own_cost_body(
     control_us = control_cpu_ns / steps / 1e3
     boundary_share = _share(meters.cpu_sample_ns, meters.cpu_sample_wall_ns)
     marks_share = _share(*phase_marks_sample)
-    if not marks_us:
-        marks_share = marks_share if marks_share is not None else 0.0
+    if marks_share is None and not marks_us:  # no marks (phases off): nothing to share
+        marks_share = 0.0
     cpu_us = None
     if boundary_share is not None and marks_share is not None:
         cpu_us = boundary_us * boundary_share + marks_us * marks_share + control_us
