@@ -135,6 +135,7 @@ def agent_cost(
         control_cpu_ns=control_cpu_ns,
         median_ms=median_ms,
         phase_marks_sample=(boundaries.phases.cpu_sample[0], boundaries.phases.cpu_sample[1]),
+        phase_marks_wait=boundaries.phases.queue_waits_ns(),
     )
     clock = boundaries.clock
     work_ms = pacer.work_ms

@@ -41,6 +41,7 @@ row of steps/rank<R>.csv; the report reads them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -75,6 +76,7 @@ NO_PHASES: PhaseTimes = (NAN_PARTS, math.nan, NAN_GPU)
 RawPhases = tuple[list[tuple[int, int, Any]] | None, int, int, int, tuple[float, ...]]
 NO_RAW: RawPhases = (None, 0, 0, 0, NAN_GPU)
 MAX_MARKS = 256  # marks kept per step (a loop of many micro-batches keeps its first ones)
+RECORD_WALLS_KEPT = 256  # sampled event records whose wall times set `record_floor_us`
 MAX_KEPT_STEPS = 2048  # steps whose parts wait for the clock (it gives up beyond)
 MAX_TOP_MODULES = 64  # outermost modules remembered while looking for the model
 FIND_MODEL_BOUNDARIES = 3  # step ends with global hooks before giving up on a model
@@ -160,6 +162,12 @@ class PhaseMarks:
         self._stream: Any = None
         self._global: list[Any] = []
         self.own_ns = 0  # the marks' own time between boundaries (event records mostly)
+        # the event records inside it: their wall time and count, and the walls of the
+        # sampled steps' records (`record_floor_us`: what a record costs when it waits
+        # for nothing)
+        self.record_ns = 0
+        self.records = 0
+        self.record_walls: collections.deque[int] = collections.deque(maxlen=RECORD_WALLS_KEPT)
         # the marks of every CPU_SAMPLE_EVERY-th step: this thread's CPU and wall time in
         # them (`own_time`: wall time holds GIL and launch-queue waits)
         self.cpu_sample = [0, 0]
@@ -343,7 +351,13 @@ class PhaseMarks:
                 if key != self._stream_key:  # a Stream object made only when it changes
                     self._stream_key, self._stream = key, calls.stream_of(key)
                 event = self._spare.pop() if self._spare else calls.new_event()
+                recording = time.perf_counter_ns()
                 calls.record(event, self._stream)
+                recorded = time.perf_counter_ns() - recording
+                self.record_ns += recorded
+                self.records += 1
+                if sampling:
+                    self.record_walls.append(recorded)
             except Exception as err:
                 self._calls = None
                 self._say(f"phase events failed ({err}); phases are timed on the host only")
@@ -435,6 +449,19 @@ class PhaseMarks:
         for _kind, _ns, event in marks:
             if event is not None and len(spare) < MAX_MARKS:
                 spare.append(event)
+
+    def queue_waits_ns(self) -> tuple[int, float | None]:
+        """How much of `own_ns` the event records spent waiting, and the floor (us) it is
+        measured from: the lower quartile of the sampled records' walls. A record waits
+        for a CUDA launch-queue slot (the next kernel launch would wait as long without
+        it) or for the GIL it let go (the other thread's CPU is counted as that thread's);
+        each record is charged the floor instead (control thread: the walls are copied
+        in one C call). (0, None) before a sample."""
+        walls = sorted(list(self.record_walls))
+        if not walls:
+            return 0, None
+        floor = walls[len(walls) // 4]
+        return max(0, self.record_ns - self.records * floor), floor / 1e3
 
     def _switch_off(self, why: str) -> None:
         self.off = True

@@ -189,13 +189,12 @@ def _one_off_lines(cost: dict[str, Any]) -> list[str]:
         lines.append(
             "  a step end, by part: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
         )
-    cpu_pct = cost.get("cpu_pct_of_median_step")
-    shares = (cost.get("boundary_cpu_share"), cost.get("phase_marks_cpu_share"))
-    if isinstance(cpu_pct, numbers) and all(isinstance(share, numbers) for share in shares):
-        # wall time in them also holds waits for the GIL or a full launch queue (own_time)
+    wait, floor = cost.get("phase_marks_wait_us_per_step"), cost.get("record_floor_us")
+    if isinstance(wait, numbers) and wait >= 0.05 and isinstance(floor, numbers):
+        # the job waits as long without distanom (own_time)
         lines.append(
-            f"  counting the training thread's CPU only ({shares[0]:.0%} of the step end's "
-            f"time, {shares[1]:.0%} of the marks'): {cpu_pct:.2f}% of the median step"
+            f"  not counted: the phase marks' CUDA event records waited {wait:.1f} us a step "
+            f"beyond {floor:.1f} us each (a full launch queue, the GIL)"
         )
     once = f"  once, not per step: start-up {cost['startup_ms']:.1f} ms"
     teardown = cost.get("teardown_ms")

@@ -153,7 +153,7 @@ def test_the_step_end_s_parts_are_named_and_add_up_to_it(
     assert sum(parts.values()) == pytest.approx(cost["boundary_us_per_step"], rel=0.01)
 
 
-def test_the_cpu_figure_counts_the_training_threads_parts_at_their_sampled_share() -> None:
+def test_the_marks_records_waits_are_given_apart_not_charged() -> None:
     from distanom.own_time import BoundaryMeters, own_cost_body
 
     meters = BoundaryMeters()
@@ -161,21 +161,49 @@ def test_the_cpu_figure_counts_the_training_threads_parts_at_their_sampled_share
     args = {"steps": 10, "boundary_ns": 1_000_000, "phase_marks_ns": 400_000}
     before = own_cost_body(meters, **args, control_cpu_ns=200_000, median_ms=1.0)
     assert before["pct_of_median_step"] == 16.0  # (100 + 40 + 20) us of 1 ms
-    assert before["cpu_us_per_step"] is None and before["boundary_cpu_share"] is None
+    assert before["phase_marks_wait_us_per_step"] == 0.0 and before["record_floor_us"] is None
+    assert before["boundary_cpu_share"] is None
     meters.cpu_sample_ns, meters.cpu_sample_wall_ns = 30_000, 60_000  # half of it ran
     cost = own_cost_body(
-        meters, **args, control_cpu_ns=200_000, median_ms=1.0, phase_marks_sample=(10, 40)
-    )
+        meters, **args, control_cpu_ns=200_000, median_ms=1.0, phase_marks_sample=(10, 40),
+        phase_marks_wait=(300_000, 2.5),
+    )  # fmt: skip
     assert (cost["boundary_cpu_share"], cost["phase_marks_cpu_share"]) == (0.5, 0.25)
-    assert cost["cpu_us_per_step"] == 80.0  # 100 * 0.5 + 40 * 0.25 + 20
-    assert cost["cpu_pct_of_median_step"] == 8.0 and cost["pct_of_median_step"] == 16.0
+    assert cost["phase_marks_us_per_step"] == 10.0  # (400 - 300) us over 10 steps
+    assert cost["phase_marks_wait_us_per_step"] == 30.0 and cost["record_floor_us"] == 2.5
+    assert cost["pct_of_median_step"] == 13.0  # (100 + 10 + 20) us of 1 ms
+    # a wait over the marks' own time (meters read a moment apart) charges them nothing
+    over = own_cost_body(
+        meters, **args, control_cpu_ns=0, median_ms=1.0, phase_marks_wait=(900_000, 2.5)
+    )
+    assert over["phase_marks_us_per_step"] == 0.0 and over["pct_of_median_step"] == 10.0
+
+
+def test_queue_waits_are_the_records_time_over_the_lower_quartile() -> None:
+    from distanom.phases import PhaseMarks
+
+    marks = PhaseMarks()
+    assert marks.queue_waits_ns() == (0, None)
+    walls = [2_000] * 6 + [9_000] * 2  # most records wait for nothing; two waited
+    marks.record_walls.extend(walls)
+    marks.record_ns, marks.records = sum(walls) + 500_000, 9  # one more, unsampled: 500 us
+    wait, floor = marks.queue_waits_ns()
+    assert floor == 2.0
+    assert wait == sum(walls) + 500_000 - 9 * 2_000
+    # every record as slow: that is what a record costs here, no wait
+    marks.record_walls.clear()
+    marks.record_walls.extend([9_000] * 8)
+    marks.record_ns, marks.records = 8 * 9_000, 8
+    assert marks.queue_waits_ns() == (0, 9.0)
 
 
 class SlowRecords:
-    """Phase-mark event calls whose record waits (as on a full CUDA launch queue)."""
+    """Phase-mark event calls whose every other record waits (as on a full CUDA launch
+    queue), working (`busy`: a spin) or asleep."""
 
     def __init__(self, busy: bool) -> None:
         self.busy = busy
+        self.records = 0
 
     @staticmethod
     def stream_key() -> str:
@@ -190,11 +218,13 @@ class SlowRecords:
         return object()
 
     def record(self, event: object, stream: str) -> None:
-        spin(0.001) if self.busy else time.sleep(0.001)
+        self.records += 1
+        if self.records % 2:
+            spin(0.001) if self.busy else time.sleep(0.001)
 
 
 @pytest.mark.parametrize("busy", [False, True])
-def test_waits_in_the_boundary_and_the_marks_are_not_counted_as_cpu(
+def test_the_cpu_shares_tell_waits_from_work_and_the_marks_waits_are_not_charged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, busy: bool
 ) -> None:
     # a clock mark and phase events that wait 1 ms (sleep: no CPU) or work 1 ms (spin)
@@ -216,11 +246,13 @@ def test_waits_in_the_boundary_and_the_marks_are_not_counted_as_cpu(
     finally:
         agent.close()
     cost = final_cost(agent)
-    assert cost["boundary_us_per_step"] > 1000 and cost["phase_marks_us_per_step"] > 1000
+    assert cost["boundary_us_per_step"] > 1000
+    # one record a step waited 1 ms; the other is what a record costs (the floor)
+    assert cost["phase_marks_wait_us_per_step"] > 800, cost
+    assert cost["phase_marks_us_per_step"] < 300, cost
+    assert cost["record_floor_us"] < 300, cost
     shares = (cost["boundary_cpu_share"], cost["phase_marks_cpu_share"])
     if busy:
         assert min(shares) > 0.6, shares
-        assert cost["cpu_pct_of_median_step"] > 0.6 * cost["pct_of_median_step"]
     else:
         assert max(shares) < 0.4, shares
-        assert cost["cpu_pct_of_median_step"] < 0.5 * cost["pct_of_median_step"]
