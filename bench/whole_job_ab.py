@@ -6,6 +6,10 @@ watching and inert every ~0.5 s (bench/workloads/ab_switch.py), in the job's own
         [--variants none,default,none+nopause] [--segments 80] [--segment-steps N]
         [--budget-s 540] [--warmup-s 0]
 
+A job gets as many of the segments asked for as fit in what is left of --budget-s at the
+workload's nominal step time (`segments_that_fit`): a job that runs past the caller's
+own time limit comes back with nothing.
+
 bench/whole_job.py compares whole processes (plain `torchrun` against
 `-m distanom.launch`), which is what users pay but spreads by +-15-25% on the H200
 machine. Here the same job holds both halves: segments of ~0.5 s, on, off, off, on, ...
@@ -73,7 +77,23 @@ SEGMENT: dict[str, tuple[int, int]] = {
 # resnet18_b64: whole_job_ab_h200_7114d9d.json; compile*: whole_job_ab_compile_h200_be027ec.json),
 # to turn --warmup-s into steps
 NOMINAL_MS = {"resnet18": 8.7, "resnet18_b64": 12.0, "amp": 17.6, "compile": 10.0,
-              "compile_ro": 4.4, "hf": 11.0, "lightning": 3.0}  # fmt: skip
+              "compile_ro": 4.4, "hf": 16.2, "lightning": 3.0}  # fmt: skip
+# a job's start and end beyond its steps (torchrun, imports, the model's first steps; HF's
+# Trainer is the slowest), when fitting its segments into what is left of --budget-s
+JOB_OVERHEAD_S = 30.0
+
+
+def segments_that_fit(workload: str, segments: int, left_s: float, warmup_s: float,
+                      segment_steps: int | None) -> int:  # fmt: skip
+    """At most `segments`, as many as the workload's nominal step time fits in `left_s`
+    after the warm-up and the job's own start and end (a job that runs past the budget
+    is lost whole: its segments come back only when it ends); at least 8 (two units)."""
+    segment, warmup = SEGMENT[workload]
+    segment = segment_steps or segment
+    warmup_steps = max(warmup, int(warmup_s * 1000 / NOMINAL_MS[workload]))
+    per_segment_s = segment * NOMINAL_MS[workload] / 1000
+    room = left_s - JOB_OVERHEAD_S - warmup_steps * NOMINAL_MS[workload] / 1000
+    return max(8, min(segments, int(room / per_segment_s)))
 
 
 # variant suffixes: a variant of VARIANTS with bench-only changes inside the job, through
@@ -385,10 +405,15 @@ def main() -> int:
             for variant in variants:
                 if time.monotonic() - started > args.budget_s:
                     break
+                left_s = args.budget_s - (time.monotonic() - started)
+                segments = segments_that_fit(
+                    workload, args.segments, left_s, args.warmup_s, args.segment_steps
+                )
                 job = run_job(
-                    workload, variant, args.segments, Path(scratch_name), args.warmup_s,
+                    workload, variant, segments, Path(scratch_name), args.warmup_s,
                     args.segment_steps,
                 )  # fmt: skip
+                job["segments_asked"], job["segments_run"] = args.segments, segments
                 job["workload"] = workload
                 report["jobs"].append(job)
                 print(f"[{workload} {variant}] rc {job['rc']} {job.get('wall_s')} s "

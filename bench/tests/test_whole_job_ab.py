@@ -329,3 +329,16 @@ def test_spin_tweaks_are_parsed_and_reach_the_job(
     assert "WHOLE_JOB_AB_SPIN_US" not in seen[0] and "WHOLE_JOB_AB_SHAM" not in seen[0]
     assert seen[1]["WHOLE_JOB_AB_SPIN_PCT"] == "2" and seen[1]["WHOLE_JOB_AB_SHAM"] == "1"
     assert seen[1]["WHOLE_JOB_AB_SEGMENT"] == "3"
+
+
+def test_a_jobs_segments_are_cut_to_what_the_budget_has_left() -> None:
+    ab = load_bench_script("whole_job_ab")
+    # HF: 24 steps a segment at 16.2 ms, 200 warm-up steps (3.24 s), 30 s of start and end
+    assert ab.segments_that_fit("hf", 1000, 10_000.0, 0.0, None) == 1000  # room for all
+    fitted = ab.segments_that_fit("hf", 1000, 300.0, 0.0, None)
+    assert fitted == int((300 - 30 - 3.24) / (24 * 0.0162))  # 686
+    # a longer warm-up (617 steps: 10 s) and shorter segments (12 steps)
+    warmup_s = 617 * 0.0162
+    expected = int((300 - 30 - warmup_s) / (12 * 0.0162))
+    assert ab.segments_that_fit("hf", 2000, 300.0, 10.0, 12) == expected
+    assert ab.segments_that_fit("lightning", 1000, 5.0, 0.0, None) == 8  # never under two units
