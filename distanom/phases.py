@@ -70,6 +70,7 @@ NAN_GPU: tuple[float, ...] = (math.nan,) * 3
 # (host parts, fetch_ms, gpu parts): what `take` returns per step
 PhaseTimes = tuple[tuple[float, ...], float, tuple[float, ...]]
 NO_PHASES: PhaseTimes = (NAN_PARTS, math.nan, NAN_GPU)
+NO_VALUES: tuple[float, ...] = (*NAN_PARTS, math.nan, *NAN_GPU)  # `phase_values` of nothing
 # what `take_raw` hands on, for `resolve` to split on the control thread: (the step's
 # marks as (kind, perf ns, event), its start and end (perf ns), fetch ns, GPU parts);
 # marks None where nothing is known
@@ -80,16 +81,6 @@ RECORD_WALLS_KEPT = 256  # sampled event records whose wall times set `record_fl
 MAX_KEPT_STEPS = 2048  # steps whose parts wait for the clock (it gives up beyond)
 MAX_TOP_MODULES = 64  # outermost modules remembered while looking for the model
 FIND_MODEL_BOUNDARIES = 3  # step ends with global hooks before giving up on a model
-
-
-def _next_part(kind: int, seen_optimizer: bool) -> int:
-    if kind == _FWD_START:
-        return FORWARD
-    if kind == _FWD_END:
-        return BACKWARD
-    if kind == _OPT_START:
-        return OPTIMIZER
-    return OPTIMIZER if seen_optimizer else TAIL  # a backward's end
 
 
 def split_gpu(timed: list[tuple[int, float]], end: float) -> tuple[float, ...]:
@@ -114,22 +105,30 @@ def _has_parameters(module: Any) -> bool:
         return False
 
 
-def split_parts(marks: list[tuple[int, float]], start: float, end: float) -> list[float]:
+def split_parts(marks: Sequence[Sequence[Any]], start: float, end: float) -> list[float]:
     """The five parts (ms) of a step that began at `start` and ended at `end` (any unit
-    per ms, as the marks), given its marks in order as (kind, time). A backward's end
-    followed by a forward is the next micro-batch's data. Pure."""
-    parts = [0.0] * 5
+    per ms, as the marks), given its marks in order, each (kind, time, ...). A backward's
+    end followed by a forward is the next micro-batch's data. Pure; runs for every step
+    on the control thread, hence one loop with the transitions inline."""
+    parts = [0.0, 0.0, 0.0, 0.0, 0.0]
     current, previous, seen_optimizer = DATA, start, False
-    for position, (kind, at) in enumerate(marks):
+    last = len(marks) - 1
+    for position, mark in enumerate(marks):
+        kind, at = mark[0], mark[1]
         parts[current] += at - previous
         previous = at
-        if kind == _OPT_START:
-            seen_optimizer = True
-        current = _next_part(kind, seen_optimizer)
-        if kind == _BWD_END and current == TAIL:
-            following = marks[position + 1][0] if position + 1 < len(marks) else None
-            if following == _FWD_START:
-                current = DATA
+        if kind == _FWD_START:
+            current = FORWARD
+        elif kind == _FWD_END:
+            current = BACKWARD
+        elif kind == _OPT_START:
+            current, seen_optimizer = OPTIMIZER, True
+        elif seen_optimizer:  # a backward's end inside the optimizer step (Lightning)
+            current = OPTIMIZER
+        elif position < last and marks[position + 1][0] == _FWD_START:
+            current = DATA  # the next micro-batch
+        else:
+            current = TAIL
     parts[current] += end - previous
     return parts
 
@@ -480,27 +479,33 @@ def _nothing() -> None:
 
 def _told(marks: list[tuple[int, int, Any]]) -> bool:
     """Whether a forward was seen: then the data, forward and backward parts are known."""
-    return any(kind == _FWD_START for kind, _ns, _ev in marks)
+    for mark in marks:  # noqa: SIM110 (every step, control thread: no generator frame)
+        if mark[0] == _FWD_START:
+            return True
+    return False
 
 
 def resolve(raw: RawPhases) -> PhaseTimes:
     """A step's (host parts, fetch ms, GPU parts) from `take_raw`'s answer. Pure."""
-    marks, start, end, fetch_ns, gpu = raw
-    if marks is None:
-        return NO_PHASES
-    if _told(marks):
-        parts = split_parts([(k, ns) for k, ns, _e in marks], start, end)
-        host = tuple(value / 1e6 for value in parts)
-    else:  # no forward seen: only the optimizer phase is known
-        optimizer_ns = next((ns for k, ns, _e in marks if k == _OPT_START), None)
-        opt = (end - optimizer_ns) / 1e6 if optimizer_ns is not None else math.nan
-        host = (math.nan, math.nan, math.nan, math.nan, opt)
-    return host, fetch_ns / 1e6, gpu
+    values = phase_values(raw)
+    return values[:5], values[5], values[6:]
 
 
 def phase_values(raw: RawPhases) -> tuple[float, ...]:
     """A step's phase times as the steps file's phase columns, in order: host parts,
     batch fetch, GPU parts (`records.steps.PHASE_COLUMNS`), from `take_raw`'s answer
-    (control thread)."""
-    host, fetch_ms, gpu = resolve(raw)
-    return (*host, fetch_ms, *gpu)
+    (control thread, every step: no generator, no intermediate tuple)."""
+    marks, start, end, fetch_ns, gpu = raw
+    if marks is None:
+        return NO_VALUES
+    if _told(marks):
+        data, forward, backward, tail, optimizer = split_parts(marks, start, end)
+        return (data / 1e6, forward / 1e6, backward / 1e6, tail / 1e6, optimizer / 1e6,
+                fetch_ns / 1e6, *gpu)  # fmt: skip
+    # no forward seen: only the optimizer phase is known
+    optimizer_ms = math.nan
+    for kind, ns, _event in marks:
+        if kind == _OPT_START:
+            optimizer_ms = (end - ns) / 1e6
+            break
+    return (math.nan, math.nan, math.nan, math.nan, optimizer_ms, fetch_ns / 1e6, *gpu)
