@@ -41,7 +41,9 @@ readily as a noisy one). `abba_cpu_*`: the same over the process's CPU time per 
 segments' own time. Tweaks for a known truth: `+sham` keeps the agent inert in both
 halves (an A/A), `+spin<N>us` and `+spin<P>pct` busy-wait N us or P% of the step's time
 at each step of an on segment; a sham job's `truth_ratio` is the spin measured, and
-`covered` says whether each interval holds it.
+`covered` says whether each interval holds it. `abba_untraced_*`: the units with no
+traced window (`split_by_tracing`), distanom's cost less tracing's; `tracing_pct`, the
+rest: the two figures the report gives apart.
 """
 
 from __future__ import annotations
@@ -168,6 +170,9 @@ def run_job(
         return record
     record.update(json.loads(result_path.read_text()))
     record["summary"] = summarize(record.get("ab_segments", []))
+    record["summary"].update(
+        split_by_tracing(record.get("ab_segments", []), record.get("ab_segment"))
+    )
     if "sham" in tweaks:  # the agent inert in both halves: the spin is all there is
         record["summary"].update(check_truth(record["summary"]))
     return record
@@ -340,6 +345,31 @@ def summarize_abba(segments: list[dict[str, Any]]) -> dict[str, Any]:
             for (x_with, w), (x_without, _) in zip(units, abba_units(spun), strict=True)
         ]
         out["injected_ratio"] = round(math.exp(weighted_t_interval(injected)[0]), 5)
+    return out
+
+
+def split_by_tracing(segments: list[dict[str, Any]], segment_steps: int | None) -> dict[str, Any]:
+    """The ABBA estimate over the units none of whose on segments ran on past
+    `segment_steps` (the switch lets a traced window end first, so an on segment that
+    held one is nearly always longer): distanom's cost without tracing's, to compare
+    with the report's own-time figure; the whole ratio less it is tracing's part, to
+    compare with the duty cycle's effective figure. Empty without a segment length."""
+    if not segment_steps:
+        return {}
+    units, plain = abba_units(segments), []
+    for first in range(0, len(segments) - 3, 4):
+        unit = segments[first : first + 4]
+        if any(s["on"] and s.get("steps", 0) > segment_steps for s in unit):
+            continue
+        plain.extend(abba_units(unit))
+    if not units or not plain:
+        return {}
+    on_steps = sum(w for _, w in units)
+    out = {"abba_untraced_units": len(plain)}
+    out["extended_on_share"] = round(1 - sum(w for _, w in plain) / on_steps, 4)
+    out.update(_as_ratio("abba_untraced_", weighted_t_interval(plain)))
+    whole = math.exp(weighted_t_interval(units)[0])
+    out["tracing_pct"] = round((whole - out["abba_untraced_ratio"]) * 100, 3)
     return out
 
 

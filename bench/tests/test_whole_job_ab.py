@@ -342,3 +342,28 @@ def test_a_jobs_segments_are_cut_to_what_the_budget_has_left() -> None:
     expected = int((300 - 30 - warmup_s) / (12 * 0.0162))
     assert ab.segments_that_fit("hf", 2000, 300.0, 10.0, 12) == expected
     assert ab.segments_that_fit("lightning", 1000, 5.0, 0.0, None) == 8  # never under two units
+
+
+def test_units_with_a_traced_window_are_split_off_and_their_excess_is_tracings() -> None:
+    ab = load_bench_script("whole_job_ab")
+
+    def unit(on_ms: float, on_steps: int) -> list[dict[str, Any]]:
+        on = {"on": True, "steps": on_steps, "ms_per_step": on_ms}
+        off = {"on": False, "steps": 10, "ms_per_step": 1.0}
+        return [on, off, dict(off), dict(on)]
+
+    # 18 untraced units at +2% (one at +3%: an interval), 2 whose on segments ran on to
+    # the end of a traced window (20 steps) at +20%
+    segments = [s for _ in range(17) for s in unit(1.02, 10)] + unit(1.03, 10)
+    segments += [s for _ in range(2) for s in unit(1.20, 20)]
+    split = ab.split_by_tracing(segments, 10)
+    assert split["abba_untraced_units"] == 18
+    assert split["extended_on_share"] == round(80 / (18 * 20 + 80), 4)
+    assert 1.020 < split["abba_untraced_ratio"] < 1.022
+    low, high = split["abba_untraced_ci95"]
+    assert low < split["abba_untraced_ratio"] < high
+    whole = math.exp(ab.weighted_t_interval(ab.abba_units(segments))[0])
+    assert split["tracing_pct"] == round((whole - split["abba_untraced_ratio"]) * 100, 3)
+    assert split["tracing_pct"] > 2.0  # 18% more on 18% of the on steps
+    assert ab.split_by_tracing(segments, None) == {}
+    assert ab.split_by_tracing(unit(1.2, 20), 10) == {}  # no untraced unit
