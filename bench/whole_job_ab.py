@@ -349,17 +349,24 @@ def summarize_abba(segments: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def split_by_tracing(segments: list[dict[str, Any]], segment_steps: int | None) -> dict[str, Any]:
-    """The ABBA estimate over the units none of whose on segments ran on past
-    `segment_steps` (the switch lets a traced window end first, so an on segment that
-    held one is nearly always longer): distanom's cost without tracing's, to compare
-    with the report's own-time figure; the whole ratio less it is tracing's part, to
-    compare with the duty cycle's effective figure. Empty without a segment length."""
+    """The ABBA estimate over the units none of whose on segments held a traced step
+    (its `traced_boundaries`; in older results, none ran on past `segment_steps`: the
+    switch lets a traced window end first, so an on segment that held one is nearly
+    always longer): distanom's cost without tracing's, to compare with the report's
+    own-time figure; the whole ratio less it is tracing's part, to compare with the duty
+    cycle's effective figure. Empty without a segment length."""
     if not segment_steps:
         return {}
+
+    def traced(segment: dict[str, Any]) -> bool:
+        if "traced_boundaries" in segment:
+            return bool(segment["traced_boundaries"])
+        return bool(segment.get("steps", 0) > segment_steps)
+
     units, plain = abba_units(segments), []
     for first in range(0, len(segments) - 3, 4):
         unit = segments[first : first + 4]
-        if any(s["on"] and s.get("steps", 0) > segment_steps for s in unit):
+        if any(s["on"] and traced(s) for s in unit):
             continue
         plain.extend(abba_units(unit))
     if not units or not plain:

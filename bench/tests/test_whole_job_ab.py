@@ -58,6 +58,7 @@ def test_segments_switch_the_agent_and_drop_each_on_segments_first_step(tmp_path
     assert all(s["steps"] == SEGMENT for s in segments)
     assert all(s["boundary_us_per_step"] == 0 for s in segments if not s["on"])
     assert all(s["boundary_us_per_step"] > 0 for s in segments if s["on"])
+    assert all(s["traced_boundaries"] == 0 for s in segments)  # no tracer: none traced
     # the training thread's blocks per step: counted on Linux (None elsewhere), never < 0
     blocks = [s["training_blocks_per_step"] for s in segments]
     if sys.platform.startswith("linux"):
@@ -367,3 +368,8 @@ def test_units_with_a_traced_window_are_split_off_and_their_excess_is_tracings()
     assert split["tracing_pct"] > 2.0  # 18% more on 18% of the on steps
     assert ab.split_by_tracing(segments, None) == {}
     assert ab.split_by_tracing(unit(1.2, 20), 10) == {}  # no untraced unit
+    # where the segments count their traced boundaries, that count decides
+    counted = [{**s, "traced_boundaries": 5 if s["steps"] > 10 else 0} for s in segments]
+    assert ab.split_by_tracing(counted, 10)["abba_untraced_units"] == 18
+    counted[0]["traced_boundaries"] = 3  # a traced window inside the first on segment
+    assert ab.split_by_tracing(counted, 10)["abba_untraced_units"] == 17

@@ -71,6 +71,13 @@ def _distanom_threads_cpu_ns() -> int:
     return total
 
 
+def _traced_boundaries(boundaries: Any) -> int:
+    """The boundaries so far that sat next to a traced step or switched the tracer
+    (`own_time.BoundaryMeters`): a segment with none held no traced step."""
+    meters = boundaries.meters
+    return int(meters.traced_boundaries + meters.switches)
+
+
 def thread_blocks() -> int | None:
     """How often the calling thread has blocked so far (Linux: its voluntary context
     switches, `getrusage(RUSAGE_THREAD)`, which keeps the GIL; reading
@@ -148,6 +155,7 @@ class SegmentedAB:
         self.segments: list[dict[str, Any]] = []
         self._began = 0.0
         self._own_ns = 0
+        self._traced = 0  # the agent's traced and switching boundaries at segment start
         self._threads_ns = 0
         self._blocks: int | None = None  # the training thread's blocks at segment start
         self._inert = False  # the A/B made the boundaries inert (and may undo only that)
@@ -228,11 +236,14 @@ class SegmentedAB:
                     (thread_cpu - self._thread_cpu_s) * 1000 / steps, 5
                 ),
                 "gc_collections": collected - self._collected,
+                # boundaries next to a traced step or switching the tracer: 0, untraced
+                "traced_boundaries": _traced_boundaries(boundaries) - self._traced,
             })  # fmt: skip
         self.index += 1
         self._in_segment = 0
         self._switch(self.state_of(self.index))
         self._own_ns = boundaries.own_ns
+        self._traced = _traced_boundaries(boundaries)
         self._threads_ns = _distanom_threads_cpu_ns()
         self._began = _sync()
         self._blocks = thread_blocks()  # after the synchronize: the steps' own
