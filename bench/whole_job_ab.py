@@ -80,22 +80,29 @@ SEGMENT: dict[str, tuple[int, int]] = {
 # to turn --warmup-s into steps
 NOMINAL_MS = {"resnet18": 8.7, "resnet18_b64": 12.0, "amp": 17.6, "compile": 10.0,
               "compile_ro": 4.4, "hf": 16.2, "lightning": 3.0}  # fmt: skip
+# an on segment of an older result whose boundaries took this many times the median
+# held a traced step (`split_by_tracing`)
+TRACED_BOUNDARY_FACTOR = 1.3
 # a job's start and end beyond its steps (torchrun, imports, the model's first steps; HF's
 # Trainer is the slowest), when fitting its segments into what is left of --budget-s
 JOB_OVERHEAD_S = 30.0
+STEP_MARGIN = 1.1  # a step of the job over its nominal time, when fitting segments
 
 
 def segments_that_fit(workload: str, segments: int, left_s: float, warmup_s: float,
                       segment_steps: int | None) -> int:  # fmt: skip
-    """At most `segments`, as many as the workload's nominal step time fits in `left_s`
-    after the warm-up and the job's own start and end (a job that runs past the budget
-    is lost whole: its segments come back only when it ends); at least 8 (two units)."""
+    """At most `segments`, as many as fit in `left_s` after the warm-up and the job's own
+    start and end, at the workload's nominal step time and `STEP_MARGIN` more (the on
+    half's cost, on segments run on to a traced window's end); 0 where fewer than two
+    units fit: a job that runs past the budget is lost whole (its segments come back
+    only when it ends)."""
     segment, warmup = SEGMENT[workload]
     segment = segment_steps or segment
+    step_s = NOMINAL_MS[workload] * STEP_MARGIN / 1000
     warmup_steps = max(warmup, int(warmup_s * 1000 / NOMINAL_MS[workload]))
-    per_segment_s = segment * NOMINAL_MS[workload] / 1000
-    room = left_s - JOB_OVERHEAD_S - warmup_steps * NOMINAL_MS[workload] / 1000
-    return max(8, min(segments, int(room / per_segment_s)))
+    room = left_s - JOB_OVERHEAD_S - warmup_steps * step_s
+    fit = int(room / (segment * step_s))
+    return min(segments, fit) if fit >= 8 else 0
 
 
 # variant suffixes: a variant of VARIANTS with bench-only changes inside the job, through
@@ -350,18 +357,24 @@ def summarize_abba(segments: list[dict[str, Any]]) -> dict[str, Any]:
 
 def split_by_tracing(segments: list[dict[str, Any]], segment_steps: int | None) -> dict[str, Any]:
     """The ABBA estimate over the units none of whose on segments held a traced step
-    (its `traced_boundaries`; in older results, none ran on past `segment_steps`: the
-    switch lets a traced window end first, so an on segment that held one is nearly
-    always longer): distanom's cost without tracing's, to compare with the report's
-    own-time figure; the whole ratio less it is tracing's part, to compare with the duty
-    cycle's effective figure. Empty without a segment length."""
+    (its `traced_boundaries`): distanom's cost without tracing's, to compare with the
+    report's own-time figure; the whole ratio less it is tracing's part, to compare with
+    the duty cycle's effective figure. Older results have no count: there an on segment
+    held one if it ran on past `segment_steps` (only one followed by an off segment
+    does) or its boundaries took over `TRACED_BOUNDARY_FACTOR` times the on segments'
+    median (a traced boundary takes ~2.7 times an untraced one on the H200, a switch
+    milliseconds). Empty without a segment length."""
     if not segment_steps:
         return {}
+    usual = statistics.median(
+        [s.get("boundary_us_per_step", 0.0) for s in segments if s["on"]] or [0.0]
+    )
 
     def traced(segment: dict[str, Any]) -> bool:
         if "traced_boundaries" in segment:
             return bool(segment["traced_boundaries"])
-        return bool(segment.get("steps", 0) > segment_steps)
+        heavy = segment.get("boundary_us_per_step", 0.0) > TRACED_BOUNDARY_FACTOR * usual
+        return bool(segment.get("steps", 0) > segment_steps or heavy)
 
     units, plain = abba_units(segments), []
     for first in range(0, len(segments) - 3, 4):
@@ -446,6 +459,9 @@ def main() -> int:
                 segments = segments_that_fit(
                     workload, args.segments, left_s, args.warmup_s, args.segment_steps
                 )
+                if not segments:  # two units would not end inside the budget
+                    print(f"[{workload} {variant}] skipped: {left_s:.0f} s left", flush=True)
+                    break
                 job = run_job(
                     workload, variant, segments, Path(scratch_name), args.warmup_s,
                     args.segment_steps,

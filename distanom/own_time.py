@@ -22,8 +22,8 @@ let go (the other thread's CPU is counted as that thread's). Counting that wait 
 charge the job for time it spends anyway: on ResNet18 b5 (H200) the marks read twice
 Lightning's time, while the training thread's CPU grew less than they said against
 inert segments (docs/measurements.md, session 24). So each of their records is charged
-the lower quartile of the sampled records' walls (`PhaseMarks.queue_waits_ns`), and the
-wait is given apart (`phase_marks_wait_us_per_step`).
+the median of the sampled records' walls (`PhaseMarks.queue_waits_ns`), and the time
+beyond it is given apart (`phase_marks_wait_us_per_step`).
 
 Every `CPU_SAMPLE_EVERY`-th steady boundary, and the phase marks of every
 `CPU_SAMPLE_EVERY`-th step, also read this thread's CPU time: `agent_cost` gives the

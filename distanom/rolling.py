@@ -55,8 +55,8 @@ class RollingWindow:
 
     def spread(self) -> float:
         """The median absolute deviation from the median, recomputed every
-        `SPREAD_EVERY` appends (O(window log window) each time; a step's worth of drift in
-        between does not matter to a fence); ValueError when empty."""
+        `SPREAD_EVERY` appends (O(log window) each time, `kth_deviation`; a step's worth
+        of drift in between does not matter to a fence); ValueError when empty."""
         if self._spread is None or self._appended - self._spread_at >= SPREAD_EVERY:
             values = self._sorted
             middle = self.median()

@@ -334,15 +334,16 @@ def test_spin_tweaks_are_parsed_and_reach_the_job(
 
 def test_a_jobs_segments_are_cut_to_what_the_budget_has_left() -> None:
     ab = load_bench_script("whole_job_ab")
-    # HF: 24 steps a segment at 16.2 ms, 200 warm-up steps (3.24 s), 30 s of start and end
+    step_s = 0.0162 * ab.STEP_MARGIN  # HF at its nominal 16.2 ms, and the margin
+    # 24 steps a segment, 200 warm-up steps, 30 s of start and end
     assert ab.segments_that_fit("hf", 1000, 10_000.0, 0.0, None) == 1000  # room for all
-    fitted = ab.segments_that_fit("hf", 1000, 300.0, 0.0, None)
-    assert fitted == int((300 - 30 - 3.24) / (24 * 0.0162))  # 686
-    # a longer warm-up (617 steps: 10 s) and shorter segments (12 steps)
-    warmup_s = 617 * 0.0162
-    expected = int((300 - 30 - warmup_s) / (12 * 0.0162))
+    expected = int((300 - 30 - 200 * step_s) / (24 * step_s))
+    assert ab.segments_that_fit("hf", 1000, 300.0, 0.0, None) == expected
+    # a longer warm-up (617 steps: 10 s at the nominal step) and shorter segments
+    expected = int((300 - 30 - 617 * step_s) / (12 * step_s))
     assert ab.segments_that_fit("hf", 2000, 300.0, 10.0, 12) == expected
-    assert ab.segments_that_fit("lightning", 1000, 5.0, 0.0, None) == 8  # never under two units
+    assert ab.segments_that_fit("hf", 4, 10_000.0, 0.0, None) == 4  # never more than asked
+    assert ab.segments_that_fit("lightning", 1000, 31.0, 0.0, None) == 0  # not two units
 
 
 def test_units_with_a_traced_window_are_split_off_and_their_excess_is_tracings() -> None:
@@ -368,6 +369,11 @@ def test_units_with_a_traced_window_are_split_off_and_their_excess_is_tracings()
     assert split["tracing_pct"] > 2.0  # 18% more on 18% of the on steps
     assert ab.split_by_tracing(segments, None) == {}
     assert ab.split_by_tracing(unit(1.2, 20), 10) == {}  # no untraced unit
+    # an older result's on segment followed by an on one is never run on: its heavy
+    # boundaries say it held a traced window
+    boundaries = [{**s, "boundary_us_per_step": 60.0 if s["on"] else 0.0} for s in segments]
+    boundaries[3]["boundary_us_per_step"] = 100.0  # the first unit's last on segment
+    assert ab.split_by_tracing(boundaries, 10)["abba_untraced_units"] == 17
     # where the segments count their traced boundaries, that count decides
     counted = [{**s, "traced_boundaries": 5 if s["steps"] > 10 else 0} for s in segments]
     assert ab.split_by_tracing(counted, 10)["abba_untraced_units"] == 18

@@ -193,8 +193,8 @@ def _one_off_lines(cost: dict[str, Any]) -> list[str]:
     if isinstance(wait, numbers) and wait >= 0.05 and isinstance(floor, numbers):
         # the job waits as long without distanom (own_time)
         lines.append(
-            f"  not counted: the phase marks' CUDA event records waited {wait:.1f} us a step "
-            f"beyond {floor:.1f} us each (a full launch queue, the GIL)"
+            f"  not counted: the phase marks' CUDA event records took {wait:.1f} us a step "
+            f"beyond their median {floor:.1f} us (waits for a full launch queue or the GIL)"
         )
     once = f"  once, not per step: start-up {cost['startup_ms']:.1f} ms"
     teardown = cost.get("teardown_ms")
