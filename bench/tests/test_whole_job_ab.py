@@ -59,6 +59,9 @@ def test_segments_switch_the_agent_and_drop_each_on_segments_first_step(tmp_path
     assert all(s["boundary_us_per_step"] == 0 for s in segments if not s["on"])
     assert all(s["boundary_us_per_step"] > 0 for s in segments if s["on"])
     assert all(s["traced_boundaries"] == 0 for s in segments)  # no tracer: none traced
+    # the phase marks pause with the boundaries (the model is found in the warm-up)
+    assert all(s["phase_marks_us_per_step"] == 0 for s in segments if not s["on"])
+    assert all(s["phase_marks_us_per_step"] > 0 for s in segments if s["on"])
     # the training thread's blocks per step: counted on Linux (None elsewhere), never < 0
     blocks = [s["training_blocks_per_step"] for s in segments]
     if sys.platform.startswith("linux"):

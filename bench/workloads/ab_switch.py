@@ -12,16 +12,20 @@ each segment's start.
 
 Inert ("off") is the agent installed but doing nothing at a boundary: its step
 boundaries return at once (the state they enter when their bookkeeping fails, in which
-`Agent.close` still drains and finishes) and the control thread finds no steps to work
-on. It goes inert only with tracing off: an on
+`Agent.close` still drains and finishes), its phase marks are paused (their hooks still
+run and return at once: before session 24 the marks went on in off segments, until 256
+were pending, so the A/B left out all of their cost on 24-step segments and half on
+64-step ones), and the control thread finds no steps to work on. It goes inert only
+with tracing off: an on
 segment that ends inside a traced window runs on until the duty cycle switches tracing
 off (cutting the window would add switches the real job never pays; an earlier version
-that did cost ~6x the job's switches), so on segments may be longer than N steps. What stays
-in both halves: the optimizer wrapper's one check, the GC callback, the control and hang
-threads' idle wake-ups. The first step of every on segment follows a synchronize, and
-after an off segment its time would span that segment: the clock is told to drop it (a
-gap, never judged), or the trace planner would learn the segments as a periodic anomaly
-and trace it (an earlier version did: 3-4 series per job).
+that did cost ~6x the job's switches), so on segments may be longer than N steps. What
+stays in both halves: the optimizer wrapper's one check, the phase marks' hooks and
+wrappers returning at once, the GC callback, the control and hang threads' idle
+wake-ups. The first step of every on segment follows a synchronize, and after an off
+segment its time would span that segment: the clock is told to drop it (a gap, never
+judged), or the trace planner would learn the segments as a periodic anomaly and trace
+it (an earlier version did: 3-4 series per job).
 
 Per segment it records the state, ms per step, the agent's boundary time, and the CPU
 time of every `distanom-*` thread, so work a round started in an on segment and finished
@@ -155,10 +159,12 @@ class SegmentedAB:
         self.segments: list[dict[str, Any]] = []
         self._began = 0.0
         self._own_ns = 0
+        self._marks_ns = 0  # the phase marks' own time at segment start
         self._traced = 0  # the agent's traced and switching boundaries at segment start
         self._threads_ns = 0
         self._blocks: int | None = None  # the training thread's blocks at segment start
         self._inert = False  # the A/B made the boundaries inert (and may undo only that)
+        self._marks_paused = False  # the A/B paused the phase marks (likewise)
         self._in_segment = 0  # steps of the segment in progress
         self.extended = 0  # steps on segments ran past their length, waiting for tracing off
         # a known cost in the on half only (bench tweaks: the estimator's truth)
@@ -223,6 +229,9 @@ class SegmentedAB:
                 "steps": steps,
                 "ms_per_step": round((now - self._began) * 1000 / steps, 5),
                 "boundary_us_per_step": round((boundaries.own_ns - self._own_ns) / steps / 1e3, 3),
+                "phase_marks_us_per_step": round(
+                    (boundaries.phases.own_ns - self._marks_ns) / steps / 1e3, 3
+                ),
                 "threads_cpu_us_per_step": round(
                     (_distanom_threads_cpu_ns() - self._threads_ns) / steps / 1e3, 3
                 ),
@@ -243,6 +252,7 @@ class SegmentedAB:
         self._in_segment = 0
         self._switch(self.state_of(self.index))
         self._own_ns = boundaries.own_ns
+        self._marks_ns = boundaries.phases.own_ns
         self._traced = _traced_boundaries(boundaries)
         self._threads_ns = _distanom_threads_cpu_ns()
         self._began = _sync()
@@ -277,13 +287,21 @@ class SegmentedAB:
         set (bookkeeping that really failed) is never cleared. A sham A/B (`+sham`) keeps
         the agent inert in both halves."""
         boundaries = self.agent.boundaries
+        marks = boundaries.phases
         if (not on or self.sham) and not self._inert:
             if not boundaries._boundaries_off:  # never while tracing (see step_end)
                 boundaries._boundaries_off = True
                 self._inert = True
-        elif on and self._inert and not self.sham:  # next step dropped: _forget_last_boundary
-            boundaries._boundaries_off = False
-            self._inert = False
+            if not marks.off:  # `off`: no mark is taken (marks switched off for good
+                marks.off = True  # also uninstall their hooks; a pause leaves them)
+                self._marks_paused = True
+        elif on and not self.sham:  # next step dropped: _forget_last_boundary
+            if self._inert:
+                boundaries._boundaries_off = False
+                self._inert = False
+            if self._marks_paused:
+                marks.off = False
+                self._marks_paused = False
         self.on = on
 
     def finish(self) -> dict[str, Any]:
