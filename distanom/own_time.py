@@ -16,14 +16,12 @@ cycle measures and charges it: `tracer_switch_ms`), traced boundaries are counte
 and the per-step boundary figure is the mean of the other (untraced, steady) ones, split
 into `PARTS`.
 
-An event record in the phase marks may wait: for a CUDA launch-queue slot (where the
-GPU is behind, the next kernel launch would wait as long without it) or for the GIL it
-let go (the other thread's CPU is counted as that thread's). Counting that wait would
-charge the job for time it spends anyway: on ResNet18 b5 (H200) the marks read twice
-Lightning's time, while the training thread's CPU grew less than they said against
-inert segments (docs/measurements.md, session 24). So each of their records is charged
-the median of the sampled records' walls (`PhaseMarks.queue_waits_ns`), and the time
-beyond it is given apart (`phase_marks_wait_us_per_step`).
+An event record in the phase marks may wait: for a CUDA launch-queue slot or for the
+GIL it let go. That time is charged with the rest (an A/B whose inert half paid the
+marks too once made it look free: docs/measurements.md, session 24); how much of it
+went beyond the records' median wall is given beside it
+(`phase_marks_wait_us_per_step`, `record_floor_us`, `PhaseMarks.queue_waits_ns`), so a
+run can show how much of the marks' cost is such waits.
 
 Every `CPU_SAMPLE_EVERY`-th steady boundary, and the phase marks of every
 `CPU_SAMPLE_EVERY`-th step, also read this thread's CPU time: `agent_cost` gives the
@@ -107,18 +105,18 @@ def own_cost_body(
     phase_marks_wait: tuple[int, float | None] = (0, None),
 ) -> dict[str, Any]:
     """The per-step and one-off figures of `agent_cost` (status.json): the boundary's
-    steady mean and its parts, the phase marks (less their event records' waits) and the
-    control thread's CPU per step, their sum as a percentage of the median step;
-    start-up and the end once, in ms; tracer switches and traced boundaries apart.
-    `boundary_ns`: every boundary's time; `phase_marks_sample`: the sampled marks' (CPU
-    ns, wall ns); `phase_marks_wait`: their records' wait (ns) and floor (us), from
-    `PhaseMarks.queue_waits_ns`."""
+    steady mean and its parts, the phase marks and the control thread's CPU per step,
+    their sum as a percentage of the median step; start-up and the end once, in ms;
+    tracer switches and traced boundaries apart. `boundary_ns`: every boundary's time;
+    `phase_marks_sample`: the sampled marks' (CPU ns, wall ns); `phase_marks_wait`: the
+    part of the marks' time their records took beyond their median (ns), and that
+    median (us), from `PhaseMarks.queue_waits_ns`: given beside, not taken off."""
     steady = meters.steady_us()
     # no steady boundary yet (a run of a few steps): the mean of all of them, said so
     boundary_us = steady if steady is not None else boundary_ns / steps / 1e3
     wait_ns, record_floor_us = phase_marks_wait
-    wait_ns = min(max(0, wait_ns), phase_marks_ns)
-    marks_us = (phase_marks_ns - wait_ns) / steps / 1e3  # phase marks between boundaries
+    wait_ns = min(max(0, wait_ns), phase_marks_ns)  # counters read a moment apart
+    marks_us = phase_marks_ns / steps / 1e3  # phase marks between boundaries
     control_us = control_cpu_ns / steps / 1e3
     boundary_share = _share(meters.cpu_sample_ns, meters.cpu_sample_wall_ns)
     marks_share = _share(*phase_marks_sample)
@@ -134,7 +132,8 @@ def own_cost_body(
         "boundary_parts_us": meters.parts_us(),
         "steady_boundaries": meters.steady_boundaries,
         "phase_marks_us_per_step": round(marks_us, 2),
-        # the marks' event records waiting (a launch-queue slot, the GIL): not charged
+        # of the marks' time, their event records' beyond their median (waits for a
+        # launch-queue slot or the GIL): inside the figure above
         "phase_marks_wait_us_per_step": round(wait_ns / steps / 1e3, 2),
         "record_floor_us": None if record_floor_us is None else round(record_floor_us, 3),
         "control_us_per_step": round(control_us, 2),

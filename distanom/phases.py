@@ -450,14 +450,11 @@ class PhaseMarks:
                 spare.append(event)
 
     def queue_waits_ns(self) -> tuple[int, float | None]:
-        """How much of `own_ns` the event records spent waiting, and the floor (us) it is
-        measured from: the median of the sampled records' walls. A record waits for a
-        CUDA launch-queue slot (the next kernel launch would wait as long without it) or
-        for the GIL it let go (the other thread's CPU is counted as that thread's); each
-        record is charged the floor instead. The median, not a lower value, so a
-        record's own jitter and cold runs stay charged, and where most records wait the
-        floor holds waits: never less than the records cost (control thread: the walls
-        are copied in one C call). (0, None) before a sample."""
+        """How much of `own_ns` the event records took beyond their usual wall, and that
+        wall (us): the median of the sampled records' walls. Beyond it a record waited,
+        for a CUDA launch-queue slot or for the GIL it let go (`own_time` gives it
+        beside the marks' figure; control thread: the walls are copied in one C call).
+        (0, None) before a sample."""
         walls = sorted(list(self.record_walls))
         if not walls:
             return 0, None

@@ -191,10 +191,10 @@ def _one_off_lines(cost: dict[str, Any]) -> list[str]:
         )
     wait, floor = cost.get("phase_marks_wait_us_per_step"), cost.get("record_floor_us")
     if isinstance(wait, numbers) and wait >= 0.05 and isinstance(floor, numbers):
-        # the job waits as long without distanom (own_time)
+        # inside the marks' figure (own_time): how much of it was waiting
         lines.append(
-            f"  not counted: the phase marks' CUDA event records took {wait:.1f} us a step "
-            f"beyond their median {floor:.1f} us (waits for a full launch queue or the GIL)"
+            f"  of the phase marks' time, {wait:.1f} us a step was their CUDA event records "
+            f"waiting beyond their median {floor:.1f} us (a full launch queue, the GIL)"
         )
     once = f"  once, not per step: start-up {cost['startup_ms']:.1f} ms"
     teardown = cost.get("teardown_ms")
