@@ -382,3 +382,27 @@ def test_units_with_a_traced_window_are_split_off_and_their_excess_is_tracings()
     assert ab.split_by_tracing(counted, 10)["abba_untraced_units"] == 18
     counted[0]["traced_boundaries"] = 3  # a traced window inside the first on segment
     assert ab.split_by_tracing(counted, 10)["abba_untraced_units"] == 17
+
+
+def test_the_inert_half_lifts_the_models_hooks_and_puts_them_back(tmp_path: Path) -> None:
+    layer = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
+    inputs = torch.randn(2, 4)
+    agent = Agent(load_config(None, ["tracer.backend=none"]), WorldInfo.from_env({}), tmp_path)
+    agent.install()
+    hooked = []
+    try:
+        ab = SegmentedAB(WARMUP, SEGMENT)
+        for _ in range(WARMUP + 4 * SEGMENT):
+            optimizer.zero_grad()
+            layer(inputs).sum().backward()
+            optimizer.step()
+            ab.step_end()
+            if ab.index >= 0:
+                hooked.append((ab.on, bool(layer._forward_pre_hooks), bool(layer._forward_hooks)))
+        ab.finish()
+        assert layer._forward_pre_hooks and layer._forward_hooks  # watching again
+    finally:
+        agent.close()
+    assert {(p, f) for on, p, f in hooked if on} == {(True, True)}
+    assert {(p, f) for on, p, f in hooked if not on} == {(False, False)}

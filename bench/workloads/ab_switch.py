@@ -12,17 +12,17 @@ each segment's start.
 
 Inert ("off") is the agent installed but doing nothing at a boundary: its step
 boundaries return at once (the state they enter when their bookkeeping fails, in which
-`Agent.close` still drains and finishes), its phase marks are paused (their hooks still
-run and return at once: before session 24 the marks went on in off segments, until 256
+`Agent.close` still drains and finishes), its phase marks are paused and the model's
+forward hooks lifted (before session 24 the marks went on in off segments, until 256
 were pending, so the A/B left out all of their cost on 24-step segments and half on
 64-step ones), and the control thread finds no steps to work on. It goes inert only
 with tracing off: an on
 segment that ends inside a traced window runs on until the duty cycle switches tracing
 off (cutting the window would add switches the real job never pays; an earlier version
 that did cost ~6x the job's switches), so on segments may be longer than N steps. What
-stays in both halves: the optimizer wrapper's one check, the phase marks' hooks and
-wrappers returning at once, the GC callback, the control and hang threads' idle
-wake-ups. The first step of every on segment follows a synchronize, and after an off
+stays in both halves: the optimizer wrapper's one check, the phase marks' backward and
+batch-fetch wrappers (returning at once), the GC callback, the control and hang
+threads' idle wake-ups. The first step of every on segment follows a synchronize, and after an off
 segment its time would span that segment: the clock is told to drop it (a gap, never
 judged), or the trace planner would learn the segments as a periodic anomaly and trace
 it (an earlier version did: 3-4 series per job).
@@ -73,6 +73,10 @@ def _distanom_threads_cpu_ns() -> int:
         except (OSError, ValueError):  # the thread ended meanwhile
             continue
     return total
+
+
+def _nothing() -> None:
+    return None
 
 
 def _traced_boundaries(boundaries: Any) -> int:
@@ -165,6 +169,7 @@ class SegmentedAB:
         self._blocks: int | None = None  # the training thread's blocks at segment start
         self._inert = False  # the A/B made the boundaries inert (and may undo only that)
         self._marks_paused = False  # the A/B paused the phase marks (likewise)
+        self._restore_hooks: Callable[[], None] = _nothing  # puts the model's hooks back
         self._in_segment = 0  # steps of the segment in progress
         self.extended = 0  # steps on segments ran past their length, waiting for tracing off
         # a known cost in the on half only (bench tweaks: the estimator's truth)
@@ -295,6 +300,10 @@ class SegmentedAB:
             if not marks.off:  # `off`: no mark is taken (marks switched off for good
                 marks.off = True  # also uninstall their hooks; a pause leaves them)
                 self._marks_paused = True
+                # and the model's forward hooks come off (a hooked module leaves torch's
+                # fast call path), as for `make_graphed_callables`; back on resuming
+                model = marks._model() if marks._model is not None else None
+                self._restore_hooks = marks._lift_hooks([model] if model is not None else [])
         elif on and not self.sham:  # next step dropped: _forget_last_boundary
             if self._inert:
                 boundaries._boundaries_off = False
@@ -302,6 +311,7 @@ class SegmentedAB:
             if self._marks_paused:
                 marks.off = False
                 self._marks_paused = False
+                self._restore_hooks()
         self.on = on
 
     def finish(self) -> dict[str, Any]:
