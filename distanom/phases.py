@@ -77,7 +77,7 @@ NO_VALUES: tuple[float, ...] = (*NAN_PARTS, math.nan, *NAN_GPU)  # `phase_values
 RawPhases = tuple[list[tuple[int, int, Any]] | None, int, int, int, tuple[float, ...]]
 NO_RAW: RawPhases = (None, 0, 0, 0, NAN_GPU)
 MAX_MARKS = 256  # marks kept per step (a loop of many micro-batches keeps its first ones)
-RECORD_WALLS_KEPT = 256  # sampled event records whose wall times set `record_floor_us`
+RECORD_WALLS_KEPT = 256  # sampled event records kept, whose median is `record_floor_us`
 MAX_KEPT_STEPS = 2048  # steps whose parts wait for the clock (it gives up beyond)
 MAX_TOP_MODULES = 64  # outermost modules remembered while looking for the model
 FIND_MODEL_BOUNDARIES = 3  # step ends with global hooks before giving up on a model
@@ -162,8 +162,7 @@ class PhaseMarks:
         self._global: list[Any] = []
         self.own_ns = 0  # the marks' own time between boundaries (event records mostly)
         # the event records inside it: their wall time and count, and the walls of the
-        # sampled steps' records (`record_floor_us`: what a record costs when it waits
-        # for nothing)
+        # sampled steps' records (their median: `record_floor_us`, `queue_waits_ns`)
         self.record_ns = 0
         self.records = 0
         self.record_walls: collections.deque[int] = collections.deque(maxlen=RECORD_WALLS_KEPT)
