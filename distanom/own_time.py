@@ -133,7 +133,7 @@ def own_cost_body(
         "steady_boundaries": meters.steady_boundaries,
         "phase_marks_us_per_step": round(marks_us, 2),
         # of the marks' time, their event records' beyond their median (waits for a
-        # launch-queue slot or the GIL): inside the figure above
+        # launch-queue slot or the GIL, and jitter): inside the figure above
         "phase_marks_wait_us_per_step": round(wait_ns / steps / 1e3, 2),
         "record_floor_us": None if record_floor_us is None else round(record_floor_us, 3),
         "control_us_per_step": round(control_us, 2),

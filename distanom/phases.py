@@ -451,8 +451,9 @@ class PhaseMarks:
     def queue_waits_ns(self) -> tuple[int, float | None]:
         """How much of `own_ns` the event records took beyond their usual wall, and that
         wall (us): the median of the sampled records' walls. Beyond it a record waited,
-        for a CUDA launch-queue slot or for the GIL it let go (`own_time` gives it
-        beside the marks' figure; control thread: the walls are copied in one C call).
+        for a CUDA launch-queue slot or for the GIL it let go, or ran slow (jitter;
+        `own_time` gives it beside the marks' figure; control thread: the walls are
+        copied in one C call).
         (0, None) before a sample."""
         walls = sorted(list(self.record_walls))
         if not walls:

@@ -137,6 +137,9 @@ def test_an_agent_closed_in_an_off_segment_still_finishes(tmp_path: Path) -> Non
     assert status["state"] == "failed" and status["exit_code"] == 1
     ab.finish()  # the A/B's own end: the closed agent stays closed
     assert agent.boundaries.closed
+    # and its phase marks stay off, the model unhooked
+    assert agent.boundaries.phases.off
+    assert not layer._forward_pre_hooks and not layer._forward_hooks
 
 
 def test_pairs_are_weighted_by_their_on_segments_steps() -> None:
@@ -406,3 +409,25 @@ def test_the_inert_half_lifts_the_models_hooks_and_puts_them_back(tmp_path: Path
         agent.close()
     assert {(p, f) for on, p, f in hooked if on} == {(True, True)}
     assert {(p, f) for on, p, f in hooked if not on} == {(False, False)}
+
+
+def test_finishing_in_an_off_segment_leaves_the_agent_watching(tmp_path: Path) -> None:
+    layer = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
+    inputs = torch.randn(2, 4)
+    agent = Agent(load_config(None, ["tracer.backend=none"]), WorldInfo.from_env({}), tmp_path)
+    agent.install()
+    try:
+        ab = SegmentedAB(WARMUP, SEGMENT)
+        for _ in range(WARMUP + SEGMENT + 3):  # into the first off segment
+            optimizer.zero_grad()
+            layer(inputs).sum().backward()
+            optimizer.step()
+            ab.step_end()
+        assert not ab.on and agent.boundaries.phases.off and not layer._forward_hooks
+        ab.finish()
+        marks = agent.boundaries.phases
+        assert not agent.boundaries._boundaries_off and not marks.off
+        assert layer._forward_pre_hooks and layer._forward_hooks
+    finally:
+        agent.close()

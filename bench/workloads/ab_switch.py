@@ -20,9 +20,10 @@ with tracing off: an on
 segment that ends inside a traced window runs on until the duty cycle switches tracing
 off (cutting the window would add switches the real job never pays; an earlier version
 that did cost ~6x the job's switches), so on segments may be longer than N steps. What
-stays in both halves: the optimizer wrapper's one check, the phase marks' backward and
-batch-fetch wrappers (returning at once), the GC callback, the control and hang
-threads' idle wake-ups. The first step of every on segment follows a synchronize, and after an off
+stays in both halves: the optimizer wrapper's one check (and, under a GradScaler, its
+count of skipped steps, which counts every inert step), the phase marks' backward
+wrapper and batch-fetch timing, the GC callback, the control and hang threads' idle
+wake-ups. The first step of every on segment follows a synchronize, and after an off
 segment its time would span that segment: the clock is told to drop it (a gap, never
 judged), or the trace planner would learn the segments as a periodic anomaly and trace
 it (an earlier version did: 3-4 series per job).
@@ -308,10 +309,11 @@ class SegmentedAB:
             if self._inert:
                 boundaries._boundaries_off = False
                 self._inert = False
-            if self._marks_paused:
+            if self._marks_paused and not boundaries.closed:  # a closed agent stays so
                 marks.off = False
                 self._marks_paused = False
-                self._restore_hooks()
+                restore, self._restore_hooks = self._restore_hooks, _nothing
+                restore()
         self.on = on
 
     def finish(self) -> dict[str, Any]:

@@ -194,7 +194,8 @@ def _one_off_lines(cost: dict[str, Any]) -> list[str]:
         # inside the marks' figure (own_time): how much of it was waiting
         lines.append(
             f"  of the phase marks' time, {wait:.1f} us a step was their CUDA event records "
-            f"waiting beyond their median {floor:.1f} us (a full launch queue, the GIL)"
+            f"beyond their median {floor:.1f} us (waits for a full launch queue or the "
+            "GIL, and jitter)"
         )
     once = f"  once, not per step: start-up {cost['startup_ms']:.1f} ms"
     teardown = cost.get("teardown_ms")

@@ -140,8 +140,8 @@ def test_start_up_is_said_once_in_ms_and_the_step_end_by_part(tmp_path: Path) ->
     write_json_atomic(run.status_json, {"state": "finished", "world_size": 1, "agent_cost": cost})
     text = render_text(run_report(load_run(str(run.path))))
     assert (
-        "of the phase marks' time, 61.2 us a step was their CUDA event records waiting "
-        "beyond their median 2.4 us (a full launch queue, the GIL)" in text
+        "of the phase marks' time, 61.2 us a step was their CUDA event records beyond "
+        "their median 2.4 us (waits for a full launch queue or the GIL, and jitter)" in text
     )
     # no wait, or no record sampled (host-only phases): no such line
     for quiet in ({"phase_marks_wait_us_per_step": 0.0}, {"record_floor_us": None}):
@@ -149,7 +149,7 @@ def test_start_up_is_said_once_in_ms_and_the_step_end_by_part(tmp_path: Path) ->
             run.status_json,
             {"state": "finished", "world_size": 1, "agent_cost": {**cost, **quiet}},
         )
-        assert "waiting beyond" not in render_text(run_report(load_run(str(run.path))))
+        assert "beyond their median" not in render_text(run_report(load_run(str(run.path))))
     assert (
         "distanom's own time (rank 0): 21.5 us at each untraced step end + 4.0 us of phase "
         "marks + 30.0 us of its threads' CPU per step = 0.37% of the median step" in text
