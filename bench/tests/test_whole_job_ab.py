@@ -387,47 +387,55 @@ def test_units_with_a_traced_window_are_split_off_and_their_excess_is_tracings()
     assert ab.split_by_tracing(counted, 10)["abba_untraced_units"] == 17
 
 
+class WatchedLayer:
+    """A one-layer loop under an installed agent (tracer off), stepped by `step`."""
+
+    def __init__(self, runs: Path) -> None:
+        self.layer = torch.nn.Linear(4, 4)
+        self._optimizer = torch.optim.SGD(self.layer.parameters(), lr=1e-3)
+        self._inputs = torch.randn(2, 4)
+        config = load_config(None, ["tracer.backend=none"])
+        self.agent = Agent(config, WorldInfo.from_env({}), runs)
+        self.agent.install()
+
+    def step(self) -> None:
+        self._optimizer.zero_grad()
+        self.layer(self._inputs).sum().backward()
+        self._optimizer.step()
+
+    def hooked(self) -> tuple[bool, bool]:
+        return bool(self.layer._forward_pre_hooks), bool(self.layer._forward_hooks)
+
+
 def test_the_inert_half_lifts_the_models_hooks_and_puts_them_back(tmp_path: Path) -> None:
-    layer = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
-    inputs = torch.randn(2, 4)
-    agent = Agent(load_config(None, ["tracer.backend=none"]), WorldInfo.from_env({}), tmp_path)
-    agent.install()
+    loop = WatchedLayer(tmp_path)
     hooked = []
     try:
         ab = SegmentedAB(WARMUP, SEGMENT)
         for _ in range(WARMUP + 4 * SEGMENT):
-            optimizer.zero_grad()
-            layer(inputs).sum().backward()
-            optimizer.step()
+            loop.step()
             ab.step_end()
             if ab.index >= 0:
-                hooked.append((ab.on, bool(layer._forward_pre_hooks), bool(layer._forward_hooks)))
+                hooked.append((ab.on, loop.hooked()))
         ab.finish()
-        assert layer._forward_pre_hooks and layer._forward_hooks  # watching again
+        assert loop.hooked() == (True, True)  # watching again
     finally:
-        agent.close()
-    assert {(p, f) for on, p, f in hooked if on} == {(True, True)}
-    assert {(p, f) for on, p, f in hooked if not on} == {(False, False)}
+        loop.agent.close()
+    assert {state for on, state in hooked if on} == {(True, True)}
+    assert {state for on, state in hooked if not on} == {(False, False)}
 
 
 def test_finishing_in_an_off_segment_leaves_the_agent_watching(tmp_path: Path) -> None:
-    layer = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
-    inputs = torch.randn(2, 4)
-    agent = Agent(load_config(None, ["tracer.backend=none"]), WorldInfo.from_env({}), tmp_path)
-    agent.install()
+    loop = WatchedLayer(tmp_path)
+    boundaries = loop.agent.boundaries
     try:
         ab = SegmentedAB(WARMUP, SEGMENT)
         for _ in range(WARMUP + SEGMENT + 3):  # into the first off segment
-            optimizer.zero_grad()
-            layer(inputs).sum().backward()
-            optimizer.step()
+            loop.step()
             ab.step_end()
-        assert not ab.on and agent.boundaries.phases.off and not layer._forward_hooks
+        assert not ab.on and boundaries.phases.off and loop.hooked() == (False, False)
         ab.finish()
-        marks = agent.boundaries.phases
-        assert not agent.boundaries._boundaries_off and not marks.off
-        assert layer._forward_pre_hooks and layer._forward_hooks
+        assert not boundaries._boundaries_off and not boundaries.phases.off
+        assert loop.hooked() == (True, True)
     finally:
-        agent.close()
+        loop.agent.close()
