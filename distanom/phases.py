@@ -69,7 +69,6 @@ GPU_PARTS = ("to_forward_end", "backward", "after_backward")
 NAN_GPU: tuple[float, ...] = (math.nan,) * 3
 # (host parts, fetch_ms, gpu parts): what `take` returns per step
 PhaseTimes = tuple[tuple[float, ...], float, tuple[float, ...]]
-NO_PHASES: PhaseTimes = (NAN_PARTS, math.nan, NAN_GPU)
 NO_VALUES: tuple[float, ...] = (*NAN_PARTS, math.nan, *NAN_GPU)  # `phase_values` of nothing
 # what `take_raw` hands on, for `resolve` to split on the control thread: (the step's
 # marks as (kind, perf ns, event), its start and end (perf ns), fetch ns, GPU parts);
@@ -453,8 +452,7 @@ class PhaseMarks:
         wall (us): the median of the sampled records' walls. Beyond it a record waited,
         for a CUDA launch-queue slot or for the GIL it let go, or ran slow (jitter;
         `own_time` gives it beside the marks' figure; control thread: the walls are
-        copied in one C call).
-        (0, None) before a sample."""
+        copied in one C call). (0, None) before a sample."""
         walls = sorted(list(self.record_walls))
         if not walls:
             return 0, None
