@@ -26,20 +26,35 @@ from ab_switch import SegmentedAB
 WARMUP, SEGMENT, SEGMENTS = 30, 10, 8
 
 
+class WatchedLayer:
+    """A one-layer loop under an installed agent (tracer off), stepped by `step`."""
+
+    def __init__(self, runs: Path) -> None:
+        self.layer = torch.nn.Linear(4, 4)
+        self._optimizer = torch.optim.SGD(self.layer.parameters(), lr=1e-3)
+        self._inputs = torch.randn(2, 4)
+        config = load_config(None, ["tracer.backend=none"])
+        self.agent = Agent(config, WorldInfo.from_env({}), runs)
+        self.agent.install()
+
+    def step(self) -> None:
+        self._optimizer.zero_grad()
+        self.layer(self._inputs).sum().backward()
+        self._optimizer.step()
+
+    def hooked(self) -> tuple[bool, bool]:
+        return bool(self.layer._forward_pre_hooks), bool(self.layer._forward_hooks)
+
+
 def segmented_run(runs: Path) -> tuple[Agent, dict[str, Any], bool]:
     """A tiny loop under an agent switched by `SegmentedAB`: the (closed) agent, the A/B's
     result, and whether the A/B left the agent watching."""
-    layer = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
-    inputs = torch.randn(2, 4)
-    agent = Agent(load_config(None, ["tracer.backend=none"]), WorldInfo.from_env({}), runs)
-    agent.install()
+    loop = WatchedLayer(runs)
+    agent = loop.agent
     try:
         ab = SegmentedAB(WARMUP, SEGMENT)
         for _ in range(WARMUP + SEGMENTS * SEGMENT):
-            optimizer.zero_grad()
-            layer(inputs).sum().backward()
-            optimizer.step()
+            loop.step()
             ab.step_end()
         result = ab.finish()
         watching = not agent.boundaries._boundaries_off
@@ -385,26 +400,6 @@ def test_units_with_a_traced_window_are_split_off_and_their_excess_is_tracings()
     assert ab.split_by_tracing(counted, 10)["abba_untraced_units"] == 18
     counted[0]["traced_boundaries"] = 3  # a traced window inside the first on segment
     assert ab.split_by_tracing(counted, 10)["abba_untraced_units"] == 17
-
-
-class WatchedLayer:
-    """A one-layer loop under an installed agent (tracer off), stepped by `step`."""
-
-    def __init__(self, runs: Path) -> None:
-        self.layer = torch.nn.Linear(4, 4)
-        self._optimizer = torch.optim.SGD(self.layer.parameters(), lr=1e-3)
-        self._inputs = torch.randn(2, 4)
-        config = load_config(None, ["tracer.backend=none"])
-        self.agent = Agent(config, WorldInfo.from_env({}), runs)
-        self.agent.install()
-
-    def step(self) -> None:
-        self._optimizer.zero_grad()
-        self.layer(self._inputs).sum().backward()
-        self._optimizer.step()
-
-    def hooked(self) -> tuple[bool, bool]:
-        return bool(self.layer._forward_pre_hooks), bool(self.layer._forward_hooks)
 
 
 def test_the_inert_half_lifts_the_models_hooks_and_puts_them_back(tmp_path: Path) -> None:
