@@ -37,7 +37,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -63,7 +63,8 @@ from distanom.own_time import (
     TRACER,
     BoundaryMeters,
 )
-from distanom.phases import NO_RAW, PhaseMarks, RawPhases
+from distanom.phases import PhaseMarks
+from distanom.step_record import STEP_SKIPPED, StepRecord
 from distanom.tracers import Tracer, create_tracer
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,6 @@ FINAL = object()  # inbox sentinel: training is over
 # The control thread reads the CUDA events and makes the records (`collect`): off, as no
 # job was shown faster for it (docs/measurements.md, session 22)
 DEFER_EVENT_READS = False
-STEP_SKIPPED = 8  # the step's optimizer step was skipped by a GradScaler (not sent in rounds)
 # what is kept of steps the clock has not timed yet is swept every this many steps, back
 # to this many: past it the clock (or a deferred reader, `clock.MAX_DEFERRED_EVENTS`) gave
 # up on them, and their bookkeeping would grow without bound
@@ -86,18 +86,6 @@ NO_GC = (0.0, -1)  # no collection during a step: (ms, generation)
 # what the after-flush steps' baseline is made of (docs/agent.md)
 SLOW_SWITCH_FACTOR = 2.0
 SWITCHES_KEPT = 16
-
-
-class StepRecord(NamedTuple):
-    """One resolved step, from the training thread to the control thread."""
-
-    step: int
-    duration_ms: float
-    flags: int  # STEP_* bits
-    self_ms: float  # distanom's capture work during the step
-    gc_ms: float  # Python garbage collection during the step (host time)
-    gc_generation: int  # the highest generation collected, -1 for none
-    phases: RawPhases = NO_RAW  # the step's phases, split on the control thread (distanom.phases)
 
 
 class StepBoundaries:

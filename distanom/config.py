@@ -273,6 +273,12 @@ class ControlConfig(_Section):
     status_interval_s: float = Field(
         2.0, gt=0, le=3600, description="how often the live status file is rewritten"
     )
+    side_process: bool = Field(
+        True,
+        description="write this rank's steps file from a side process (python, no torch, "
+        "~30 MB), off the training process's GIL; false, or when it cannot start: in the "
+        "rank's own control thread",
+    )
 
 
 class HangConfig(_Section):

@@ -54,7 +54,7 @@ from distanom.request_desk import RequestDesk
 from distanom.rounds import RoundBuilder, RoundSizer
 from distanom.run_join import Place, join_run, read_places
 from distanom.rundir import RunDir
-from distanom.step_log import StepLog
+from distanom.side_link import SideSteps
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,8 @@ class ControlLoop:
         self._recent: collections.deque[StepSample] = collections.deque(maxlen=RECENT_STEPS)
         self._gathered_step = -1
         self.requests = RequestDesk(world.world_size, health.warn_write_failed)  # used on rank 0
-        self.step_log = StepLog(health)  # steps/rank<R>.csv, once the run directory is known
+        # steps/rank<R>.csv, once the run directory is known: written by the side process
+        self.step_log = SideSteps(health, world.label, use_side=config.control.side_process)
         self._started_at = time.time()
         self._round_began = time.monotonic()  # when the latest round started waiting
         self.evidence = EvidenceTier(boundaries.evidence_marks, world.world_size, health)

@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from distanom.boundary import STEP_SKIPPED, StepRecord
 from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED
 from distanom.health import Health
-from distanom.phases import phase_values
-from distanom.records.steps import StepsWriter
+from distanom.phase_split import phase_values
+from distanom.records.steps import StepFields, StepsWriter
+from distanom.step_record import STEP_SKIPPED, StepRecord
 
 
 class StepLog:
@@ -34,22 +34,8 @@ class StepLog:
         writer = self._writer
         if writer is None or not items:
             return
-        rows = [
-            (
-                item.step,
-                item.duration_ms,
-                (item.flags & STEP_TRACED) != 0,
-                (item.flags & STEP_AFTER_FLUSH) != 0,
-                item.self_ms,
-                item.gc_ms,
-                item.gc_generation,
-                (item.flags & STEP_SKIPPED) != 0,
-                *phase_values(item.phases),
-            )
-            for item in items
-        ]
         try:
-            writer.write_fields(rows)
+            writer.write_fields(step_fields(items))
         except (OSError, ValueError) as err:
             self._failed(err)
 
@@ -73,3 +59,22 @@ class StepLog:
         reason = (err.strerror if isinstance(err, OSError) else None) or str(err)
         self._health.warn_write_failed("steps", "steps file: %s; step times not recorded", reason)
         self._writer = None
+
+
+def step_fields(items: list[StepRecord]) -> list[StepFields]:
+    """The steps file's fields of each record, in order (flags as bools, the phases split
+    by `phase_values`): one list, no object per step."""
+    return [
+        (
+            item.step,
+            item.duration_ms,
+            (item.flags & STEP_TRACED) != 0,
+            (item.flags & STEP_AFTER_FLUSH) != 0,
+            item.self_ms,
+            item.gc_ms,
+            item.gc_generation,
+            (item.flags & STEP_SKIPPED) != 0,
+            *phase_values(item.phases),
+        )
+        for item in items
+    ]

@@ -64,6 +64,7 @@ from distanom.inbox import StepInbox  # noqa: E402
 from distanom.pacing import RoundPacer  # noqa: E402
 from distanom.request_desk import RequestDesk  # noqa: E402
 from distanom.rounds import RoundBuilder  # noqa: E402
+from distanom.side_link import SideSteps  # noqa: E402
 from distanom.step_log import StepLog  # noqa: E402
 from distanom.world import WorldInfo  # noqa: E402
 
@@ -79,7 +80,9 @@ SECTIONS: list[tuple[Any, str]] = [
     (control_loop.ControlLoop, "_run_round"),
     (control_loop.ControlLoop, "_after_round"),
     (control_loop.ControlLoop, "_fold_evidence"),
-    (StepLog, "write"),
+    (SideSteps, "write"),  # a round's frame for the side process (control.side_process)
+    (SideSteps, "flush"),
+    (StepLog, "write"),  # the rows written here (control.side_process false)
     (StepLog, "flush"),
     (StepBoundaries, "collect"),  # a deferred (CUDA event) clock's steps, made at a take
     (control_loop.ControlLoop, "_write_status"),

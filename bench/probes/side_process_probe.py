@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import datetime
 import itertools
 import json
 import os
@@ -51,75 +52,30 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench" / "probes"))
 sys.path.insert(0, str(REPO / "bench" / "workloads"))
 
-HEADER = struct.Struct("<III")  # steps, marks, evidence marks in the frame
 REPLY = struct.Struct("<dI")  # the detector's median (ms), decisions made
+EVIDENCE_HEAD = struct.Struct("<Q")  # bytes of the steps payload that comes first
 
 
 def pack_round(records: list[Any], evidence: list[tuple[int, int, int]]) -> bytes:
-    """One frame: the records' fields as columns, their phase marks flattened with an
-    offset per step, the evidence marks as columns. By columns (`zip(*records)`, one
-    array per field): the only loop per step is over its phase marks."""
-    if not records:
-        steps_t: tuple[Any, ...] = ()
-        floats = array.array("d")
-        ints = array.array("q")
-        offsets = array.array("I")
-        marks = array.array("q")
-    else:
-        steps_t, durations, flags, self_ms, gc_ms, gc_gen, phases = zip(*records, strict=True)
-        step_marks, starts, ends, fetches, gpus = zip(*phases, strict=True)
-        floats = array.array("d", durations)
-        floats.extend(self_ms)
-        floats.extend(gc_ms)
-        floats.extend(itertools.chain.from_iterable(gpus))
-        ints = array.array("q", flags)
-        for column in (gc_gen, starts, ends, fetches):
-            ints.extend(column)
-        ints.extend([kept is not None for kept in step_marks])  # None apart from []
-        flat = [x for kept in step_marks if kept for kind, ns, _e in kept for x in (kind, ns)]
-        marks = array.array("q", flat)
-        offsets = array.array(
-            "I", itertools.accumulate((2 * len(kept) if kept else 0 for kept in step_marks[:-1]),
-                                      initial=0)
-        )  # fmt: skip
-    steps = array.array("q", steps_t)
-    ev = array.array("q", itertools.chain.from_iterable(evidence))
-    head = HEADER.pack(len(steps), len(marks) // 2, len(evidence))
-    parts = (steps, floats, ints, offsets, marks, ev)
-    return head + b"".join(part.tobytes() for part in parts)
+    """One frame: the round's records as the product packs them (`side_frames`), then
+    the evidence marks as one column."""
+    from distanom.side_frames import pack_steps
+
+    steps = pack_steps(records)
+    marks = array.array("q", itertools.chain.from_iterable(evidence))
+    return EVIDENCE_HEAD.pack(len(steps)) + steps + marks.tobytes()
 
 
-def unpack_round(frame: bytes) -> tuple[list[Any], list[tuple[int, ...]]]:
+def unpack_round(payload: bytes) -> tuple[list[Any], list[tuple[int, ...]]]:
     """The records again (phases with events None), and the evidence marks."""
-    n, n_marks, n_ev = HEADER.unpack_from(frame)
-    at = HEADER.size
+    from distanom.side_frames import unpack_steps
 
-    def take(code: str, count: int) -> array.array[Any]:
-        nonlocal at
-        out = array.array(code)
-        out.frombytes(frame[at : at + count * out.itemsize])
-        at += count * out.itemsize
-        return out
-
-    steps = take("q", n)
-    floats = take("d", n * 6)
-    ints = take("q", n * 6)
-    offsets = take("I", n)
-    marks = take("q", n_marks * 2)
-    ev = take("q", n_ev * 3)
-    durations, self_ms, gc_ms = floats[:n], floats[n : 2 * n], floats[2 * n : 3 * n]
-    gpus = floats[3 * n :]
-    flags, gc_gen, starts, ends, fetches, known = (ints[k * n : (k + 1) * n] for k in range(6))
-    records = []
-    for i in range(n):
-        lo = offsets[i]  # in array items: two per mark
-        hi = offsets[i + 1] if i + 1 < n else len(marks)
-        step_marks = [(marks[j], marks[j + 1], None) for j in range(lo, hi, 2)]
-        gpu = tuple(gpus[3 * i : 3 * i + 3])
-        phases = (step_marks if known[i] else None, starts[i], ends[i], fetches[i], gpu)
-        records.append((steps[i], durations[i], flags[i], self_ms[i], gc_ms[i], gc_gen[i], phases))
-    evidence = [tuple(ev[j : j + 3]) for j in range(0, len(ev), 3)]
-    return records, evidence
+    (size,) = EVIDENCE_HEAD.unpack_from(payload)
+    at = EVIDENCE_HEAD.size
+    records = unpack_steps(payload[at : at + size])
+    marks = array.array("q")
+    marks.frombytes(payload[at + size :])
+    return records, [tuple(marks[j : j + 3]) for j in range(0, len(marks), 3)]
 
 
 def _read_exact(fd: int, size: int) -> bytes | None:
@@ -140,10 +96,11 @@ def side_main(read_fd: int, write_fd: int) -> int:
 
     from distanom.config import load_config
     from distanom.detect import Detector, StepSample
-    from distanom.phases import phase_values
+    from distanom.phase_split import phase_values
     from distanom.records.steps import ROW_FORMAT
 
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=__import__("datetime").timedelta(seconds=30))
+    wait = datetime.timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=wait)
     group = dist.ProcessGroupGloo(store, 0, 1)  # as distanom's group: no init_process_group
     config = load_config(None, ["tracer.backend=none"])
     detector = Detector(config.detect, config.capture)
@@ -179,7 +136,6 @@ def side_main(read_fd: int, write_fd: int) -> int:
 
 def _training_loop(steps: int, step_ms: float) -> tuple[float, int]:
     import torch
-
     from ab_switch import thread_blocks
 
     torch.set_num_threads(1)
@@ -274,11 +230,10 @@ def block_relay(steps: int, step_ms: float, round_steps: int) -> dict[str, Any]:
     side.wait(30)
     os.close(from_side_r)
     boundaries.gc_pauses.uninstall()
-    own = boundaries.meters
     return {
         "ms_per_step": round(wall_s * 1e3 / steps, 4),
         "in_process_us_per_step": round(relay_cpu[0] / steps / 1e3, 2),
-        "boundary_us_per_step": round(boundaries.own_ns / max(1, own.steady_boundaries + own.startup_boundaries) / 1e3, 2),
+        "boundary_us_per_step": round(boundaries.own_ns / max(1, boundaries.current_step) / 1e3, 2),
         "training_blocks_per_step": round(blocks / steps, 4),
         "side_startup_ms": round(startup_ms, 1),
         "side_ready_ms": round(side_ready_ms, 1),
@@ -299,7 +254,6 @@ def main() -> int:
     parser.add_argument("--round-steps", type=int, default=64)
     args = parser.parse_args()
     import torch
-
     from boundary_cost_probe import write_json
 
     rows: dict[str, list[dict[str, Any]]] = {"thread": [], "relay": []}

@@ -69,7 +69,7 @@ def _install(out: str) -> None:
         import distanom.capture as capture
         import distanom.control_loop as control_loop
         import distanom.evidence as evidence
-        import distanom.step_log as step_log
+        import distanom.side_link as side_link
         import distanom.tracers.cupti.buffers as buffers
         import distanom.tracers.cupti.tracer as cupti_tracer
 
@@ -78,9 +78,9 @@ def _install(out: str) -> None:
             (evidence, "read_entries", "fr_read"),
             (evidence.EvidenceCollector, "poll", "evidence_poll"),
             (loop, "_run_round", "round"),
-            (step_log.StepLog, "flush", "steps_flush"),
+            (side_link.SideSteps, "flush", "steps_flush"),  # the side process's, or here
             (loop, "_write_status", "status_write"),
-            (step_log.StepLog, "write", "log_steps"),
+            (side_link.SideSteps, "write", "log_steps"),
             (boundary.StepBoundaries, "collect", "collect"),  # event reads, step records
             (capture.CaptureWorker, "_handle", "capture_handle"),  # a decision re-run in a pass
             (capture.CaptureWorker, "_fetch", "capture_fetch"),  # the tracer's events

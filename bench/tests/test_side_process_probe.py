@@ -14,25 +14,19 @@ from bench.tests.scripts import BENCH, load_bench_script
 
 
 def test_a_round_survives_the_frame() -> None:
+    """The probe's frame: the product's steps payload (tested in tests/unit), then the
+    evidence marks."""
     probe = load_bench_script("probes/side_process_probe")
-    event = object()  # a CUDA event: it stays in the training process
     records = [
-        (7, 3.25, 1 | 8, 0.5, 1.25, 0, ([(0, 100, None), (1, 250, event)], 90, 400, 12, (0.1, 0.2, 0.3))),
+        (7, 3.25, 9, 0.5, 1.25, 0, ([(0, 100, None), (1, 250, object())], 90, 400, 12, (0.1,) * 3)),
         (8, 4.0, 0, 0.0, 0.0, -1, (None, 0, 0, 0, (math.nan,) * 3)),
-        (9, 2.5, 2, 0.0, 0.0, -1, ([(3, 5_000_000_000_123, None)], 1, 2, 0, (1.0, 2.0, 3.0))),
-        (10, 2.5, 0, 0.0, 0.0, -1, ([], 5, 6, 7, (math.nan,) * 3)),  # kept, no mark: not None
     ]  # fmt: skip
     evidence = [(7, 1_700_000_000_000_000_000, 123), (8, 1_700_000_000_004_000_000, 456)]
     back, back_evidence = probe.unpack_round(probe.pack_round(records, evidence))
     assert back_evidence == evidence
-    assert len(back) == len(records)
-    for sent, got in zip(records, back, strict=True):
-        assert got[:6] == sent[:6]
-        marks, start, end, fetch, gpu = sent[6]
-        got_marks, got_start, got_end, got_fetch, got_gpu = got[6]
-        assert (got_start, got_end, got_fetch) == (start, end, fetch)
-        assert got_marks == (None if marks is None else [(k, ns, None) for k, ns, _e in marks])
-        assert all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(gpu, got_gpu))
+    assert [r[:6] for r in back] == [r[:6] for r in records]
+    assert back[0][6][0] == [(0, 100, None), (1, 250, None)]
+    assert back[1][6][0] is None
 
 
 def test_the_probe_runs_both_arrangements(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from distanom.agent import Agent
 from distanom.config import load_config
-from distanom.phases import (
+from distanom.phase_split import (
     _BWD_END,
     _FWD_END,
     _FWD_START,
@@ -24,10 +24,10 @@ from distanom.phases import (
     FORWARD,
     OPTIMIZER,
     TAIL,
-    PhaseMarks,
     split_gpu,
     split_parts,
 )
+from distanom.phases import PhaseMarks
 from distanom.records.steps import PHASE_COLUMNS
 from distanom.world import WorldInfo
 

@@ -240,23 +240,33 @@ def test_the_inbox_signals_once_per_wake(monkeypatch: pytest.MonkeyPatch) -> Non
     assert len(sets) == 2
 
 
+@pytest.mark.parametrize("side_process", [False, True])
 def test_a_control_thread_abandoned_at_exit_writes_nothing_to_the_closed_steps_file(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, side_process: bool
 ) -> None:
-    config = load_config(None, ["tracer.backend=none", "step.source=manual"])
+    overrides = ["tracer.backend=none", "step.source=manual"]
+    config = load_config(None, [*overrides, f"control.side_process={str(side_process).lower()}"])
     agent = Agent(config, WorldInfo.from_env({}), tmp_path / "runs")
     agent.install()
     for _ in range(3):
         agent.boundaries.boundary()
+    step_log = agent.control.step_log
     deadline = time.monotonic() + 30
-    while agent.control.step_log._writer is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # the control thread opens the steps file once set up
-    steps = agent.control.step_log._writer
-    assert steps is not None
+    # the control thread opens the steps file once set up; the side process takes it over
+    # at a write or flush after it says it reads
+    while step_log.link is None if side_process else step_log.here._writer is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    steps, link = step_log.here._writer, step_log.link
+    assert (link is not None) == side_process
     agent.control.close()  # as at an exit that gave up waiting for the control thread
-    assert steps._file.closed
+    if link is None:
+        assert steps is not None and steps._file.closed
+    else:
+        assert link.process.returncode == 0  # ended, its rows written
     with caplog.at_level("WARNING", logger="distanom"):
-        agent.control.step_log.flush()  # what the abandoned thread does next: no raise
+        step_log.flush()  # what the abandoned thread does next: no raise
+        step_log.write([])
     assert not [r for r in caplog.records if "steps file" in r.getMessage()]
     agent.close()
 

@@ -1,0 +1,362 @@
+"""The side process (`side_frames`, `side_link`, `side_main`): a round's records cross
+whole, the side process writes the same steps file as the rank would, it ends with the
+rank, and when it cannot take the work (never started, killed, stuck) the rank writes
+the file itself, says so once, and loses at most what was already sent."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distanom import side_link
+from distanom.health import Health
+from distanom.phase_split import NO_RAW
+from distanom.side_frames import FLUSH, OPEN, STEPS, frame, pack_steps, unpack_steps
+from distanom.side_link import SideLink, SideSteps
+from distanom.side_main import SideProcess
+from distanom.step_log import StepLog
+from distanom.step_record import StepRecord
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def record(step: int, *, marks: list[tuple[int, int, object]] | None = None) -> StepRecord:
+    phases = (marks, 1_000 * step, 1_000 * step + 900, 7, (0.5, 1.25, math.nan))
+    if marks is None and step % 3 == 0:
+        phases = NO_RAW
+    return StepRecord(step, 3.0 + step / 100, step % 4, 0.25 * (step % 2), 0.0, -1, phases)
+
+
+def records(first: int, count: int) -> list[StepRecord]:
+    out = []
+    for step in range(first, first + count):
+        marks = [(0, 1_000 * step + 10, None), (3, 1_000 * step + 800, object())]
+        out.append(record(step, marks=None if step % 3 == 0 else marks))
+    return out
+
+
+def rows_here(tmp_path: Path, items: list[StepRecord]) -> str:
+    """The steps file the rank itself writes for `items`."""
+    path = run_dir(tmp_path / "here")
+    log = StepLog(Health())
+    log.open(path)
+    log.write(items)
+    log.close()
+    return path.read_text()
+
+
+def run_dir(path: Path) -> Path:
+    """A run directory's steps file path (the directory made, as the agent's is)."""
+    path.mkdir(parents=True, exist_ok=True)
+    return path / "steps" / "rank0.csv"
+
+
+def handed_over(steps: SideSteps) -> SideLink:
+    """The side process once it has taken the file over (it says it reads a moment after
+    it starts; until then the rank writes the rows)."""
+    deadline = time.monotonic() + 30
+    while steps.link is None:
+        assert time.monotonic() < deadline, "the side process never took the file over"
+        time.sleep(0.01)
+        steps.flush()  # where the rank looks whether it is ready
+    return steps.link
+
+
+def same(a: object, b: object) -> bool:
+    """Equal, NaN equal to NaN."""
+    nans = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+    return a == b or nans
+
+
+mark = st.tuples(st.integers(0, 3), st.integers(-(2**62), 2**62), st.none())
+phases = st.tuples(
+    st.one_of(st.none(), st.lists(mark, max_size=6)),
+    st.integers(-(2**62), 2**62),
+    st.integers(-(2**62), 2**62),
+    st.integers(0, 2**62),
+    st.tuples(*[st.floats(allow_nan=True, allow_infinity=True)] * 3),
+)
+step_record = st.builds(
+    StepRecord,
+    st.integers(0, 2**53),
+    st.floats(allow_nan=True),
+    st.integers(0, 15),
+    st.floats(allow_nan=True),
+    st.floats(allow_nan=True),
+    st.integers(-1, 2),
+    phases,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(step_record, max_size=20))
+def test_a_rounds_records_cross_whole(items: list[StepRecord]) -> None:
+    back = unpack_steps(pack_steps(items))
+    assert len(back) == len(items)
+    for sent, got in zip(items, back, strict=True):
+        assert isinstance(got, StepRecord)
+        assert all(same(a, b) for a, b in zip(sent[:6], got[:6], strict=True))
+        marks, *rest = sent.phases
+        got_marks, *got_rest = got.phases
+        assert got_marks == (None if marks is None else [(k, ns, None) for k, ns, _ in marks])
+        assert all(same(a, b) for a, b in zip(rest[:3], got_rest[:3], strict=True))
+        assert all(same(a, b) for a, b in zip(rest[3], got_rest[3], strict=True))
+
+
+def test_a_damaged_steps_frame_is_refused() -> None:
+    payload = pack_steps(records(1, 4))
+    with pytest.raises(ValueError, match="does not hold"):
+        unpack_steps(payload[:-8])
+
+
+def test_the_side_process_writes_the_ranks_bytes(tmp_path: Path) -> None:
+    """In this process (`SideProcess.feed`), frames cut at every size."""
+    items = records(1, 40)
+    path = run_dir(tmp_path / "side")
+    stream = frame(OPEN, os.fsencode(path)) + frame(STEPS, pack_steps(items[:25]))
+    stream += frame(FLUSH, b"") + frame(STEPS, pack_steps(items[25:]))
+    side = SideProcess()
+    for at in range(0, len(stream), 97):  # frames arrive in pieces
+        side.feed(stream[at : at + 97])
+    side.close()
+    assert path.read_text() == rows_here(tmp_path, items)
+
+
+def test_an_unknown_frame_ends_the_side_process() -> None:
+    with pytest.raises(ValueError, match="unknown kind"):
+        SideProcess().feed(frame(99, b""))
+
+
+def test_a_real_side_process_writes_the_file_and_exits(tmp_path: Path) -> None:
+    health = Health()
+    steps = SideSteps(health, "r0/1", use_side=True)
+    path = run_dir(tmp_path / "run")
+    steps.open(path)
+    items = records(1, 300)
+    steps.write(items[:10])  # before it is ready: written here
+    link = handed_over(steps)
+    for at in range(10, 300, 64):
+        steps.write(items[at : at + 64])
+    steps.flush()
+    steps.close()
+    assert link.process.returncode == 0
+    assert path.read_text() == rows_here(tmp_path, items)
+
+
+def test_off_by_config_the_rank_writes_the_file(tmp_path: Path) -> None:
+    steps = SideSteps(Health(), "r0/1", use_side=False)
+    path = run_dir(tmp_path / "run")
+    steps.open(path)
+    assert steps.link is None
+    steps.write(records(1, 10))
+    steps.close()
+    assert path.read_text() == rows_here(tmp_path, records(1, 10))
+
+
+def test_a_side_process_that_cannot_start_leaves_the_work_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(side_link.sys, "executable", str(tmp_path / "no-python"))
+    steps = SideSteps(Health(), "r0/1", use_side=True)
+    path = run_dir(tmp_path / "run")
+    with caplog.at_level(logging.WARNING):
+        steps.open(path)
+    assert steps.link is None
+    assert "side process not started" in caplog.text
+    steps.write(records(1, 10))
+    steps.close()
+    assert path.read_text() == rows_here(tmp_path, records(1, 10))
+
+
+def test_a_side_process_that_never_says_ready_is_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    silent = tmp_path / "silent.py"
+    silent.write_text("import time\ntime.sleep(60)\n")
+    real_popen = subprocess.Popen
+
+    def popen(command: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        return real_popen([sys.executable, str(silent)], **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(side_link.subprocess, "Popen", popen)
+    began = time.monotonic()
+    with pytest.raises(OSError, match="not ready"):
+        SideLink.start("r0/1", ready_timeout_s=0.5)
+    assert time.monotonic() - began < 10  # stopped, not waited for
+
+
+def test_a_side_process_never_ready_is_stopped_and_the_rank_writes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    silent = tmp_path / "silent.py"
+    silent.write_text("import time\ntime.sleep(60)\n")
+    real_popen = subprocess.Popen
+
+    def popen(command: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        return real_popen([sys.executable, str(silent)], **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(side_link.subprocess, "Popen", popen)
+    monkeypatch.setattr(side_link, "READY_TIMEOUT_S", 0.3)
+    steps = SideSteps(Health(), "r0/1", use_side=True)
+    path = run_dir(tmp_path / "run")
+    steps.open(path)
+    starting = steps._starting
+    assert starting is not None
+    with caplog.at_level(logging.WARNING):
+        steps.write(records(1, 10))  # not ready yet: here
+        time.sleep(0.5)
+        steps.write(records(11, 10))  # past the limit: stopped, and said
+        steps.write(records(21, 10))
+    assert starting.process.poll() is not None
+    assert caplog.text.count("side process not started") == 1 and "not ready" in caplog.text
+    steps.close()
+    assert path.read_text() == rows_here(tmp_path, records(1, 30))
+
+
+def test_a_killed_side_process_hands_the_work_back_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    steps = SideSteps(Health(), "r0/1", use_side=True)
+    path = run_dir(tmp_path / "run")
+    steps.open(path)
+    link = handed_over(steps)
+    steps.write(records(1, 50))
+    steps.flush()
+    deadline = time.monotonic() + 10
+    while path.read_text().count("\n") < 51 and time.monotonic() < deadline:
+        time.sleep(0.02)  # written by the side process
+    link.process.kill()
+    link.process.wait(10)
+    with caplog.at_level(logging.WARNING):
+        for first in (51, 101, 151):  # training goes on; the first write finds it gone
+            steps.write(records(first, 50))
+    steps.close()
+    assert steps.link is None
+    assert caplog.text.count("its work runs in this process") == 1
+    rows = path.read_text().splitlines()
+    written = [int(line.split(",")[0]) for line in rows[1:]]
+    assert written[:50] == list(range(1, 51))  # the side process's
+    assert written[-50:] == list(range(151, 201))  # the rank's, after it took over
+    assert set(written) <= set(range(1, 201)) and len(written) == len(set(written))
+
+
+def test_a_stuck_side_process_is_stopped_and_its_backlog_written_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(side_link, "MAX_BACKLOG_BYTES", 64 << 10)
+    steps = SideSteps(Health(), "r0/1", use_side=True)
+    path = run_dir(tmp_path / "run")
+    steps.open(path)
+    link = handed_over(steps)
+    os.kill(link.process.pid, signal.SIGSTOP)  # alive, reading nothing
+    try:
+        with caplog.at_level(logging.WARNING):
+            for first in range(1, 20_001, 100):
+                steps.write(records(first, 100))
+                if steps.link is None:
+                    break
+    finally:
+        if link.process.poll() is None:
+            os.kill(link.process.pid, signal.SIGCONT)
+    assert steps.link is None, "the backlog never passed its limit"
+    assert link.process.wait(10) != 0  # stopped
+    assert "fell" in caplog.text and "behind" in caplog.text
+    last = first + 99
+    steps.write(records(last + 1, 10))
+    steps.close()
+    written = [int(line.split(",")[0]) for line in path.read_text().splitlines()[1:]]
+    # the rows no frame of which reached the side process were written here, in order
+    assert written[-10:] == list(range(last + 1, last + 11))
+    assert written == sorted(written) and len(written) == len(set(written))
+    assert len(written) > 100
+
+
+def test_sigterm_ends_the_side_process_with_its_rows_written(tmp_path: Path) -> None:
+    steps = SideSteps(Health(), "r0/1", use_side=True)
+    path = run_dir(tmp_path / "run")
+    steps.open(path)
+    link = handed_over(steps)
+    steps.write(records(1, 30))  # no flush asked
+    time.sleep(0.5)
+    link.process.terminate()
+    assert link.process.wait(10) == 0
+    assert path.read_text() == rows_here(tmp_path, records(1, 30))
+    steps.close()
+
+
+PARENT = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from distanom.health import Health
+    from distanom.side_link import SideSteps
+    from distanom.step_record import StepRecord
+    from distanom.phase_split import NO_RAW
+    steps = SideSteps(Health(), "r0/1", use_side=True)
+    steps.open(Path(sys.argv[1]))
+    while steps.link is None:  # the side process takes the file over
+        time.sleep(0.01)
+        steps.flush()
+    steps.write([StepRecord(s, 3.0, 0, 0.0, 0.0, -1, NO_RAW) for s in range(1, 21)])
+    steps.flush()
+    if sys.argv[2] == "fork" and os.fork() == 0:  # a DataLoader worker: holds the socket
+        time.sleep(60)
+        os._exit(0)
+    print(steps.link.process.pid, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("child", ["none", "fork"])
+def test_the_side_process_never_outlives_its_rank(tmp_path: Path, child: str) -> None:
+    path = run_dir(tmp_path / "run")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(path), child],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,
+    )
+    try:
+        assert parent.stdout is not None
+        side_pid = int(parent.stdout.readline())
+        parent.kill()  # the rank dies at once: no close, no flush of its own
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(side_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(side_pid), "the side process outlived its rank"
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)  # the forked child too
+    rows = path.read_text().splitlines()
+    assert [int(line.split(",")[0]) for line in rows[1:]] == list(range(1, 21))
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie counts as ended: it does nothing more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_side_process_imports_no_torch() -> None:
+    code = "import sys, distanom.side_main, distanom.side_link; print('torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert done.stdout.strip() == "False"
