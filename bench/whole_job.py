@@ -53,6 +53,8 @@ VARIANTS: dict[str, list[str]] = {
     "none": ["--set", "tracer.backend=none"],
     # the default without the step phases' marks (their cost, side by side with "default")
     "default_nophases": ["--set", "step.phases=false"],
+    # the default with the steps file written in the control thread, not the side process
+    "default_inthread": ["--set", "control.side_process=false"],
     "none_adaptive": ["--set", "tracer.backend=none", "--set", "clock.mode=adaptive"],
     # bisecting detection's cost: no CUDA event per step (host clock); rounds ~8x rarer
     "none_host": ["--set", "tracer.backend=none", "--set", "clock.mode=host"],

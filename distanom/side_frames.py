@@ -10,7 +10,9 @@ A frame is a kind (one byte), the payload's length (4 bytes) and the payload:
   phase marks' (kind, time) pairs flattened with each step's offset (their CUDA events
   stay in the rank's process: the GPU parts were read there), the `None` of "no marks"
   kept apart from an empty list;
-- `FLUSH`: hand what was written to the OS (readers see it).
+- `FLUSH`: hand what was written to the OS (readers see it);
+- `END`: the rank is done: flush, close and exit (not waiting for the socket to end,
+  which a forked child of the rank may keep open).
 
 The socket is private to the rank and its child, so frames are trusted as to form; their
 sizes are still bounded (`MAX_FRAME_BYTES`), so a damaged stream ends the reader
@@ -26,7 +28,7 @@ from typing import Any
 
 from distanom.step_record import StepRecord
 
-OPEN, STEPS, FLUSH = 1, 2, 3
+OPEN, STEPS, FLUSH, END = 1, 2, 3, 4
 READY = b"R"  # the side process's one byte back: imports done, frames are read from now on
 FRAME_HEAD = struct.Struct("<BI")  # kind, payload bytes
 STEPS_HEAD = struct.Struct("<II")  # steps, phase-mark array items (two per mark)

@@ -4,18 +4,20 @@ doing that work in this process instead when it cannot (control thread).
 `SideSteps` is the rank's steps file as the control loop sees it (`open`, `write`,
 `flush`, `close`, as `step_log.StepLog`): with `control.side_process` on, the rows are
 formatted and written by the side process, which the control loop feeds one frame per
-round (`side_frames`; packing a round costs this process ~2 us a step against ~7 for
-formatting and writing it, bench/probes/side_process_probe.py). Otherwise, or once the
-side process cannot take the work, the same `StepLog` writes the file here.
+round (`side_frames`); otherwise, and until the side process says it reads (the control
+loop never waits for it), or once it cannot take the work, the same `StepLog` writes
+the file here.
 
 The side process is started with `exec` (never a bare fork: the rank may hold CUDA),
-with the distanom it was imported from first on its path; it reads until its socket
-ends, so it ends with the rank (`side_main`). Writes to it never block the control loop: what
-the socket cannot take now waits in a backlog sent with the next write. The rank steps in
-and writes the file itself when the side process did not start (not ready within
-`READY_TIMEOUT_S`), when it ended (its socket is broken), or when its backlog passes
-`MAX_BACKLOG_BYTES` (it is then stopped, and the backlog's rows written here): each said
-once, training goes on. Rows already sent to a side process that died are lost.
+with the distanom it was imported from first on its path. It ends at the `END` the
+rank's close sends, or when the socket ends (`side_main`); a child the rank forks (a
+DataLoader worker) closes its copy of the socket at once (`os.register_at_fork`), so it
+neither writes to it nor keeps it open. Writes never block the control loop: what the
+socket cannot take now waits in a backlog sent with the next write. The rank writes the
+file itself when the side process did not start or was not ready within
+`READY_TIMEOUT_S`, when it ended, or when its backlog passes `MAX_BACKLOG_BYTES` (it is
+then stopped, and the frames it got none of are written here): each said once, training
+goes on. Rows already sent to a side process that died are lost.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from distanom.health import Health
 from distanom.side_frames import (
+    END,
     FLUSH,
     FRAME_HEAD,
     OPEN,
@@ -56,6 +60,20 @@ SEND_BUFFER_BYTES = 1 << 20  # asked of the kernel (it caps it at net.core.wmem_
 _NO_SIGPIPE = getattr(socket, "MSG_NOSIGNAL", 0)  # Linux; elsewhere Python ignores SIGPIPE
 
 
+# links of this process, closed in any child it forks (a DataLoader worker): the child
+# must neither write to them nor keep the side process's socket open after the rank ends
+_LINKS: weakref.WeakSet[SideLink] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for link in list(_LINKS):
+        link.forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
+
+
 class SideLink:
     """A running side process and the socket to it (a socketpair: a write to a side
     process that died fails with EPIPE and never raises SIGPIPE, whatever the script did
@@ -70,6 +88,7 @@ class SideLink:
         self._ready = False  # it said it reads (`ready`)
         self.spawned_at = time.monotonic()
         self.down: str | None = None  # why it can take no more work
+        _LINKS.add(self)
 
     @classmethod
     def spawn(cls, label: str) -> SideLink:
@@ -167,9 +186,10 @@ class SideLink:
         return frames[1:] if frames and self._first_sent else frames
 
     def finish(self, timeout_s: float = EXIT_TIMEOUT_S) -> bool:
-        """Send what is left, end the socket and wait for the side process to exit,
-        within `timeout_s` in all; whether it exited (else it is left to end alone)."""
+        """Send what is left and `END`, close the socket and wait for the side process to
+        exit, within `timeout_s` in all; whether it exited (else it is left to end alone)."""
         deadline = time.monotonic() + timeout_s
+        self.send(frame(END, b""))
         while self.down is None and self._frames and self._sock is not None:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -191,6 +211,16 @@ class SideLink:
             self.process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(EXIT_TIMEOUT_S)
+
+    def forked(self) -> None:
+        """In a child this process forked: the link is the parent's, this copy lets go of
+        its socket and takes no work (the process object is the parent's too)."""
+        self.down = "the rank's, not this forked child's"
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+        self.process = _NotOurs()  # type: ignore[assignment]
 
     def _exit_status(self) -> str:
         code = self.process.poll()
@@ -317,3 +347,18 @@ def _unsent_steps(frames: list[bytes]) -> list[list[StepRecord]]:
             with contextlib.suppress(ValueError):
                 out.append(unpack_steps(whole[FRAME_HEAD.size :]))
     return out
+
+
+class _NotOurs:
+    """A forked child's stand-in for the parent's `Popen`: never waited for or killed."""
+
+    returncode = None
+
+    def poll(self) -> None:
+        return None
+
+    def wait(self, _timeout: float | None = None) -> None:
+        return None
+
+    def kill(self) -> None:
+        return None

@@ -5,7 +5,8 @@ where it does not hold the training process's GIL. Today that is the rank's step
 (`step_log.StepLog`, the same writer and bytes as in the process), flushed when the
 rank asks. No torch is imported here.
 
-It reads `side_frames` frames from its socket until the socket ends (the rank closed it, or
+It reads `side_frames` frames from its socket until the rank sends `END` or the
+socket ends (the rank closed it, or
 died), then flushes, closes the file and exits. It never outlives the rank by more than
 a second: besides the socket's end (which a forked DataLoader worker holding the
 rank's end open would delay) it checks every second that its parent is still the rank. Ctrl-C is
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from distanom.health import Health
 from distanom.side_frames import (
+    END,
     FLUSH,
     FRAME_HEAD,
     MAX_FRAME_BYTES,
@@ -49,6 +51,7 @@ class SideProcess:
         self.health = Health()
         self.steps = StepLog(self.health)
         self._pending = bytearray()
+        self.ended = False  # the rank sent END: nothing more comes
 
     def feed(self, data: bytes) -> None:
         """Act on every whole frame in `data` (with what was left of the last read).
@@ -56,7 +59,7 @@ class SideProcess:
         pending = self._pending
         pending += data
         at = 0
-        while len(pending) - at >= FRAME_HEAD.size:
+        while len(pending) - at >= FRAME_HEAD.size and not self.ended:
             kind, size = FRAME_HEAD.unpack_from(pending, at)
             if size > MAX_FRAME_BYTES:
                 raise ValueError(f"a frame of {size} bytes")
@@ -72,6 +75,8 @@ class SideProcess:
             self.steps.write(unpack_steps(payload))
         elif kind == FLUSH:
             self.steps.flush()
+        elif kind == END:
+            self.ended = True
         elif kind == OPEN:
             path = Path(os.fsdecode(payload))
             self.health.run_dir = path.parent.parent
@@ -89,7 +94,8 @@ class SideProcess:
 
 
 def serve(read_fd: int, parent_pid: int, side: SideProcess) -> None:
-    """Read frames until the socket ends or the parent is gone."""
+    """Read frames until the rank says it is done (END), the socket ends, or the parent
+    is gone."""
     while True:
         ready, _, _ = select.select([read_fd], [], [], PARENT_CHECK_S)
         if not ready:
@@ -100,6 +106,8 @@ def serve(read_fd: int, parent_pid: int, side: SideProcess) -> None:
         if not data:
             return
         side.feed(data)
+        if side.ended:
+            return
 
 
 def _on_sigterm(_signum: int, _frame: object) -> None:

@@ -310,25 +310,50 @@ PARENT = textwrap.dedent(
         steps.flush()
     steps.write([StepRecord(s, 3.0, 0, 0.0, 0.0, -1, NO_RAW) for s in range(1, 21)])
     steps.flush()
-    if sys.argv[2] == "fork" and os.fork() == 0:  # a DataLoader worker: holds the socket
-        time.sleep(60)
-        os._exit(0)
-    print(steps.link.process.pid, flush=True)
+    link = steps.link
+    if sys.argv[2] == "held":
+        # a child that holds the socket open where distanom's fork hook cannot see (a
+        # descriptor copied before the fork, as a C library's own fork would keep it)
+        held = os.dup(link._sock.fileno())
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        os.close(held)
+    elif sys.argv[2] == "hooked":  # a DataLoader worker: distanom's fork hook runs in it
+        reader, writer = os.pipe()
+        if os.fork() == 0:
+            os.write(writer, b"closed" if link._sock is None and link.down else b"open")
+            time.sleep(60)
+            os._exit(0)
+        print(os.read(reader, 16).decode(), flush=True)
+    print(link.process.pid, flush=True)
+    if sys.argv[3] == "close":  # the rank ends as it should, its children still alive
+        steps.close()
+        print(link.process.returncode, flush=True)
     time.sleep(60)
     """
 )
 
 
-@pytest.mark.parametrize("child", ["none", "fork"])
-def test_the_side_process_never_outlives_its_rank(tmp_path: Path, child: str) -> None:
-    path = run_dir(tmp_path / "run")
-    parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT, str(path), child],
+def run_parent(path: Path, child: str, end: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(path), child, end],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         start_new_session=True,
     )
+
+
+def rows_of(path: Path) -> list[int]:
+    return [int(line.split(",")[0]) for line in path.read_text().splitlines()[1:]]
+
+
+@pytest.mark.parametrize("child", ["none", "held"])
+def test_the_side_process_never_outlives_its_rank(tmp_path: Path, child: str) -> None:
+    """Killed at once: the socket ends, or (a child holding it) the parent check ends it."""
+    path = run_dir(tmp_path / "run")
+    parent = run_parent(path, child, "kill")
     try:
         assert parent.stdout is not None
         side_pid = int(parent.stdout.readline())
@@ -340,8 +365,30 @@ def test_the_side_process_never_outlives_its_rank(tmp_path: Path, child: str) ->
         assert not _alive(side_pid), "the side process outlived its rank"
     finally:
         os.killpg(parent.pid, signal.SIGKILL)  # the forked child too
-    rows = path.read_text().splitlines()
-    assert [int(line.split(",")[0]) for line in rows[1:]] == list(range(1, 21))
+    assert rows_of(path) == list(range(1, 21))
+
+
+def test_a_rank_that_ends_ends_its_side_process_whatever_its_children_hold(
+    tmp_path: Path,
+) -> None:
+    path = run_dir(tmp_path / "run")
+    parent = run_parent(path, "held", "close")
+    try:
+        assert parent.stdout is not None
+        int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "0"  # it exited, told by END
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+    assert rows_of(path) == list(range(1, 21))
+
+
+def test_a_forked_child_lets_go_of_the_side_process(tmp_path: Path) -> None:
+    parent = run_parent(run_dir(tmp_path / "run"), "hooked", "close")
+    try:
+        assert parent.stdout is not None
+        assert parent.stdout.readline().strip() == "closed"
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
