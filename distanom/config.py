@@ -276,7 +276,7 @@ class ControlConfig(_Section):
     side_process: bool = Field(
         True,
         description="write this rank's steps file from a side process (python, no torch, "
-        "~30 MB), off the training process's GIL; false, or when it cannot start: in the "
+        "~45 MB), off the training process's GIL; false, or when it cannot start: in the "
         "rank's own control thread",
     )
 
