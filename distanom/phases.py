@@ -34,9 +34,9 @@ in a synchronize (docs/evidence.md).
 
 The parts of a step are handed out by `take_raw(step)` once the step clock has timed the
 step (the boundary events have completed, so every earlier phase event has too: no
-synchronize): the GPU parts read there, the host marks as they are, split into parts by
-`resolve` on the control thread (`take` does both, for tools). They go into the step's
-row of steps/rank<R>.csv; the report reads them.
+synchronize): the GPU parts read there, the host marks as they are, split into parts
+(`phase_split`) where the step's row of steps/rank<R>.csv is written, the side process
+or the control thread (`take` does both, for tools); the report reads them.
 """
 
 from __future__ import annotations
@@ -54,22 +54,17 @@ import torch
 
 from distanom.graph_capture import CAPTURES
 from distanom.own_time import CPU_SAMPLE_EVERY
-from distanom.phase_split import (  # noqa: F401 - re-exported: the phases' names, one place
+from distanom.phase_split import (
     _BWD_END,
     _FWD_END,
     _FWD_START,
     _OPT_START,
-    GPU_PARTS,
     NAN_GPU,
     NO_RAW,
-    NO_VALUES,
-    PARTS,
     PhaseTimes,
     RawPhases,
-    phase_values,
     resolve,
     split_gpu,
-    split_parts,
 )
 from distanom.phase_split import told as _told
 

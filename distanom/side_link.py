@@ -213,14 +213,16 @@ class SideLink:
             self.process.wait(EXIT_TIMEOUT_S)
 
     def forked(self) -> None:
-        """In a child this process forked: the link is the parent's, this copy lets go of
-        its socket and takes no work (the process object is the parent's too)."""
+        """In a child this process forked: the link is the parent's; this copy lets go of
+        its socket and takes no work."""
         self.down = "the rank's, not this forked child's"
         sock, self._sock = self._sock, None
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
-        self.process = _NotOurs()  # type: ignore[assignment]
+        # as if reaped: `Popen` then never waits for, signals or warns about the parent's
+        # side process from here
+        self.process.returncode = 0
 
     def _exit_status(self) -> str:
         code = self.process.poll()
@@ -347,18 +349,3 @@ def _unsent_steps(frames: list[bytes]) -> list[list[StepRecord]]:
             with contextlib.suppress(ValueError):
                 out.append(unpack_steps(whole[FRAME_HEAD.size :]))
     return out
-
-
-class _NotOurs:
-    """A forked child's stand-in for the parent's `Popen`: never waited for or killed."""
-
-    returncode = None
-
-    def poll(self) -> None:
-        return None
-
-    def wait(self, _timeout: float | None = None) -> None:
-        return None
-
-    def kill(self) -> None:
-        return None

@@ -1,6 +1,6 @@
 """This rank's steps file (steps/rank<R>.csv) as the control thread writes it: a row per
 resolved step, made from the training thread's `boundary.StepRecord`s (flags as bools,
-the phases split by `phases.phase_values`), appended a round at a time and flushed about
+the phases split by `phase_split.phase_values`), appended a round at a time and flushed about
 once a second by the control loop. A write that fails (full disk, a run directory
 removed) is said once through `Health` and the log stops; training goes on. The rows'
 format and reader are `records.steps`.

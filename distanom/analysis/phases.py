@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 PHASES = ("data", "forward", "backward", "optimizer")
-PARTS = 5  # data, forward, backward, tail, optimizer (distanom.phases.PARTS)
+PARTS = 5  # data, forward, backward, tail, optimizer (distanom.phase_split.PARTS)
 TAIL = 3
 FETCH = 5  # column of the batch fetch in a table's values
 GPU_AT = 6  # first GPU part column: to the forward's end, backward, after the backward

@@ -8,7 +8,7 @@ optimizer step of the iteration was skipped (0|1: a GradScaler found inf/nan gra
 then the step's phases (`distanom.phases`): host ms of data, forward, backward, tail
 (from the backward's end to the optimizer step) and optimizer, the time inside the batch
 fetch, and the GPU's time up to the forward's end, in the backward, and after the
-backward's end (`distanom.phases.GPU_PARTS`); `nan` where not known.
+backward's end (`distanom.phase_split.GPU_PARTS`); `nan` where not known.
 Files written before the last columns existed still read: missing columns read as 0 / none.
 """
 
