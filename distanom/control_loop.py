@@ -380,7 +380,9 @@ class ControlLoop:
         """What distanom itself costs this rank per step, measured live (`agent_cost`)."""
         cpu_ns = max(0, self._cpu_ns - self._cpu_setup_ns)
         median = self.detector.median_ms
-        return agent_cost(self.boundaries, cpu_ns, median, self.pacer, self.early_rounds)
+        return agent_cost(
+            self.boundaries, cpu_ns, median, self.pacer, self.early_rounds, self.step_log
+        )
 
     def _round_steps(self, builder: RoundBuilder | None = None) -> int:
         """Steps the next round covers (the same on every rank: `RoundSizer`)."""

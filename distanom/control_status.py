@@ -20,6 +20,7 @@ from distanom.own_time import own_cost_body
 from distanom.pacing import RoundPacer
 from distanom.records.status import CaptureCounts, Status, TracerReport
 from distanom.rundir import RunDir, json_number
+from distanom.side_link import SideSteps
 
 
 def tracer_report(boundaries: StepBoundaries, duty: DutyCycle) -> TracerReport:
@@ -117,13 +118,15 @@ def agent_cost(
     median_ms: float | None,
     pacer: RoundPacer,
     early_rounds: int,
+    side: SideSteps | None = None,
 ) -> dict[str, Any]:
     """What distanom itself costs a rank per step, measured live: time in the step
     boundaries on the training thread (steady ones per step, by part; start-up, the end
     and tracer switches apart: `own_time`), CPU time of the control thread (rounds,
     evidence, files; `control_cpu_ns` since its setup), and their sum as a percentage of
     the median step. Capture work and the tracer's own cost are not in it (the duty
-    cycle measures those)."""
+    cycle measures those), nor the side process's CPU (another core's: given beside,
+    with where the steps file's rows are written, from `side`)."""
     steps = boundaries.current_step
     if steps <= 0:
         return {"steps": 0}
@@ -139,6 +142,7 @@ def agent_cost(
     )
     clock = boundaries.clock
     work_ms = pacer.work_ms
+    side_cpu = None if side is None else side.cpu_ns()
     return {
         **body,
         "clock_mode": clock.mode if clock is not None else None,  # what each step pays
@@ -150,4 +154,10 @@ def agent_cost(
         # rounds some rank ended early, its steps slowed down: the job's count, the same
         # on every rank (consensus.RoundResult.cut_early)
         "early_rounds": early_rounds,
+        # where the steps file's rows are written; the side process's CPU is another
+        # core's, not in the figures above (docs/design.md, "Processes")
+        "steps_written_by": None if side is None else side.state,
+        "side_process_cpu_us_per_step": (
+            None if side_cpu is None else round(side_cpu / boundaries.current_step / 1e3, 2)
+        ),
     }

@@ -247,6 +247,9 @@ class SideSteps:
         self._starting: SideLink | None = None  # started, not yet ready
         self._path: Path | None = None
         self._lock = threading.Lock()  # `close` at exit against an abandoned control thread
+        # where the rows are written, for status.json (`agent_cost`): one short phrase
+        self.state = "side process" if use_side else "control thread (control.side_process off)"
+        self._cpu_ns = 0  # the side process's CPU time, as last read
 
     def open(self, path: Path) -> None:
         """Start the file here (raises OSError: the caller says what it means for the run)
@@ -315,7 +318,16 @@ class SideSteps:
         starting.send(frame(OPEN, os.fsencode(self._path)))
         return starting
 
+    def cpu_ns(self) -> int | None:
+        """CPU time the side process has used so far (Linux's /proc; its last reading
+        once it has ended), None where it never ran or it cannot be read."""
+        link = self.link or self._starting
+        if link is not None:
+            self._cpu_ns = max(self._cpu_ns, _process_cpu_ns(link.process.pid) or 0)
+        return self._cpu_ns if self._cpu_ns or link is not None else None
+
     def _not_started(self, why: str) -> None:
+        self.state = f"control thread (side process not started: {why})"
         self._health.warn_once(
             "side", "distanom: side process not started (%s); its work runs in this process", why
         )
@@ -324,6 +336,8 @@ class SideSteps:
         """The side process took no more: write the file here from now on, starting with
         the rows it was not sent."""
         self.link = None
+        self.cpu_ns()  # its last reading, kept
+        self.state = f"control thread (side process: {link.down})"
         self._health.warn_once(
             "side-down", "distanom: side process: %s; its work runs in this process", link.down
         )
@@ -349,3 +363,15 @@ def _unsent_steps(frames: list[bytes]) -> list[list[StepRecord]]:
             with contextlib.suppress(ValueError):
                 out.append(unpack_steps(whole[FRAME_HEAD.size :]))
     return out
+
+
+def _process_cpu_ns(pid: int) -> int | None:
+    """User and system CPU time of process `pid` (ns) from /proc/<pid>/stat; None where
+    there is no such file (not Linux, the process reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read(4096).rsplit(b")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+        return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -48,6 +48,7 @@ OUTSIDE_NOTE = (
 # report does not import the agent's torch modules): the report names that clock
 CLOCK_HINT_PCT = 1.0
 ADAPTIVE_BELOW_MS = 10.0
+MAX_NOTE_CHARS = 160  # a phrase read back from status.json: a damaged one is cut
 # anomalies whose evidence sentence the text report prints (the slowest, past this)
 EVIDENCE_LINES = 20
 OVER_BUDGET_FACTOR = 1.5  # effective tracing cost over budget x this gets explained
@@ -168,6 +169,7 @@ def _agent_cost_lines(
     if isinstance(tracing, numbers):
         line += f"; with tracing about {pct + tracing:.2f}% in all"
     lines = [line, *_one_off_lines(cost)] if steady else [line]
+    lines += _side_process_lines(cost)
     short = isinstance(median_ms, numbers) and median_ms < ADAPTIVE_BELOW_MS
     if pct >= CLOCK_HINT_PCT and short and cost.get("clock_mode") == "cuda_event":
         # a launch-bound loop pays host time in full; a GPU-bound one hides it (README)
@@ -177,6 +179,19 @@ def _agent_cost_lines(
             "it gives up)"
         )
     return lines
+
+
+def _side_process_lines(cost: dict[str, Any]) -> list[str]:
+    """Where rank 0's steps file was written, and the side process's CPU (another core's,
+    not in the own-time figure)."""
+    written_by = cost.get("steps_written_by")
+    if not isinstance(written_by, str) or not written_by:
+        return []
+    line = f"  its steps file written by: {written_by[:MAX_NOTE_CHARS]}"
+    cpu = cost.get("side_process_cpu_us_per_step")
+    if isinstance(cpu, (int, float)) and not isinstance(cpu, bool) and math.isfinite(cpu):
+        line += f"; the side process used {cpu:.1f} us of CPU a step, on another core"
+    return [line]
 
 
 def _one_off_lines(cost: dict[str, Any]) -> list[str]:

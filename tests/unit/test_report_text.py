@@ -164,6 +164,29 @@ def test_start_up_is_said_once_in_ms_and_the_step_end_by_part(tmp_path: Path) ->
     )
 
 
+def test_the_report_says_where_the_steps_file_was_written(tmp_path: Path) -> None:
+    """With its side process's CPU (another core's); a phrase read back is cut short."""
+    run = make_run(tmp_path, [], hosts=["a"])
+    cost = {"boundary_us_per_step": 21.5, "control_us_per_step": 30.0, "pct_of_median_step": 0.4}
+
+    def text_for(extra: dict[str, object]) -> str:
+        body = {"state": "finished", "world_size": 1, "agent_cost": {**cost, **extra}}
+        write_json_atomic(run.status_json, body)
+        return render_text(run_report(load_run(str(run.path))))
+
+    side = {"steps_written_by": "side process", "side_process_cpu_us_per_step": 3.25}
+    assert (
+        "its steps file written by: side process; the side process used 3.2 us of CPU a "
+        "step, on another core" in text_for(side)
+    )
+    here = text_for({"steps_written_by": "control thread (side process: it ended)",
+                     "side_process_cpu_us_per_step": None})  # fmt: skip
+    assert "its steps file written by: control thread (side process: it ended)\n" in here
+    long = text_for({"steps_written_by": "x" * 10_000, "side_process_cpu_us_per_step": "7"})
+    assert "x" * 160 + "\n" in long and "x" * 161 not in long
+    assert "its steps file" not in text_for({})  # an older status: nothing said
+
+
 def test_the_reports_adaptive_threshold_is_the_clocks() -> None:
     from distanom.analysis.render_text import ADAPTIVE_BELOW_MS
     from distanom.clock import HOST_BELOW_MS

@@ -174,6 +174,8 @@ def test_a_side_process_that_cannot_start_leaves_the_work_here(
         steps.open(path)
     assert steps.link is None
     assert "side process not started" in caplog.text
+    assert steps.state.startswith("control thread (side process not started: ")
+    assert steps.cpu_ns() is None  # it never ran
     steps.write(records(1, 10))
     steps.close()
     assert path.read_text() == rows_here(tmp_path, records(1, 10))
@@ -244,6 +246,7 @@ def test_a_killed_side_process_hands_the_work_back_once(
     steps.close()
     assert steps.link is None
     assert caplog.text.count("its work runs in this process") == 1
+    assert steps.state.startswith("control thread (side process: it ended (exit status -9")
     rows = path.read_text().splitlines()
     written = [int(line.split(",")[0]) for line in rows[1:]]
     assert written[:50] == list(range(1, 51))  # the side process's
@@ -407,3 +410,37 @@ def test_the_side_process_imports_no_torch() -> None:
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("side_process", [True, False])
+def test_the_agents_cost_says_where_the_rows_went(tmp_path: Path, side_process: bool) -> None:
+    """status.json's `agent_cost`: who wrote the steps file, and the side process's CPU."""
+    import torch
+
+    from distanom.agent import Agent
+    from distanom.config import load_config
+    from distanom.world import WorldInfo
+
+    overrides = ["tracer.backend=none", f"control.side_process={str(side_process).lower()}"]
+    agent = Agent(load_config(None, overrides), WorldInfo.from_env({}), tmp_path / "runs")
+    agent.install()
+    layer = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    try:
+        deadline = time.monotonic() + 30
+        steps = 0
+        while steps < 200 or (side_process and agent.control.step_log.link is None):
+            assert time.monotonic() < deadline
+            layer(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+            time.sleep(0.002)
+            steps += 1
+        cost = agent.own_cost()
+    finally:
+        agent.close()
+    if side_process:
+        assert cost["steps_written_by"] == "side process"
+        assert cost["side_process_cpu_us_per_step"] > 0  # its imports at least
+    else:
+        assert cost["steps_written_by"] == "control thread (control.side_process off)"
+        assert cost["side_process_cpu_us_per_step"] is None
