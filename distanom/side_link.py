@@ -294,6 +294,8 @@ class SideSteps:
                 starting.stop()
             if link is not None and not link.finish():
                 log.debug("side process still writing at exit; left to end on its own")
+            if link is not None and link.down is not None:  # it ended before the last rows
+                self._take_over(link)
             self.here.close()
 
     def _handed_over(self) -> SideLink | None:

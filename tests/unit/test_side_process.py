@@ -285,6 +285,29 @@ def test_a_stuck_side_process_is_stopped_and_its_backlog_written_here(
     assert len(written) > 100
 
 
+def test_rows_a_side_process_that_died_never_got_are_written_at_close(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    steps = SideSteps(Health(), "r0/1", use_side=True)
+    path = run_dir(tmp_path / "run")
+    steps.open(path)
+    link = handed_over(steps)
+    os.kill(link.process.pid, signal.SIGSTOP)  # reads nothing: a backlog builds
+    first = 1
+    while not link._frames or len(link._frames) < 3:
+        steps.write(records(first, 100))
+        first += 100
+    last_batch = list(range(first - 100, first))
+    os.kill(link.process.pid, signal.SIGKILL)
+    link.process.wait(10)
+    with caplog.at_level(logging.WARNING):
+        steps.close()  # END finds it gone: what it never got is written here
+    assert caplog.text.count("its work runs in this process") == 1
+    written = rows_of(path)
+    assert written[-100:] == last_batch
+    assert written == sorted(written) and len(written) == len(set(written))
+
+
 def test_sigterm_ends_the_side_process_with_its_rows_written(tmp_path: Path) -> None:
     steps = SideSteps(Health(), "r0/1", use_side=True)
     path = run_dir(tmp_path / "run")
