@@ -3,21 +3,24 @@ doing that work in this process instead when it cannot (control thread).
 
 `SideSteps` is the rank's steps file as the control loop sees it (`open`, `write`,
 `flush`, `close`, as `step_log.StepLog`): with `control.side_process` on, the rows are
-formatted and written by the side process, which the control loop feeds one frame per
-round (`side_frames`); otherwise, and until the side process says it reads (the control
-loop never waits for it), or once it cannot take the work, the same `StepLog` writes
-the file here.
+formatted and written by the side process, which the control loop feeds frames of up
+to `FRAME_STEPS` steps (`side_frames`); otherwise, and until the side process says it
+reads (the control loop never waits for it), or once it cannot take the work, the same
+`StepLog` writes the file here.
 
-The side process is started with `exec` (never a bare fork: the rank may hold CUDA),
-with the distanom it was imported from first on its path. It ends at the `END` the
-rank's close sends, or when the socket ends (`side_main`); a child the rank forks (a
-DataLoader worker) closes its copy of the socket at once (`os.register_at_fork`), so it
-neither writes to it nor keeps it open. Writes never block the control loop: what the
-socket cannot take now waits in a backlog sent with the next write. The rank writes the
-file itself when the side process did not start or was not ready within
-`READY_TIMEOUT_S`, when it ended, or when its backlog passes `MAX_BACKLOG_BYTES` (it is
-then stopped, and the frames it got none of are written here): each said once, training
-goes on. Rows already sent to a side process that died are lost.
+The side process is started with `exec` (never a bare fork: the rank may hold CUDA) as
+`python -c`, with this distanom's folder in place of the working directory on its path.
+It ends at the `END` the rank's close sends, or when the socket ends (`side_main`); a
+child the rank forks (a DataLoader worker) closes its copies of the sockets at once
+(`os.register_at_fork`), and a forked copy of `SideSteps` does nothing. Writes do not
+block the control loop: what the socket cannot take now waits in a backlog sent with
+the next write (stopping a side process, a kill and its reaping, is the one wait). The
+rank writes the file itself when the side process did not start or was not ready within
+`READY_TIMEOUT_S`, when it ended, when it took nothing of a backlog past
+`MAX_BACKLOG_BYTES` for `STALL_S` (or the backlog passed `HARD_BACKLOG_BYTES`), or when
+it had not taken the last rows `EXIT_TIMEOUT_S` into the close: it is stopped, and the
+frames it got none of are written here, then every row after. Said once; training goes
+on. Rows already sent to a side process that died are lost.
 """
 
 from __future__ import annotations
@@ -53,25 +56,49 @@ from distanom.step_record import StepRecord
 
 log = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 30.0  # imports on a loaded node; the control loop waits, training does not
+READY_TIMEOUT_S = 30.0  # imports on a loaded node; the control loop does not wait for it
 EXIT_TIMEOUT_S = 5.0  # at the end: the side process writes the last rows and exits
-MAX_BACKLOG_BYTES = 16 << 20  # ~1,300 rounds of 64 steps: a side process that stopped reading
+# A backlog past MAX_BACKLOG_BYTES that the side process has taken nothing of for
+# STALL_S stops it (a healthy one catching up after a long stall is left to); past
+# HARD_BACKLOG_BYTES it is stopped whatever (the rank's memory)
+MAX_BACKLOG_BYTES = 16 << 20
+STALL_S = 10.0
+HARD_BACKLOG_BYTES = 256 << 20
+FRAME_STEPS = 1024  # steps per frame (~180 kB): a frame is never much of a backlog
 SEND_BUFFER_BYTES = 1 << 20  # asked of the kernel (it caps it at net.core.wmem_max)
 _NO_SIGPIPE = getattr(socket, "MSG_NOSIGNAL", 0)  # Linux; elsewhere Python ignores SIGPIPE
+# The side process's interpreter, started with -c so that the working directory is not
+# on its path (`python -m` puts it first: a distanom/ there would be imported instead)
+_SIDE_MAIN = (
+    "import sys; sys.path[0] = {root!r}; from distanom.side_main import main; "
+    "raise SystemExit(main())"
+)
 
-
-# links of this process, closed in any child it forks (a DataLoader worker): the child
-# must neither write to them nor keep the side process's socket open after the rank ends
+# sockets of this process's links (both ends while one starts), closed in any child it
+# forks (a DataLoader worker): the child must neither write to them nor keep the side
+# process's socket open after the rank ends
+_SOCKETS: weakref.WeakSet[socket.socket] = weakref.WeakSet()
 _LINKS: weakref.WeakSet[SideLink] = weakref.WeakSet()
 
 
 def _close_in_child() -> None:
     for link in list(_LINKS):
         link.forked()
+    for sock in list(_SOCKETS):
+        with contextlib.suppress(OSError):
+            sock.close()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_close_in_child)
+
+
+def _wait(sock: socket.socket, *, write: bool, timeout_s: float) -> bool:
+    """Whether `sock` is ready to read (or write) within `timeout_s` (poll: any fd
+    number; select refuses those past 1023, which a busy rank reaches)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT if write else select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))
 
 
 class SideLink:
@@ -85,8 +112,10 @@ class SideLink:
         self._frames: collections.deque[bytes] = collections.deque()  # not yet sent whole
         self._first_sent = 0  # bytes of the first frame already sent
         self._backlog_bytes = 0
+        self._progress_at = time.monotonic()  # the backlog was last empty or taken from
         self._ready = False  # it said it reads (`ready`)
         self.spawned_at = time.monotonic()
+        self.cpu_ns = 0  # its CPU time as last read (`read_cpu`)
         self.down: str | None = None  # why it can take no more work
         _LINKS.add(self)
 
@@ -95,16 +124,16 @@ class SideLink:
         """Start a side process (not waiting for it: `ready`); OSError, or ValueError where
         passing a descriptor is not supported, when it cannot be started."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        package_root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
+        _SOCKETS.add(ours)  # from now on: a fork meanwhile must not keep them
+        _SOCKETS.add(theirs)
+        root = str(Path(__file__).resolve().parent.parent)
         command = [
-            sys.executable, "-m", "distanom.side_main", "--fd", str(theirs.fileno()),
+            sys.executable, "-c", _SIDE_MAIN.format(root=root), "--fd", str(theirs.fileno()),
             "--parent-pid", str(os.getpid()), "--label", label,
         ]  # fmt: skip
         try:
             process = subprocess.Popen(
-                command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env
+                command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL
             )
         except BaseException:
             ours.close()
@@ -135,8 +164,7 @@ class SideLink:
             raise OSError(errno.EPIPE, "stopped")
         said = b""
         with contextlib.suppress(OSError):
-            readable, _, _ = select.select([sock], [], [], wait_s)
-            said = sock.recv(1) if readable else b"?"
+            said = sock.recv(1) if _wait(sock, write=False, timeout_s=wait_s) else b"?"
         if said == READY:
             self._ready = True
             sock.setblocking(False)
@@ -164,6 +192,7 @@ class SideLink:
                 sent = sock.send(memoryview(first)[self._first_sent :], _NO_SIGPIPE)
                 self._first_sent += sent
                 self._backlog_bytes -= sent
+                self._progress_at = time.monotonic()
                 if self._first_sent < len(first):
                     break  # the buffer is full: the rest goes with a later send
                 frames.popleft()
@@ -173,8 +202,12 @@ class SideLink:
         except OSError as err:  # EPIPE, ECONNRESET: it ended
             self.down = f"it ended ({self._exit_status()}; {err.strerror or err})"
             return False
-        if self._backlog_bytes > MAX_BACKLOG_BYTES:
-            self.down = f"it fell {self._backlog_bytes >> 20} MiB behind and was stopped"
+        if not frames:
+            self._progress_at = time.monotonic()
+        backlog = self._backlog_bytes
+        stalled = time.monotonic() - self._progress_at > STALL_S
+        if backlog > HARD_BACKLOG_BYTES or (backlog > MAX_BACKLOG_BYTES and stalled):
+            self.down = f"it took nothing of a {backlog >> 20} MiB backlog and was stopped"
             self.stop()
             return False
         return True
@@ -185,23 +218,28 @@ class SideLink:
         frames = list(self._frames)
         return frames[1:] if frames and self._first_sent else frames
 
-    def finish(self, timeout_s: float = EXIT_TIMEOUT_S) -> bool:
+    def finish(self, timeout_s: float | None = None) -> bool:
         """Send what is left and `END`, close the socket and wait for the side process to
-        exit, within `timeout_s` in all; whether it exited (else it is left to end alone)."""
+        exit, within `timeout_s` (`EXIT_TIMEOUT_S`) in all; whether it did. One that has not taken
+        everything by then is stopped (`down` says so: the rank writes the rest)."""
+        timeout_s = EXIT_TIMEOUT_S if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         self.send(frame(END, b""))
         while self.down is None and self._frames and self._sock is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                break
-            select.select([], [self._sock], [], left)
-            if not self.send(b""):
-                break
+                self.down = f"it had not taken the last rows after {timeout_s:.0f} s; stopped"
+                self.stop()
+                return False
+            _wait(self._sock, write=True, timeout_s=left)
+            self.send(b"")
         self._close()
         try:
             self.process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return False
+        finally:
+            self.read_cpu()
         return True
 
     def stop(self) -> None:
@@ -209,8 +247,15 @@ class SideLink:
         self._close()
         with contextlib.suppress(OSError):
             self.process.kill()
+        self.read_cpu()  # a killed process keeps its figures until it is reaped
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(EXIT_TIMEOUT_S)
+
+    def read_cpu(self) -> int:
+        """Its CPU time so far (ns; Linux's /proc), kept once it has been reaped."""
+        if self.process.returncode is None:
+            self.cpu_ns = max(self.cpu_ns, _process_cpu_ns(self.process.pid) or 0)
+        return self.cpu_ns
 
     def forked(self) -> None:
         """In a child this process forked: the link is the parent's; this copy lets go of
@@ -225,6 +270,7 @@ class SideLink:
         self.process.returncode = 0
 
     def _exit_status(self) -> str:
+        self.read_cpu()  # before `poll` reaps it
         code = self.process.poll()
         return "still running" if code is None else f"exit status {code}"
 
@@ -236,7 +282,7 @@ class SideLink:
 
 class SideSteps:
     """This rank's steps file, written by the side process or, failing it, here; the
-    same calls as `StepLog` (see the module docstring)."""
+    same calls as `StepLog` (see the module docstring). Never raises."""
 
     def __init__(self, health: Health, label: str, *, use_side: bool) -> None:
         self._health = health
@@ -247,9 +293,10 @@ class SideSteps:
         self._starting: SideLink | None = None  # started, not yet ready
         self._path: Path | None = None
         self._lock = threading.Lock()  # `close` at exit against an abandoned control thread
+        self._pid = os.getpid()  # a forked child's copy (its lock maybe held) does nothing
         # where the rows are written, for status.json (`agent_cost`): one short phrase
         self.state = "side process" if use_side else "control thread (control.side_process off)"
-        self._cpu_ns = 0  # the side process's CPU time, as last read
+        self._ran: SideLink | None = None  # the side process that ran, for its CPU time
 
     def open(self, path: Path) -> None:
         """Start the file here (raises OSError: the caller says what it means for the run)
@@ -260,43 +307,69 @@ class SideSteps:
         if not self._use_side:
             return
         try:
-            self._starting = SideLink.spawn(self._label)
+            self._starting = self._ran = SideLink.spawn(self._label)
         except Exception as err:  # OSError; ValueError where pass_fds is not supported
             self._not_started((err.strerror if isinstance(err, OSError) else None) or str(err))
 
     def write(self, items: list[StepRecord]) -> None:
-        """Append the steps' rows (one frame for the side process)."""
-        if not items:
+        """Append the steps' rows (frames of up to FRAME_STEPS steps for the side process)."""
+        if not items or os.getpid() != self._pid:
             return
         with self._lock:
-            link = self.link or self._handed_over()
-            if link is None:
-                self.here.write(items)
-            elif not link.send(frame(STEPS, pack_steps(items))):
-                self._take_over(link)
+            try:
+                link = self.link or self._handed_over()
+                if link is None:
+                    self.here.write(items)
+                    return
+                for at in range(0, len(items), FRAME_STEPS):
+                    if not link.send(frame(STEPS, pack_steps(items[at : at + FRAME_STEPS]))):
+                        self._take_over(link)
+                        self.here.write(items[at + FRAME_STEPS :])
+                        return
+            except Exception as err:  # never into the control loop
+                self._failed(err)
 
     def flush(self) -> None:
         """Hand what was written to the OS (readers see it)."""
+        if os.getpid() != self._pid:
+            return
         with self._lock:
-            link = self.link or self._handed_over()
-            if link is None:
-                self.here.flush()
-            elif not link.send(frame(FLUSH, b"")):
-                self._take_over(link)
+            try:
+                link = self.link or self._handed_over()
+                if link is None:
+                    self.here.flush()
+                elif not link.send(frame(FLUSH, b"")):
+                    self._take_over(link)
+            except Exception as err:
+                self._failed(err)
 
     def close(self) -> None:
-        """The last rows out, the side process ended (within `EXIT_TIMEOUT_S`), the file
-        closed; never raises (at exit)."""
+        """The last rows out, the side process ended (within `EXIT_TIMEOUT_S`; else
+        stopped, and the rows it had not taken written here), the file closed; never
+        raises (at exit)."""
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             link, self.link = self.link, None
             starting, self._starting = self._starting, None
-            if starting is not None:  # never said it reads: nothing of the file is its
-                starting.stop()
-            if link is not None and not link.finish():
-                log.debug("side process still writing at exit; left to end on its own")
-            if link is not None and link.down is not None:  # it ended before the last rows
-                self._take_over(link)
+            try:
+                if starting is not None:  # never said it reads: nothing of the file is its
+                    starting.stop()
+                if link is not None and not link.finish() and link.down is None:
+                    log.debug("side process still exiting at the end; left to end on its own")
+                if link is not None and link.down is not None:  # the last rows are not its
+                    self._take_over(link)
+            except Exception as err:
+                self._failed(err)
             self.here.close()
+
+    def cpu_ns(self) -> int | None:
+        """CPU time the side process has used so far (Linux's /proc; its last reading
+        once it has ended), None where none ran or it cannot be read."""
+        ran = self._ran
+        if ran is None:
+            return None
+        return ran.read_cpu() or None
 
     def _handed_over(self) -> SideLink | None:
         """The side process, if it has just said it reads: the file is closed here and
@@ -320,25 +393,33 @@ class SideSteps:
         starting.send(frame(OPEN, os.fsencode(self._path)))
         return starting
 
-    def cpu_ns(self) -> int | None:
-        """CPU time the side process has used so far (Linux's /proc; its last reading
-        once it has ended), None where it never ran or it cannot be read."""
-        link = self.link or self._starting
-        if link is not None:
-            self._cpu_ns = max(self._cpu_ns, _process_cpu_ns(link.process.pid) or 0)
-        return self._cpu_ns if self._cpu_ns or link is not None else None
-
     def _not_started(self, why: str) -> None:
         self.state = f"control thread (side process not started: {why})"
         self._health.warn_once(
             "side", "distanom: side process not started (%s); its work runs in this process", why
         )
 
+    def _failed(self, err: Exception) -> None:
+        """Something unforeseen in handing rows over: the side process is stopped and the
+        rank writes the file itself from here (said once)."""
+        link, self.link = self.link, None
+        starting, self._starting = self._starting, None
+        for side in (link, starting):
+            if side is not None:
+                with contextlib.suppress(Exception):
+                    side.stop()
+        self.state = f"control thread (side process: failed: {err})"
+        self._health.warn_once(
+            "side-down", "distanom: side process: failed (%s); its work runs in this process", err
+        )
+        if self._path is not None and link is not None:
+            with contextlib.suppress(OSError):
+                self.here.open(self._path)
+
     def _take_over(self, link: SideLink) -> None:
         """The side process took no more: write the file here from now on, starting with
         the rows it was not sent."""
         self.link = None
-        self.cpu_ns()  # its last reading, kept
         self.state = f"control thread (side process: {link.down})"
         self._health.warn_once(
             "side-down", "distanom: side process: %s; its work runs in this process", link.down

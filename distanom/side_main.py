@@ -1,18 +1,20 @@
-"""A rank's side process (`python -m distanom.side_main`, started by `side_link`): the
-work of the rank's agent that needs nothing of the training process but its data, done
-where it does not hold the training process's GIL. Today that is the rank's steps file
-(steps/rank<R>.csv): the rows of each round, formatted and appended here
+"""A rank's side process (started by `side_link` with `python -c`, this module's `main`):
+the work of the rank's agent that needs nothing of the training process but its data,
+done where it does not hold the training process's GIL. Today that is the rank's steps
+file (steps/rank<R>.csv): the rows of each round, formatted and appended here
 (`step_log.StepLog`, the same writer and bytes as in the process), flushed when the
 rank asks. No torch is imported here.
 
-It reads `side_frames` frames from its socket until the rank sends `END` or the
-socket ends (the rank closed it, or
-died), then flushes, closes the file and exits. It never outlives the rank by more than
-a second: besides the socket's end (which a forked DataLoader worker holding the
-rank's end open would delay) it checks every second that its parent is still the rank. Ctrl-C is
-the rank's to handle (it closes the socket); SIGTERM flushes what was written and exits.
-A failure is logged once, on stderr with the rank's prefix, and ends the process; the
-rank then does the work itself (`side_link`).
+It reads `side_frames` frames from its socket until the rank sends `END` or the socket
+ends, then flushes, closes the file and exits. It never outlives the rank by more than
+a second: besides the socket's end (which a child of the rank holding its end open
+would delay) it checks every second that its parent is still the rank. Signals that
+end a job's processes (Ctrl-C's SIGINT, a scheduler's SIGTERM to every process of the
+job) are ignored: the rank's end ends it, after the rows it was sent, so a rank that
+outlives the signal loses none. A stream it cannot read is logged once (stderr, with
+the rank's prefix) and ends it; the rank then writes the file itself (`side_link`). A
+failed write (a full disk, a removed run directory) is said once here and rows stop,
+as they would in the rank.
 """
 
 from __future__ import annotations
@@ -96,10 +98,11 @@ class SideProcess:
 def serve(read_fd: int, parent_pid: int, side: SideProcess) -> None:
     """Read frames until the rank says it is done (END), the socket ends, or the parent
     is gone."""
+    poller = select.poll()  # any fd number (select refuses those past 1023)
+    poller.register(read_fd, select.POLLIN)
     while True:
-        ready, _, _ = select.select([read_fd], [], [], PARENT_CHECK_S)
-        if not ready:
-            if os.getppid() != parent_pid:  # the rank died; a forked child holds its end
+        if not poller.poll(int(PARENT_CHECK_S * 1000)):
+            if os.getppid() != parent_pid:  # the rank died; a child of it holds its end
                 return
             continue
         data = os.read(read_fd, READ_BYTES)
@@ -110,10 +113,6 @@ def serve(read_fd: int, parent_pid: int, side: SideProcess) -> None:
             return
 
 
-def _on_sigterm(_signum: int, _frame: object) -> None:
-    raise SystemExit(0)  # unwinds `main`: what was written is flushed
-
-
 def main(argv: list[str] | None = None) -> int:
     """The side process's life: its signals and log, ready, frames until the end."""
     parser = argparse.ArgumentParser(prog="python -m distanom.side_main")
@@ -121,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--label", default="side")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank's to handle: it closes the socket
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    for ended_by_the_rank in (signal.SIGINT, signal.SIGTERM):  # the module docstring
+        signal.signal(ended_by_the_rank, signal.SIG_IGN)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         logging.Formatter(f"[distanom {args.label} side] %(levelname)s %(message)s")

@@ -19,6 +19,7 @@ from distanom.agent import Agent
 from distanom.config import load_config
 from distanom.inbox import StepInbox
 from distanom.rounds import RoundBuilder, steps_per_round
+from distanom.step_record import StepRecord
 from distanom.world import WorldInfo
 
 END = object()
@@ -264,10 +265,14 @@ def test_a_control_thread_abandoned_at_exit_writes_nothing_to_the_closed_steps_f
         assert steps is not None and steps._file.closed
     else:
         assert link.process.returncode == 0  # ended, its rows written
+    assert agent.run is not None
+    written = agent.run.steps_csv(0).read_bytes()
+    late = [StepRecord(step, 3.0, 0, 0.0, 0.0, -1) for step in range(100, 110)]
     with caplog.at_level("WARNING", logger="distanom"):
-        step_log.flush()  # what the abandoned thread does next: no raise
-        step_log.write([])
+        step_log.write(late)  # what the abandoned thread does next: no raise, no row
+        step_log.flush()
     assert not [r for r in caplog.records if "steps file" in r.getMessage()]
+    assert agent.run.steps_csv(0).read_bytes() == written
     agent.close()
 
 
