@@ -199,8 +199,10 @@ class SideLink:
                 self._first_sent = 0
         except BlockingIOError:
             pass
-        except OSError as err:  # EPIPE, ECONNRESET: it ended
-            self.down = f"it ended ({self._exit_status()}; {err.strerror or err})"
+        except OSError as err:  # EPIPE, ECONNRESET: it ended, or is ending
+            self.down = f"it ended ({self._exit_status(wait_s=1.0)}; {err.strerror or err})"
+            if self.process.returncode is None:  # its socket is gone: of no more use
+                self.stop()
             return False
         if not frames:
             self._progress_at = time.monotonic()
@@ -269,9 +271,13 @@ class SideLink:
         # side process from here
         self.process.returncode = 0
 
-    def _exit_status(self) -> str:
-        self.read_cpu()  # before `poll` reaps it
-        code = self.process.poll()
+    def _exit_status(self, wait_s: float = 0.0) -> str:
+        """ "exit status N", or "still running"; waits up to `wait_s` for an exit under
+        way (its socket closes a moment before it can be reaped)."""
+        self.read_cpu()  # before it is reaped
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(wait_s) if wait_s else self.process.poll()
+        code = self.process.returncode
         return "still running" if code is None else f"exit status {code}"
 
     def _close(self) -> None:

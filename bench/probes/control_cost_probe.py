@@ -139,6 +139,20 @@ def install_meters() -> None:
         meter(control_loop, name, f"consensus.{name}")
 
 
+def launch_bound_steps(
+    layers: Any, optimizer: Any, inputs: Any, steps: int, step_ms: float
+) -> None:
+    """The probe's loop (also side_process_probe.py's): a tiny model's step, all Python
+    dispatch, then a busy wait of `step_ms`, as a launching thread is busy."""
+    for _ in range(steps):
+        layers(inputs).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        until = time.perf_counter() + step_ms / 1e3
+        while time.perf_counter() < until:
+            pass
+
+
 def block(
     overrides: list[str], steps: int, step_ms: float, unpaced: bool = False
 ) -> dict[str, Any]:
@@ -164,13 +178,7 @@ def _block(overrides: list[str], steps: int, step_ms: float) -> dict[str, Any]:
         agent = Agent(load_config(None, overrides), WorldInfo.from_env({}), Path(scratch) / "r")
         agent.install()
         began, blocked = time.perf_counter(), blocks_so_far()
-        for _ in range(steps):
-            layers(inputs).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            until = time.perf_counter() + step_ms / 1e3
-            while time.perf_counter() < until:  # busy, as a launching thread is
-                pass
+        launch_bound_steps(layers, optimizer, inputs, steps, step_ms)
         wall_s = time.perf_counter() - began
         training_blocks = blocks_so_far() - blocked
         agent.close()

@@ -137,19 +137,14 @@ def side_main(read_fd: int, write_fd: int) -> int:
 def _training_loop(steps: int, step_ms: float) -> tuple[float, int]:
     import torch
     from ab_switch import thread_blocks
+    from control_cost_probe import launch_bound_steps
 
     torch.set_num_threads(1)
     layers = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(12)])
     optimizer = torch.optim.SGD(layers.parameters(), lr=1e-3)
     inputs = torch.randn(4, 16)
     began, blocked = time.perf_counter(), thread_blocks() or 0
-    for _ in range(steps):
-        layers(inputs).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        until = time.perf_counter() + step_ms / 1e3
-        while time.perf_counter() < until:  # busy, as a launching thread is
-            pass
+    launch_bound_steps(layers, optimizer, inputs, steps, step_ms)
     return time.perf_counter() - began, (thread_blocks() or 0) - blocked
 
 

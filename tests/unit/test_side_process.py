@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -71,6 +72,14 @@ def handed_over(steps: SideSteps) -> SideLink:
         time.sleep(0.01)
         steps.flush()  # where the rank looks whether it is ready
     return steps.link
+
+
+def writing_side(tmp_path: Path) -> tuple[SideSteps, Path, SideLink]:
+    """A steps file in a fresh run directory, taken over by a real side process."""
+    steps = SideSteps(Health(), "r0/1", use_side=True)
+    path = run_dir(tmp_path / "run")
+    steps.open(path)
+    return steps, path, handed_over(steps)
 
 
 def same(a: object, b: object) -> bool:
@@ -181,9 +190,8 @@ def test_a_side_process_that_cannot_start_leaves_the_work_here(
     assert path.read_text() == rows_here(tmp_path, records(1, 10))
 
 
-def test_a_side_process_that_never_says_ready_is_stopped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def never_ready(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Side processes started from here on sleep and never say they read."""
     silent = tmp_path / "silent.py"
     silent.write_text("import time\ntime.sleep(60)\n")
     real_popen = subprocess.Popen
@@ -192,6 +200,12 @@ def test_a_side_process_that_never_says_ready_is_stopped(
         return real_popen([sys.executable, str(silent)], **kwargs)  # type: ignore[call-overload]
 
     monkeypatch.setattr(side_link.subprocess, "Popen", popen)
+
+
+def test_a_side_process_that_never_says_ready_is_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    never_ready(tmp_path, monkeypatch)
     began = time.monotonic()
     with pytest.raises(OSError, match="not ready"):
         SideLink.start("r0/1", ready_timeout_s=0.5)
@@ -201,14 +215,7 @@ def test_a_side_process_that_never_says_ready_is_stopped(
 def test_a_side_process_never_ready_is_stopped_and_the_rank_writes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    silent = tmp_path / "silent.py"
-    silent.write_text("import time\ntime.sleep(60)\n")
-    real_popen = subprocess.Popen
-
-    def popen(command: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
-        return real_popen([sys.executable, str(silent)], **kwargs)  # type: ignore[call-overload]
-
-    monkeypatch.setattr(side_link.subprocess, "Popen", popen)
+    never_ready(tmp_path, monkeypatch)
     monkeypatch.setattr(side_link, "READY_TIMEOUT_S", 0.3)
     steps = SideSteps(Health(), "r0/1", use_side=True)
     path = run_dir(tmp_path / "run")
@@ -229,19 +236,21 @@ def test_a_side_process_never_ready_is_stopped_and_the_rank_writes_on(
 def test_a_killed_side_process_hands_the_work_back_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    steps = SideSteps(Health(), "r0/1", use_side=True)
-    path = run_dir(tmp_path / "run")
-    steps.open(path)
-    link = handed_over(steps)
+    steps, path, link = writing_side(tmp_path)
     steps.write(records(1, 50))
     steps.flush()
     deadline = time.monotonic() + 10
     while path.read_text().count("\n") < 51 and time.monotonic() < deadline:
         time.sleep(0.02)  # written by the side process
     link.process.kill()  # not reaped here: the rank finds it gone at its next write
-    while _alive(link.process.pid):
+    # its end of the socket is closed a moment after it is a zombie (the kernel may
+    # defer the last close): rows sent in between are lost, as the docs say; here the
+    # next write is to find it gone
+    assert link._sock is not None
+    hung_up = select.poll()
+    hung_up.register(link._sock, select.POLLIN)
+    while _alive(link.process.pid) or not hung_up.poll(10):
         assert time.monotonic() < deadline
-        time.sleep(0.01)
     with caplog.at_level(logging.WARNING):
         for first in (51, 101, 151):  # training goes on; the first write finds it gone
             steps.write(records(first, 50))
@@ -259,10 +268,7 @@ def test_a_stuck_side_process_is_stopped_and_its_backlog_written_here(
 ) -> None:
     monkeypatch.setattr(side_link, "MAX_BACKLOG_BYTES", 64 << 10)
     monkeypatch.setattr(side_link, "STALL_S", 0.3)
-    steps = SideSteps(Health(), "r0/1", use_side=True)
-    path = run_dir(tmp_path / "run")
-    steps.open(path)
-    link = handed_over(steps)
+    steps, path, link = writing_side(tmp_path)
     os.kill(link.process.pid, signal.SIGSTOP)  # alive, reading nothing
     try:
         with caplog.at_level(logging.WARNING):
@@ -290,10 +296,7 @@ def test_a_stuck_side_process_is_stopped_and_its_backlog_written_here(
 def test_a_side_process_catching_up_on_a_big_backlog_is_left_to(tmp_path: Path) -> None:
     """Rounds held up (a long stall) arrive as one write of many steps: split into
     frames, taken as the side process reads, none lost."""
-    steps = SideSteps(Health(), "r0/1", use_side=True)
-    path = run_dir(tmp_path / "run")
-    steps.open(path)
-    link = handed_over(steps)
+    steps, path, link = writing_side(tmp_path)
     steps.write(records(1, 30_000))
     steps.close()
     assert link.down is None and link.process.returncode == 0
@@ -304,10 +307,7 @@ def test_a_side_process_that_takes_too_long_at_the_end_is_stopped_and_its_rows_w
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(side_link, "EXIT_TIMEOUT_S", 0.5)
-    steps = SideSteps(Health(), "r0/1", use_side=True)
-    path = run_dir(tmp_path / "run")
-    steps.open(path)
-    link = handed_over(steps)
+    steps, path, link = writing_side(tmp_path)
     steps.write(records(1, 10))
     steps.flush()
     deadline = time.monotonic() + 10
@@ -372,10 +372,7 @@ def test_a_distanom_folder_where_the_rank_runs_is_not_the_side_processes(
 def test_rows_a_side_process_that_died_never_got_are_written_at_close(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    steps = SideSteps(Health(), "r0/1", use_side=True)
-    path = run_dir(tmp_path / "run")
-    steps.open(path)
-    link = handed_over(steps)
+    steps, path, link = writing_side(tmp_path)
     os.kill(link.process.pid, signal.SIGSTOP)  # reads nothing: a backlog builds
     first = 1
     while not link._frames or len(link._frames) < 3:
@@ -395,10 +392,7 @@ def test_rows_a_side_process_that_died_never_got_are_written_at_close(
 def test_sigterm_and_sigint_leave_the_side_process_to_the_ranks_end(tmp_path: Path) -> None:
     """A scheduler's SIGTERM reaches every process of the job: a rank that goes on
     training loses no rows for it."""
-    steps = SideSteps(Health(), "r0/1", use_side=True)
-    path = run_dir(tmp_path / "run")
-    steps.open(path)
-    link = handed_over(steps)
+    steps, path, link = writing_side(tmp_path)
     steps.write(records(1, 30))
     link.process.terminate()
     link.process.send_signal(signal.SIGINT)
