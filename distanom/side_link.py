@@ -366,6 +366,7 @@ class SideSteps:
                 if link is not None and link.down is not None:  # the last rows are not its
                     self._take_over(link)
             except Exception as err:
+                self.link = link  # `_failed` stops it
                 self._failed(err)
             self.here.close()
 

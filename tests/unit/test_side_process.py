@@ -331,6 +331,23 @@ def test_a_side_process_that_takes_too_long_at_the_end_is_stopped_and_its_rows_w
     assert written == sorted(written) and len(written) == len(set(written))
 
 
+def test_an_unforeseen_failure_at_close_stops_the_side_process_and_raises_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    steps, _path, link = writing_side(tmp_path)
+    steps.write(records(1, 10))
+
+    def broken(self: SideLink, timeout_s: float | None = None) -> bool:
+        raise RuntimeError("something unforeseen")
+
+    monkeypatch.setattr(SideLink, "finish", broken)
+    with caplog.at_level(logging.WARNING):
+        steps.close()  # no raise
+    assert link.process.returncode is not None  # stopped, not left running
+    assert "failed (something unforeseen)" in caplog.text
+    assert steps.state == "control thread (side process: failed: something unforeseen)"
+
+
 def test_a_socket_past_fd_1023_works(tmp_path: Path) -> None:
     """select() refuses descriptors past 1023, which a busy rank reaches."""
     import resource
