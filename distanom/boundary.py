@@ -43,7 +43,6 @@ import torch
 
 from distanom.clock import StepClock, resolve_mode
 from distanom.config import Config
-from distanom.detect import STEP_AFTER_FLUSH, STEP_DISTURBED, STEP_TRACED
 from distanom.duty_cycle import DutyCycle
 from distanom.evidence import EvidenceMarks
 from distanom.gc_pauses import GcPauses
@@ -64,7 +63,13 @@ from distanom.own_time import (
     BoundaryMeters,
 )
 from distanom.phases import PhaseMarks
-from distanom.step_record import STEP_SKIPPED, StepRecord
+from distanom.step_record import (
+    STEP_AFTER_FLUSH,
+    STEP_DISTURBED,
+    STEP_SKIPPED,
+    STEP_TRACED,
+    StepRecord,
+)
 from distanom.tracers import Tracer, create_tracer
 
 log = logging.getLogger(__name__)

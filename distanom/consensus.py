@@ -39,15 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from distanom.detect import (
-    STEP_AFTER_FLUSH,
-    STEP_DISTURBED,
-    STEP_TRACED,
-    CaptureDecision,
-    Detector,
-    StepSample,
-)
+from distanom.detect import CaptureDecision, Detector, StepSample
 from distanom.records.anomalies import StepEvidence
+from distanom.step_record import STEP_AFTER_FLUSH, STEP_DISTURBED, STEP_TRACED
 
 # up to this many ranks a round is decoded from plain lists, beyond by tensor columns
 SMALL_WORLD = 64

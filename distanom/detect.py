@@ -121,12 +121,6 @@ def wider_multiplier(configured: float, after_flush: bool) -> float:
     return max(configured, floor)
 
 
-# Per-step flags each rank reports (OR/AND-ed across ranks in `consensus`).
-STEP_TRACED = 1  # the tracer recorded the step
-STEP_AFTER_FLUSH = 2  # the tracer flushed at the step's start boundary
-STEP_DISTURBED = 4  # distanom's own capture work ran during the step
-
-
 @dataclass(frozen=True)
 class StepSample:
     """One step as gathered from every rank."""

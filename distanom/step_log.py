@@ -11,11 +11,10 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from distanom.detect import STEP_AFTER_FLUSH, STEP_TRACED
 from distanom.health import Health
 from distanom.phase_split import phase_values
-from distanom.records.steps import StepFields, StepsWriter
-from distanom.step_record import STEP_SKIPPED, StepRecord
+from distanom.records.step_rows import StepFields, StepsWriter
+from distanom.step_record import STEP_AFTER_FLUSH, STEP_SKIPPED, STEP_TRACED, StepRecord
 
 
 class StepLog:

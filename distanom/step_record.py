@@ -1,5 +1,5 @@
-"""One resolved step as the training thread hands it on (`StepRecord`), and the STEP_*
-flag a boundary adds to the detector's; no torch (the side process reads them too).
+"""One resolved step as the training thread hands it on (`StepRecord`), and its STEP_*
+flags; no torch, no numpy (the side process reads them too).
 
 `boundary.StepBoundaries` makes a record per step once the clock has timed it; the
 control thread takes them (`inbox`) for rounds and the steps file (`step_log`), and
@@ -12,6 +12,10 @@ from typing import NamedTuple
 
 from distanom.phase_split import NO_RAW, RawPhases
 
+# Per-step flags; the first three each rank reports (OR/AND-ed across ranks in `consensus`)
+STEP_TRACED = 1  # the tracer recorded the step
+STEP_AFTER_FLUSH = 2  # the tracer flushed at the step's start boundary
+STEP_DISTURBED = 4  # distanom's own capture work ran during the step
 STEP_SKIPPED = 8  # the step's optimizer step was skipped by a GradScaler (not sent in rounds)
 
 
