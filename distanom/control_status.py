@@ -157,7 +157,11 @@ def agent_cost(
         # where the steps file's rows are written; the side process's CPU is another
         # core's, not in the figures above (docs/design.md, "Processes")
         "steps_written_by": None if side is None else side.state,
+        # after its start-up, which is given once (its interpreter and imports)
         "side_process_cpu_us_per_step": (
-            None if side_cpu is None else round(side_cpu / boundaries.current_step / 1e3, 2)
+            None
+            if side_cpu is None
+            else round((side_cpu[0] - side_cpu[1]) / max(1, boundaries.current_step) / 1e3, 2)
         ),
+        "side_process_startup_cpu_ms": None if side_cpu is None else round(side_cpu[1] / 1e6, 1),
     }

@@ -116,6 +116,7 @@ class SideLink:
         self._ready = False  # it said it reads (`ready`)
         self.spawned_at = time.monotonic()
         self.cpu_ns = 0  # its CPU time as last read (`read_cpu`)
+        self.startup_cpu_ns = 0  # its CPU time when it said it reads: start-up, imports
         self.down: str | None = None  # why it can take no more work
         _LINKS.add(self)
 
@@ -167,6 +168,7 @@ class SideLink:
             said = sock.recv(1) if _wait(sock, write=False, timeout_s=wait_s) else b"?"
         if said == READY:
             self._ready = True
+            self.startup_cpu_ns = _process_cpu_ns(self.process.pid) or 0
             sock.setblocking(False)
             with contextlib.suppress(OSError):  # a bigger buffer: fewer backlogs
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
@@ -370,13 +372,15 @@ class SideSteps:
                 self._failed(err)
             self.here.close()
 
-    def cpu_ns(self) -> int | None:
-        """CPU time the side process has used so far (Linux's /proc; its last reading
-        once it has ended), None where none ran or it cannot be read."""
+    def cpu_ns(self) -> tuple[int, int] | None:
+        """CPU time the side process has used so far, and of that its start-up's (until
+        it said it reads); ns, Linux's /proc (its last reading once it has ended), None
+        where none ran or it cannot be read."""
         ran = self._ran
         if ran is None:
             return None
-        return ran.read_cpu() or None
+        used = ran.read_cpu()
+        return (used, min(ran.startup_cpu_ns, used)) if used else None
 
     def _handed_over(self) -> SideLink | None:
         """The side process, if it has just said it reads: the file is closed here and

@@ -189,9 +189,16 @@ def _side_process_lines(cost: dict[str, Any]) -> list[str]:
         return []
     line = f"  its steps file written by: {written_by[:MAX_NOTE_CHARS]}"
     cpu = cost.get("side_process_cpu_us_per_step")
-    if isinstance(cpu, (int, float)) and not isinstance(cpu, bool) and math.isfinite(cpu):
+    if _finite(cpu):
         line += f"; the side process used {cpu:.1f} us of CPU a step, on another core"
+        startup = cost.get("side_process_startup_cpu_ms")
+        if _finite(startup):
+            line += f" ({startup:.0f} ms to start)"
     return [line]
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _one_off_lines(cost: dict[str, Any]) -> list[str]:
