@@ -53,6 +53,7 @@ from distanom.records.status import TracerReport, write_status
 from distanom.request_desk import RequestDesk
 from distanom.rounds import RoundBuilder, RoundSizer
 from distanom.run_join import Place, join_run, read_places
+from distanom.run_median import RunMedian
 from distanom.rundir import RunDir
 from distanom.side_link import SideSteps
 from distanom.world import AgentGroup, GroupUnavailableError, WorldInfo
@@ -104,6 +105,7 @@ class ControlLoop:
         self.boundaries = boundaries  # read only: the step in progress, the tracer
         self.inbox = inbox
         self.detector = Detector(config.detect, config.capture)
+        self.run_steps = RunMedian()  # the base of the own-cost figure (`own_cost`)
         self.run: RunDir | None = None
         self.group: AgentGroup | None = None
         self._warn_once = health.warn_once
@@ -279,6 +281,7 @@ class ControlLoop:
             if records:  # by columns: no tuple made per step (zip reuses its result)
                 steps, durations, flags, own, gc_ms, *_ = zip(*records, strict=True)
                 builder.add_many(zip(steps, durations, flags, own, strict=True))
+                self.run_steps.add_many(durations)
                 self.evidence.add_gc_many(zip(steps, gc_ms, strict=True))
             self.step_log.write(records)
             self.pacer.pause()
@@ -379,7 +382,8 @@ class ControlLoop:
     def own_cost(self) -> dict[str, object]:
         """What distanom itself costs this rank per step, measured live (`agent_cost`)."""
         cpu_ns = max(0, self._cpu_ns - self._cpu_setup_ns)
-        median = self.detector.median_ms
+        # the run's median, not the detector's window's: the figures are the run's means
+        median = self.run_steps.median_ms() or self.detector.median_ms
         return agent_cost(
             self.boundaries, cpu_ns, median, self.pacer, self.early_rounds, self.step_log
         )

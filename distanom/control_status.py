@@ -124,9 +124,10 @@ def agent_cost(
     boundaries on the training thread (steady ones per step, by part; start-up, the end
     and tracer switches apart: `own_time`), CPU time of the control thread (rounds,
     evidence, files; `control_cpu_ns` since its setup), and their sum as a percentage of
-    the median step. Capture work and the tracer's own cost are not in it (the duty
-    cycle measures those), nor the side process's CPU (another core's: given beside,
-    with where the steps file's rows are written, from `side`)."""
+    the step without them (`median_ms`: the run's median step, `run_median`). Capture
+    work and the tracer's own cost are not in it (the duty cycle measures those), nor
+    the side process's CPU (another core's: given beside, with where the steps file's
+    rows are written, from `side`)."""
     steps = boundaries.current_step
     if steps <= 0:
         return {"steps": 0}

@@ -106,7 +106,8 @@ def own_cost_body(
 ) -> dict[str, Any]:
     """The per-step and one-off figures of `agent_cost` (status.json): the boundary's
     steady mean and its parts, the phase marks and the control thread's CPU per step,
-    their sum as a percentage of the median step; start-up and the end once, in ms;
+    their sum as a percentage of the step without them (`median_ms`, the run's median
+    step, less their sum: what a whole-job A/B's ratio reads); start-up and the end once, in ms;
     tracer switches and traced boundaries apart. `boundary_ns`: every boundary's time;
     `phase_marks_sample`: the sampled marks' (CPU ns, wall ns); `phase_marks_wait`: the
     part of the marks' time their records took beyond their median (ns), and that
@@ -122,7 +123,10 @@ def own_cost_body(
     marks_share = _share(*phase_marks_sample)
     pct = None
     if median_ms is not None and math.isfinite(median_ms) and median_ms > 0:
-        pct = round((boundary_us + marks_us + control_us) / 1e3 / median_ms * 100, 4)
+        # of the step without it, as a whole-job A/B's ratio is (with it, over without)
+        own_ms = (boundary_us + marks_us + control_us) / 1e3
+        if median_ms > own_ms:
+            pct = round(own_ms / (median_ms - own_ms) * 100, 4)
     traced = meters.traced_boundaries
     return {
         "steps": steps,
@@ -138,6 +142,8 @@ def own_cost_body(
         "record_floor_us": None if record_floor_us is None else round(record_floor_us, 3),
         "control_us_per_step": round(control_us, 2),
         "pct_of_median_step": pct,
+        # its base: the run's median step so far (`run_median`), distanom's time in it
+        "median_step_ms": None if median_ms is None else round(median_ms, 4),
         # how much of the training thread's wall time in them it ran (module docstring)
         "boundary_cpu_share": None if boundary_share is None else round(boundary_share, 4),
         "phase_marks_cpu_share": None if marks_share is None else round(marks_share, 4),

@@ -163,7 +163,7 @@ def _agent_cost_lines(
     where = "each untraced step end" if steady else "each step end"
     line = (
         f"  distanom's own time (rank 0): {boundary:.1f} us at {where}{within} + "
-        f"{control:.1f} us of its threads' CPU per step = {pct:.2f}% of the median step"
+        f"{control:.1f} us of its threads' CPU per step = {pct:.2f}% added to the median step"
     )
     tracing = (tracer.get("duty_cycle") or {}).get("effective_overhead_pct")
     if isinstance(tracing, numbers):

@@ -62,7 +62,7 @@ def test_measured_overhead_and_budget_states_are_reported(tmp_path: Path) -> Non
     assert "tracer: cupti (auto)" in text
     assert (
         "distanom's own time (rank 0): 33.5 us at each step end + 25.2 us of its threads' CPU "
-        "per step = 0.92% of the median step; with tracing about 1.90% in all" in text
+        "per step = 0.92% added to the median step; with tracing about 1.90% in all" in text
     )
     assert (
         "measured overhead 12.9% of step time while tracing, 7.8% of steps traced: 0.98% "
@@ -101,7 +101,7 @@ def test_own_time_over_one_percent_on_short_event_timed_steps_names_the_cheaper_
         report = run_report(load_run(str(run.path)))
         assert report.steps.median_ms is not None and report.steps.median_ms < 10
         text = render_text(report)
-        assert f"= {pct:.2f}% of the median step" in text
+        assert f"= {pct:.2f}% added to the median step" in text
         assert ("clock.mode: adaptive drops the CUDA event" in text) is hinted, (pct, mode)
 
 
@@ -113,7 +113,7 @@ def test_no_clock_hint_where_steps_are_too_long_for_the_adaptive_clock(tmp_path:
     report = run_report(load_run(str(run.path)))
     assert report.steps.median_ms is not None and report.steps.median_ms >= 10
     text = render_text(report)
-    assert "= 1.50% of the median step" in text
+    assert "= 1.50% added to the median step" in text
     assert "clock.mode: adaptive" not in text
 
 
@@ -152,7 +152,7 @@ def test_start_up_is_said_once_in_ms_and_the_step_end_by_part(tmp_path: Path) ->
         assert "beyond their median" not in render_text(run_report(load_run(str(run.path))))
     assert (
         "distanom's own time (rank 0): 21.5 us at each untraced step end + 4.0 us of phase "
-        "marks + 30.0 us of its threads' CPU per step = 0.37% of the median step" in text
+        "marks + 30.0 us of its threads' CPU per step = 0.37% added to the median step" in text
     )
     assert (
         "a step end, by part: stamp 2.0, clock 9.5, phases 3.0, bookkeeping 2.0, tracer 3.0, "

@@ -138,7 +138,10 @@ def test_a_heavy_round_is_charged_to_the_steps_it_overlapped(
     assert agent.run is not None
     with open(agent.run.steps_csv(0)) as handle:
         charged = [float(row["self_ms"]) for row in csv.DictReader(handle)]
-    assert sum(1 for ms in charged if ms >= 25.0) >= 3
+    # the last round's charge may come after the last step, and two rounds may stall one
+    # step (it carries both): of three charged, at least two steps carry one (it was
+    # three, which failed about one run in four on the 2-core VM)
+    assert sum(1 for ms in charged if ms >= 25.0) >= 2, charged
 
 
 def test_a_heavy_evidence_read_is_charged_to_the_steps_it_overlapped(
@@ -177,13 +180,13 @@ def test_the_agent_measures_its_own_time_per_step(tmp_path: Path) -> None:
     assert 0 < boundary < 2000 and 0 < control < 2000  # a few to tens of us on a laptop
     pct = own["pct_of_median_step"]
     assert isinstance(pct, float)
-    assert pct == pytest.approx(
-        (boundary + own["phase_marks_us_per_step"] + control)
-        / 1e3
-        / agent.control.detector.median_ms
-        * 100,
-        rel=0.01,
-    )
+    # the base is the run's median step (every step's time, as the means are), less
+    # distanom's own time in it
+    median = agent.control.run_steps.median_ms()
+    assert median is not None and own["median_step_ms"] == pytest.approx(median, abs=1e-4)
+    assert median == pytest.approx(2.0, rel=0.5)  # 2 ms steps
+    own_ms = (boundary + own["phase_marks_us_per_step"] + control) / 1e3
+    assert pct == pytest.approx(own_ms / (median - own_ms) * 100, rel=0.01)
     assert agent.run is not None
     status = json.loads((agent.run.path / "status.json").read_text())
     assert status["agent_cost"]["steps"] == 120

@@ -1,0 +1,50 @@
+"""The median of every step time this rank has had since the run began, the base of the
+own-cost percentage (`own_time.own_cost_body`, status.json's `agent_cost`).
+
+The per-step figures it divides are averages over the whole run, so the step they are
+a share of is the whole run's too. The detector's median is its window's, the last few
+hundred steps: step times drift over a run (one job's median step rose from ~2.5 to
+~3.3 ms over three minutes, docs/measurements.md, session 26), so a run-long figure
+over the window's median under-stated the cost by up to a quarter. Kept as counts in
+bins 0.5% wide on a log scale: O(1) per step, a few thousand bins at most, the median
+within 0.25%. Fed a round's durations at a time by the control thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+BIN_RATIO = 1.005  # one bin's upper edge over its lower: the median within 0.25%
+_PER_LOG = 1.0 / math.log(BIN_RATIO)
+
+
+class RunMedian:
+    """Step times (ms) counted in log-spaced bins; `median_ms` reads the median back."""
+
+    def __init__(self) -> None:
+        self._counts: dict[int, int] = {}
+        self.steps = 0
+
+    def add_many(self, durations_ms: Iterable[float]) -> None:
+        """Count each finite, positive duration (others are steps nobody could time)."""
+        counts, log, per_log = self._counts, math.log, _PER_LOG
+        added = 0
+        for ms in durations_ms:
+            if 0.0 < ms < math.inf:  # NaN compares false
+                key = math.floor(log(ms) * per_log)
+                counts[key] = counts.get(key, 0) + 1
+                added += 1
+        self.steps += added
+
+    def median_ms(self) -> float | None:
+        """The median step time so far (a bin's geometric middle), None before any."""
+        if not self.steps:
+            return None
+        half = self.steps / 2
+        seen = 0
+        for key in sorted(self._counts):
+            seen += self._counts[key]
+            if seen >= half:
+                return float(BIN_RATIO ** (key + 0.5))
+        return None  # not reached: the counts sum to `steps`
