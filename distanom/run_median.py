@@ -3,9 +3,9 @@ own-cost percentage (`own_time.own_cost_body`, status.json's `agent_cost`).
 
 The per-step figures it divides are averages over the whole run, so the step they are
 a share of is the whole run's too. The detector's median is its window's, the last few
-hundred steps: step times drift over a run (one job's median step rose from ~2.5 to
-~3.3 ms over three minutes, docs/measurements.md, session 26), so a run-long figure
-over the window's median under-stated the cost by up to a quarter. Kept as counts in
+hundred steps, and step times drift over a run: in session 26's on/off jobs on the
+H200 (docs/measurements.md) the detector's median at the end read 2.9 and 5.5 ms where
+the run's steps took a median 2.7 and 4.3 ms, so the cost read 8-30% low. Kept as counts in
 bins 0.5% wide on a log scale: O(1) per step, a few thousand bins at most, the median
 within 0.25%. Fed a round's durations at a time by the control thread.
 """
