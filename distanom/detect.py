@@ -270,6 +270,9 @@ class Detector:
     # fallback baseline (rare), so not kept sorted
     _all_steps: collections.deque[float] = field(init=False)
     _main: tuple[bool, bool] = (True, False)  # the condition with the most steps
+    # steps each condition's window was given since the start: its window holds only the
+    # last window_steps of them, so the windows' lengths tie once the rarer one fills
+    _seen: dict[tuple[bool, bool], int] = field(init=False)
     _judged: list[AnomalyJudgment] = field(default_factory=list)
     _max_judged_kept: int = 4096
 
@@ -278,6 +281,7 @@ class Detector:
         self._windows = {
             condition: RollingWindow(self.detect.window_steps) for condition in CONDITIONS
         }
+        self._seen = dict.fromkeys(CONDITIONS, 0)
 
     @property
     def kept_anomalies(self) -> dict[int, float]:
@@ -327,8 +331,10 @@ class Detector:
         (windows only grow, so the main condition is kept up to date here)."""
 
         def rank(c: tuple[bool, bool]) -> tuple[int, bool, int]:
-            # most steps; then traced without a flush; then the first in CONDITIONS
-            return len(self._windows[c]), c == (True, False), -CONDITIONS.index(c)
+            # most steps since the start (not in the window: a budgeted run's traced
+            # window fills too, and then a tie made the traced steps' median the run's);
+            # then traced without a flush; then the first in CONDITIONS
+            return self._seen[c], c == (True, False), -CONDITIONS.index(c)
 
         return condition != self._main and rank(condition) > rank(self._main)
 
@@ -363,7 +369,7 @@ class Detector:
         warmup, min_steps, configured = detect.warmup_steps, detect.min_steps, detect.multiplier
         min_slowdown = detect.min_slowdown_ms
         every = self.capture.reference_every_steps
-        all_steps = self._all_steps
+        all_steps, seen = self._all_steps, self._seen
         isfinite = math.isfinite
         for sample in samples:
             finite = [t for t in sample.times_ms if isfinite(t)]  # sample.step_ms
@@ -409,6 +415,7 @@ class Detector:
                     decisions.extend(self._maybe_reference(sample, judged, median, threshold))
             if not disturbed:
                 window.append(step_ms)
+                seen[condition] += 1
                 if condition != main and self._grows_main(condition):
                     self._main = condition
             all_steps.append(step_ms)
