@@ -93,8 +93,8 @@ SELF_DISCOUNT_CAP = 4.0
 # Steps a rarer condition needs before it is judged (after-flush steps come every
 # kineto_window_steps-th step, untraced ones in probe windows): a median of 5 is stable
 # enough and does not leave them unjudged for hundreds of steps. The main condition (the
-# one most steps are measured under: traced, or untraced without a tracer) needs
-# min_steps and gives the headline median and threshold.
+# one most steps since the start were measured under: untraced in a budgeted run, traced
+# when nearly every step is) needs min_steps and gives the headline median and threshold.
 RARE_CONDITION_MIN_STEPS = 5
 
 # A wider (fallback) baseline flags a step only above this multiple of its median, or the
@@ -327,8 +327,8 @@ class Detector:
         return self._main
 
     def _grows_main(self, condition: tuple[bool, bool]) -> bool:
-        """Whether `condition`'s window, just grown, now outranks the main condition's
-        (windows only grow, so the main condition is kept up to date here)."""
+        """Whether `condition`, just given a step, now outranks the main condition (counts
+        only grow, and only the one just grown can overtake: kept up to date here)."""
 
         def rank(c: tuple[bool, bool]) -> tuple[int, bool, int]:
             # most steps since the start (not in the window: a budgeted run's traced

@@ -143,7 +143,9 @@ def own_cost_body(
         "control_us_per_step": round(control_us, 2),
         "pct_of_median_step": pct,
         # its base: the run's median step so far (`run_median`), distanom's time in it
-        "median_step_ms": None if median_ms is None else round(median_ms, 4),
+        "median_step_ms": (
+            round(median_ms, 4) if median_ms is not None and math.isfinite(median_ms) else None
+        ),
         # how much of the training thread's wall time in them it ran (module docstring)
         "boundary_cpu_share": None if boundary_share is None else round(boundary_share, 4),
         "phase_marks_cpu_share": None if marks_share is None else round(marks_share, 4),

@@ -16,6 +16,7 @@ import math
 from collections.abc import Iterable
 
 BIN_RATIO = 1.005  # one bin's upper edge over its lower: the median within 0.25%
+MAX_STEP_MS = 1e12  # 31 years: a longer duration is no step's (and would overflow a bin)
 _PER_LOG = 1.0 / math.log(BIN_RATIO)
 
 
@@ -31,7 +32,7 @@ class RunMedian:
         counts, log, per_log = self._counts, math.log, _PER_LOG
         added = 0
         for ms in durations_ms:
-            if 0.0 < ms < math.inf:  # NaN compares false
+            if 0.0 < ms < MAX_STEP_MS:  # NaN compares false; a longer step is damage
                 key = math.floor(log(ms) * per_log)
                 counts[key] = counts.get(key, 0) + 1
                 added += 1

@@ -116,7 +116,8 @@ class SideLink:
         self._ready = False  # it said it reads (`ready`)
         self.spawned_at = time.monotonic()
         self.cpu_ns = 0  # its CPU time as last read (`read_cpu`)
-        self.startup_cpu_ns = 0  # its CPU time when it said it reads: start-up, imports
+        # its CPU time when it said it reads (start-up, imports); None until it has
+        self.startup_cpu_ns: int | None = None
         self.down: str | None = None  # why it can take no more work
         _LINKS.add(self)
 
@@ -168,7 +169,7 @@ class SideLink:
             said = sock.recv(1) if _wait(sock, write=False, timeout_s=wait_s) else b"?"
         if said == READY:
             self._ready = True
-            self.startup_cpu_ns = _process_cpu_ns(self.process.pid) or 0
+            self.startup_cpu_ns = _process_cpu_ns(self.process.pid)
             sock.setblocking(False)
             with contextlib.suppress(OSError):  # a bigger buffer: fewer backlogs
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
@@ -374,10 +375,11 @@ class SideSteps:
 
     def cpu_ns(self) -> tuple[int, int] | None:
         """CPU time the side process has used so far, and of that its start-up's (until
-        it said it reads); ns, Linux's /proc (its last reading once it has ended), None
-        where none ran or it cannot be read."""
+        it said it reads); ns, Linux's /proc (its last reading once it has ended). None
+        where none ran, it never said it reads (all it did was start up) or /proc
+        cannot be read."""
         ran = self._ran
-        if ran is None:
+        if ran is None or ran.startup_cpu_ns is None:
             return None
         used = ran.read_cpu()
         return (used, min(ran.startup_cpu_ns, used)) if used else None

@@ -22,9 +22,9 @@ def test_the_probe_reads_start_up_rows_and_idle(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["steps_per_pass"] == 20 * 64
     assert result["ready_s"] > 0
-    for key in ("startup_cpu_ms", "rows_back_to_back_us_per_step", "rows_paced_us_per_step"):
-        assert result[key] >= 0, key
-    assert result["side_threads"] >= 1
+    # its interpreter and imports take tens of ms of CPU: /proc counts 10 ms ticks
+    assert result["startup_cpu_ms"] >= 10 and result["startup_cpu_ms_as_reported"] >= 10
+    assert result["side_threads"] == 1  # no BLAS thread pool: numpy is not imported
     modules = [name.strip() for name, _us in result["slowest_imports_us"]]
     assert "distanom.side_main" in modules
-    assert "numpy" not in modules and "torch" not in modules
+    assert not {"numpy", "torch", "pydantic"} & set(modules)

@@ -188,17 +188,25 @@ def _side_process_lines(cost: dict[str, Any]) -> list[str]:
     if not isinstance(written_by, str) or not written_by:
         return []
     line = f"  its steps file written by: {written_by[:MAX_NOTE_CHARS]}"
-    cpu = cost.get("side_process_cpu_us_per_step")
-    if _finite(cpu):
+    cpu = _plausible(cost.get("side_process_cpu_us_per_step"))
+    if cpu is not None:
         line += f"; the side process used {cpu:.1f} us of CPU a step, on another core"
-        startup = cost.get("side_process_startup_cpu_ms")
-        if _finite(startup):
+        startup = _plausible(cost.get("side_process_startup_cpu_ms"))
+        if startup is not None:
             line += f" ({startup:.0f} ms to start)"
     return [line]
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _plausible(value: Any, limit: float = 1e9) -> float | None:
+    """A status file's figure as a float in [0, limit), None for anything else (a
+    string, a bool, NaN, an integer too large for a float: the file may be hostile)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if 0.0 <= number < limit else None
 
 
 def _one_off_lines(cost: dict[str, Any]) -> list[str]:

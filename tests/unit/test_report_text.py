@@ -181,8 +181,11 @@ def test_the_report_says_where_the_steps_file_was_written(tmp_path: Path) -> Non
     )
     started = text_for(side | {"side_process_startup_cpu_ms": 60.0})
     assert "used 3.2 us of CPU a step, on another core (60 ms to start)\n" in started
-    odd = text_for(side | {"side_process_startup_cpu_ms": "60"})  # a hostile status
-    assert "on another core\n" in odd
+    for hostile in ("60", 10**400, 1e300, -5.0, True):  # a hostile status: not shown
+        odd = text_for(side | {"side_process_startup_cpu_ms": hostile})
+        assert "on another core\n" in odd, hostile
+    huge = text_for({"steps_written_by": "side process", "side_process_cpu_us_per_step": 10**400})
+    assert "its steps file written by: side process\n" in huge
     here = text_for({"steps_written_by": "control thread (side process: it ended)",
                      "side_process_cpu_us_per_step": None})  # fmt: skip
     assert "its steps file written by: control thread (side process: it ended)\n" in here

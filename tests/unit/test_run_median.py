@@ -15,7 +15,7 @@ from distanom.run_median import RunMedian
 def test_nothing_counted_has_no_median() -> None:
     assert RunMedian().median_ms() is None
     only_untimed = RunMedian()
-    only_untimed.add_many([math.nan, math.inf, 0.0, -1.0])
+    only_untimed.add_many([math.nan, math.inf, 0.0, -1.0, 1.7e308])  # the last: damage
     assert only_untimed.median_ms() is None and only_untimed.steps == 0
 
 
