@@ -27,6 +27,7 @@ import logging
 import os
 import runpy
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -68,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _VALUE_FLAGS = ("--config", "--run-dir", "--set")
+# a rank other than a node's first waits this long before it exits on bad input: its
+# exit would make torchrun stop the others, the first among them maybe before it said
+# what is wrong (the one line a node prints); torchrun stops the waiting ones once the
+# first has exited
+QUIET_RANK_EXIT_DELAY_S = 5.0
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -164,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DistanomError as err:
         if world.local_rank == 0:  # one line per node, not one per rank
             print(f"distanom: {err}", file=sys.stderr)
+        elif world.world_size > 1:
+            time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return err.exit_code
     configure_logging(config, world)
     _enable_flight_recorder()
